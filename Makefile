@@ -1,0 +1,28 @@
+# One entry point for people and CI. Every target installs what it needs first.
+# torch is installed first and pinned: a looser requirement can pull a multi-GB CUDA build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: install test test-fast demo docs bench
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[local,test,docs]"
+	touch $@
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: install
+	$(PY) -m pytest -q -m "not real_model"
+
+demo: install
+	$(VENV)/bin/gymserve demo
+
+docs: install
+	$(VENV)/bin/mkdocs build --strict

@@ -1,0 +1,98 @@
+"""The backend interface: one class per kind of upstream, one shape.
+
+``chat`` answers a Chat Completions request; ``responses`` answers a Responses request, by default
+by converting to chat and back (Responses-native clouds override it). Streaming variants yield
+already-shaped chunks/events. Replica pools, session affinity, retries and concurrency limits live
+in the backends, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest
+
+
+@dataclass
+class RequestContext:
+    """Per-request facts that are not part of the OpenAI body.
+
+    ``session_id``: from the ``X-Session-ID`` header or the session cookie; routes a rollout's turns
+    to one replica. ``request_id``: for logs and capture.
+    """
+
+    session_id: str | None = None
+    request_id: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend:
+    """Base class. Subclasses implement ``chat`` (and ``chat_stream``); the Responses methods default
+    to convert → chat → convert back via ``gymserve.convert``."""
+
+    name: str = "backend"
+
+    async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
+        raise NotImplementedError
+
+    def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """Yield ``ChatCompletionChunk``-shaped dicts."""
+        raise NotImplementedError
+
+    async def responses(self, request: ResponsesRequest, ctx: RequestContext) -> ResponseDict:
+        from gymserve.convert import chat_to_response, responses_to_chat
+
+        chat_request = responses_to_chat(request, self.convert_options())
+        completion = await self.chat(chat_request, ctx)
+        return chat_to_response(completion, request)
+
+    async def responses_stream(self, request: ResponsesRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """Responses streaming events built from the chat stream (``convert.stream.ResponseStreamBuilder``).
+
+        The first chat chunk is awaited before ``response.created`` is yielded, so a request the
+        backend rejects fails as a plain 4xx rather than as an event inside a 200 stream.
+        """
+        from gymserve.convert import responses_to_chat
+        from gymserve.convert.stream import ResponseStreamBuilder
+        from gymserve.errors import GymserveError
+
+        chat_request = responses_to_chat(request, self.convert_options())
+        chat_request["stream"] = True
+        chat_request["stream_options"] = {"include_usage": True}
+        chunks = aiter(self.chat_stream(chat_request, ctx))
+        first = await anext(chunks, None)
+        builder = ResponseStreamBuilder(request)
+        for event in builder.start():
+            yield event
+        try:
+            if first is not None:
+                for event in builder.feed(first):
+                    yield event
+            async for chunk in chunks:
+                for event in builder.feed(chunk):
+                    yield event
+        except GymserveError as exc:
+            for event in builder.fail(exc.message):
+                yield event
+            return
+        for event in builder.finish():
+            yield event
+
+    def convert_options(self):
+        """How this backend wants Responses requests rendered as chat (``gymserve.convert.ConvertOptions``)."""
+        from gymserve.convert import ConvertOptions
+
+        return ConvertOptions()
+
+    async def models(self) -> list[str]:
+        """Model names this backend serves (for ``GET /v1/models``)."""
+        raise NotImplementedError
+
+    async def health(self) -> dict[str, Any]:
+        """``{"status": "ok" | "degraded" | "down", ...details}``."""
+        return {"status": "ok"}
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,164 @@
+"""Turning a Chat Completions request into one engine call for the token-exact local backend.
+
+The rules, and why:
+
+- Sampling params are pinned by the server config (on-policy RL needs the distribution the trainer
+  assumes): a request that sends a different ``temperature``/``top_p``/``top_k``/``seed`` gets a 400
+  naming the field, unless the config says ``on_mismatch: override`` (the config value silently wins).
+- ``max_tokens``/``max_completion_tokens`` are clamped to what is left of the context window; a prompt
+  that already fills it is a ``ContextLengthExceededError`` (400, "context length", both numbers).
+- What the engine cannot honour is refused explicitly rather than silently weakened: ``n > 1``,
+  stop strings, structured output (``response_format`` json_schema/json_object), ``tool_choice``
+  ``required`` or a named function (no guided decoding here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gymserve.engine.base import Engine, SamplingParams
+from gymserve.errors import ContextLengthExceededError, InvalidRequestError
+from gymserve.protocol import ChatRequest
+
+_PINNED = ("temperature", "top_p", "top_k", "seed")
+_NEUTRAL = {"temperature": None, "top_p": 1.0, "top_k": None, "seed": None}
+
+
+@dataclass
+class LocalCall:
+    """One prepared engine call: the prompt (``engine.prompt.PromptResult``), sampling, parse options."""
+
+    prompt: Any
+    sampling: SamplingParams
+    tools: list[dict[str, Any]] | None
+    parse_tools: bool
+    logprobs: bool
+    tokens_as_ids: bool
+    include_usage: bool = False
+
+
+def _number(request: ChatRequest, key: str) -> float | int | None:
+    value = request.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{key} must be a number, got {type(value).__name__}", param=key)
+    return value
+
+
+def pinned_sampling(request: ChatRequest, cfg) -> dict[str, Any]:
+    """The effective temperature/top_p/top_k/seed: the config's, checked against the request's.
+
+    A value the request sends that differs from the config is a 400 naming the field
+    (``on_mismatch: reject``, the default) or ignored (``override``). ``top_k`` of -1 or 0 and
+    ``top_p`` of 1 mean "off" as in vLLM, so sending them is never a mismatch when the config is off.
+    """
+    eff = {k: getattr(cfg, k) for k in _PINNED}
+    for key in _PINNED:
+        sent = _number(request, key)
+        if sent is None:
+            continue
+        want = eff[key]
+        if key == "top_k" and (want in (None, 0, -1)) and sent in (0, -1):
+            continue
+        if want is None and key != "seed" and sent == _NEUTRAL[key]:
+            continue
+        if want is not None and float(sent) == float(want):
+            continue
+        if cfg.on_mismatch == "override":
+            continue
+        raise InvalidRequestError(
+            f"{key}={sent} differs from the server's pinned {key}={want}: sampling params are fixed by the "
+            f"server config so rollouts stay on-policy. Omit {key}, send {want}, or set "
+            "sampling.on_mismatch: override in the server config.",
+            param=key, code="sampling_param_pinned",
+        )
+    return eff
+
+
+def _check_supported(request: ChatRequest) -> None:
+    if request.get("n") not in (None, 1):
+        raise InvalidRequestError("n > 1 is not supported by the local backend; send several requests", param="n")
+    stop = request.get("stop")
+    if stop:
+        raise InvalidRequestError(
+            "stop strings are not supported by the token-exact local backend (a string can end inside a "
+            "token); configure sampling.stop_token_ids instead", param="stop")
+    fmt = request.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        raise InvalidRequestError(
+            f"response_format type {fmt.get('type')!r} (structured output) is not supported by the local "
+            "transformers engine; use a chat backend such as vLLM with guided decoding",
+            param="response_format")
+    choice = request.get("tool_choice")
+    if isinstance(choice, dict) or choice == "required":
+        raise InvalidRequestError(
+            "tool_choice 'required' or a named function cannot be enforced by the local engine (no guided "
+            "decoding); use 'auto' or 'none'", param="tool_choice")
+    if choice not in (None, "auto", "none") and not isinstance(choice, dict):
+        raise InvalidRequestError(f"tool_choice must be 'auto', 'none', 'required' or an object, got {choice!r}",
+                                  param="tool_choice")
+
+
+def _tools(request: ChatRequest) -> list[dict[str, Any]] | None:
+    tools = request.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools must be a list", param="tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            raise InvalidRequestError(
+                'each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}',
+                param=f"tools[{i}]")
+    return tools or None
+
+
+def _max_tokens(request: ChatRequest, prompt_len: int, context_window: int) -> int:
+    room = context_window - prompt_len
+    if room <= 0:
+        raise ContextLengthExceededError(prompt_len, context_window)
+    asked = None
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = request.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"{key} must be a positive integer", param=key)
+            asked = value
+            break
+    return room if asked is None else min(asked, room)
+
+
+def prepare_call(request: ChatRequest, *, template, engine: Engine, sampling_config,
+                 stop_token_ids: tuple[int, ...]) -> LocalCall:
+    """Validate ``request`` and build the engine call; raises ``InvalidRequestError`` (400) on bad input."""
+    from gymserve.engine.prompt import build_prompt
+
+    if not isinstance(request.get("messages"), list) or not request["messages"]:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    _check_supported(request)
+    tools = _tools(request)
+    kwargs = request.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    prompt = build_prompt(template, request["messages"], tools=tools, chat_template_kwargs=kwargs,
+                          eos_token_ids=engine.eos_token_ids, vocab_size=engine.vocab_size)
+    eff = pinned_sampling(request, sampling_config)
+    top_n = request.get("top_logprobs") or 0
+    if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= 20:
+        raise InvalidRequestError("top_logprobs must be an integer from 0 to 20", param="top_logprobs")
+    logprobs = bool(request.get("logprobs"))
+    sampling = SamplingParams(
+        max_tokens=_max_tokens(request, len(prompt.token_ids), engine.context_window),
+        temperature=float(eff["temperature"]) if eff["temperature"] is not None else 1.0,
+        top_p=float(eff["top_p"]) if eff["top_p"] is not None else 1.0,
+        top_k=eff["top_k"], seed=eff["seed"], stop_token_ids=stop_token_ids,
+        top_logprobs=top_n if logprobs else 0,
+    )
+    return LocalCall(prompt=prompt, sampling=sampling, tools=tools,
+                     parse_tools=bool(tools) and request.get("tool_choice") != "none",
+                     logprobs=logprobs, tokens_as_ids=bool(request.get("return_tokens_as_token_ids")),
+                     include_usage=bool((request.get("stream_options") or {}).get("include_usage")))

@@ -1,0 +1,114 @@
+"""Streaming for the local backend: engine token deltas → incremental detokenization → the
+streaming parsers → ``ChatCompletionChunk`` dicts.
+
+The parsers emit a delta only once later text cannot change it, so the concatenated stream equals
+the non-streamed answer for the same tokens; the training fields ride on the final chunk's delta.
+Leaving the stream early (client disconnect) closes the engine stream, which cancels generation.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gymserve.backends.local_request import LocalCall
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, emitted only where it is final.
+
+    Decoding the whole sequence each step is simple and exact (a token can change how the previous
+    bytes decode); text ending in U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        if not final and text.endswith("\ufffd"):
+            return ""
+        new, self.emitted = text[self.emitted:], len(text)
+        return new
+
+
+def _chunk(cid: str, created: int, model: str, delta: dict[str, Any], finish: str | None = None,
+           **extra: Any) -> dict[str, Any]:
+    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+
+
+async def stream_chat(backend, call: LocalCall) -> AsyncIterator[dict[str, Any]]:
+    """Yield chat chunks for one prepared local call (see module docstring)."""
+    from gymserve.parsers.streaming import StreamingParser
+
+    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), backend.engine.model_name
+    parser = StreamingParser(backend.tool_parser if call.parse_tools else None, backend.reasoning_parser,
+                             call.prompt.text_tail, call.tools)
+    detok = IncrementalDetokenizer(backend.tokenizer)
+    ids: list[int] = []
+    lps: list[float] = []
+    tops: list = []
+    call_ids: list[str] = []
+    field = backend.config.reasoning_field
+    yield _chunk(cid, created, model, {"role": "assistant", "content": ""})
+
+    def to_chunks(deltas) -> list[dict[str, Any]]:
+        out = []
+        for d in deltas:
+            if d.kind == "reasoning":
+                out.append(_chunk(cid, created, model, {field: d.text}))
+            elif d.kind == "content":
+                out.append(_chunk(cid, created, model, {"content": d.text}))
+            elif d.kind == "tool_call_start":
+                call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                out.append(_chunk(cid, created, model, {"tool_calls": [{
+                    "index": d.index, "id": call_ids[d.index], "type": "function",
+                    "function": {"name": d.name, "arguments": ""}}]}))
+            else:
+                out.append(_chunk(cid, created, model, {"tool_calls": [{
+                    "index": d.index, "function": {"arguments": d.text}}]}))
+        return out
+
+    finish = "length"
+    stream = backend.engine.stream(call.prompt.token_ids, call.sampling)
+    try:
+        async for step in stream:
+            ids += step.token_ids
+            lps += step.log_probs
+            tops += step.top_logprobs
+            if step.finish_reason:
+                finish = step.finish_reason
+                break
+            for c in to_chunks(parser.feed(detok.push(step.token_ids))):
+                yield c
+    finally:
+        await stream.aclose()
+    from gymserve.engine.base import Generation
+
+    gen = Generation(ids, lps, finish, tops)
+    kept, kept_lps, kept_tops = backend._trim(gen)
+    tail_ids = kept[len(detok.ids):]
+    deltas = parser.feed(detok.push(tail_ids, final=True)) + parser.finish(finish)
+    for c in to_chunks(deltas):
+        yield c
+    if finish == "length" or parser.reasoning_incomplete:
+        reason = "length"
+    else:
+        reason = "tool_calls" if call_ids else "stop"
+    last = {"prompt_token_ids": call.prompt.token_ids, "generation_token_ids": kept,
+            "generation_log_probs": kept_lps}
+    final = _chunk(cid, created, model, last, reason)
+    if call.logprobs:
+        final["choices"][0]["logprobs"] = backend._logprobs(call, kept, kept_lps, kept_tops)
+    yield final
+    if call.include_usage:
+        n_prompt = len(call.prompt.token_ids)
+        yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+               "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(ids),
+                         "total_tokens": n_prompt + len(ids)}}

@@ -1,0 +1,192 @@
+"""Parser interfaces and registries: tool-call parsers and reasoning parsers, chosen by name.
+
+One registry serves two users: the local engine (parsing what it generated) and the chat backend
+(parsing raw text from chat servers that run no parser). Names follow ``vllm serve``'s
+``--tool-call-parser`` / ``--reasoning-parser`` spellings where one exists.
+
+Both kinds of parser are pure functions of their inputs and never raise on model output: text that
+does not match the format stays text. Both also answer a *partial* question (how much of a prefix
+is already decided), which is what lets :mod:`gymserve.parsers.streaming` stream without ever
+emitting something the whole-text parse would not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar, Union
+
+
+@dataclass
+class ParsedToolCall:
+    """One function call found in generated text.
+
+    ``arguments`` is always a JSON string, ``json.dumps(obj, ensure_ascii=False)`` of the parsed
+    arguments object (so it is canonical, not the model's raw spelling).
+    """
+
+    name: str
+    arguments: str
+
+
+@dataclass
+class ParsedOutput:
+    """Generated text split into its parts.
+
+    ``reasoning``: text of the reasoning span (tags and adjacent whitespace stripped), or None when
+    there is none or it is empty.
+    ``content``: the visible answer with leading/trailing whitespace stripped, or None when there is
+    none (e.g. only tool calls).
+    ``tool_calls``: calls to execute, in order; never ones drafted inside reasoning.
+    ``reasoning_incomplete``: generation stopped (``finish_reason == "length"``) inside the
+    reasoning span.
+    """
+
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[ParsedToolCall]
+    reasoning_incomplete: bool = False
+
+
+ScanItem = Union[str, ParsedToolCall]
+"""One piece of scanned text: a ``str`` is content (verbatim, joined then stripped), or a call."""
+
+
+def join_content(items: Iterable[ScanItem]) -> str | None:
+    """Content of scanned items: the text pieces joined, stripped; None when blank."""
+    text = "".join(item for item in items if isinstance(item, str)).strip()
+    return text or None
+
+
+class ToolCallParser:
+    """Finds tool calls in the text that follows the reasoning span.
+
+    ``parse(text, tools)`` returns ``(content, calls)``: ``content`` is the text left once the calls
+    are removed, stripped (None when nothing but calls and whitespace), ``tools`` the request's tool
+    list, chat form (``[{"type": "function", "function": {"name", ...}}]``) or Responses form
+    (``[{"type": "function", "name", ...}]``), or None. A malformed call stays in ``content`` as text;
+    parsing never raises on model output.
+
+    Subclasses implement :meth:`scan`; :meth:`parse` is built on it.
+    """
+
+    name: ClassVar[str]
+
+    def parse(self, text: str, tools: list[dict[str, Any]] | None) -> tuple[str | None, list[ParsedToolCall]]:
+        items, _ = self.scan(text, tools, start=0, final=True)
+        return join_content(items), [item for item in items if isinstance(item, ParsedToolCall)]
+
+    def scan(
+        self, text: str, tools: list[dict[str, Any]] | None, *, start: int, final: bool
+    ) -> tuple[list[ScanItem], int]:
+        """Decide ``text[start:]`` as far as possible: returns ``(items, end)``.
+
+        ``items`` (content strings and calls, in order) cover exactly ``text[start:end]``, and no text
+        appended after ``text`` can change them. ``start`` is an ``end`` an earlier call returned
+        for a prefix of this text (0 at first). With ``final=True`` the text is complete and ``end``
+        is ``len(text)``. Calling it repeatedly on a growing text and concatenating the items gives
+        the same content and calls as one final call from 0.
+
+        The default decides nothing until the text is final (right for formats that are a property
+        of the whole message), and then delegates to :meth:`parse_final`.
+        """
+        if not final:
+            return [], start
+        return self.parse_final(text[start:], tools), len(text)
+
+    def parse_final(self, text: str, tools: list[dict[str, Any]] | None) -> list[ScanItem]:
+        """Items of a complete text (only needed when :meth:`scan` is not overridden)."""
+        raise NotImplementedError
+
+
+class ReasoningParser:
+    """Splits generated text into reasoning and the rest.
+
+    ``split(text, prompt_tail, finish_reason)`` returns ``(reasoning, rest, incomplete)``.
+    ``prompt_tail`` is the end of the real rendered prompt text (a template that pre-fills
+    ``<think>`` makes the model emit only ``</think>``); ``finish_reason`` decides the case of an
+    unclosed span: ``"length"`` → it is reasoning and ``incomplete`` is True; ``"stop"`` → the model
+    skipped thinking, so the text is content. ``rest`` is always a suffix of ``text``.
+    """
+
+    name: ClassVar[str]
+
+    def split(self, text: str, prompt_tail: str, finish_reason: str) -> tuple[str | None, str, bool]:
+        raise NotImplementedError
+
+    def split_partial(self, text: str, prompt_tail: str) -> tuple[str | None, str] | None:
+        """``(reasoning, rest)`` once the span's end is decided by ``text`` alone, else None.
+
+        When it returns a pair, ``split(text + anything, ...)`` gives the same reasoning and a rest
+        that starts with this ``rest`` (up to leading whitespace). The default never decides early,
+        so streaming holds all text until the end.
+        """
+        return None
+
+
+P = TypeVar("P", bound=type)
+
+_TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {}
+_REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
+
+
+def register(name: str) -> Callable[[P], P]:
+    """Class decorator: register a :class:`ToolCallParser` or :class:`ReasoningParser` under ``name``.
+
+    Sets the class's ``name``. Registering a second class under a taken name raises ValueError.
+    """
+
+    def decorate(cls: P) -> P:
+        if issubclass(cls, ToolCallParser):
+            table: dict[str, Any] = _TOOL_CALL_PARSERS
+        elif issubclass(cls, ReasoningParser):
+            table = _REASONING_PARSERS
+        else:
+            raise TypeError(f"{cls.__name__} is neither a ToolCallParser nor a ReasoningParser")
+        if name in table and table[name] is not cls:
+            raise ValueError(f"parser name {name!r} is already registered to {table[name].__name__}")
+        cls.name = name  # type: ignore[attr-defined]
+        table[name] = cls
+        return cls
+
+    return decorate
+
+
+def _builtins() -> None:
+    # The built-in parsers register themselves on import; importing here keeps the registry full
+    # even for a caller that imported only this module.
+    from gymserve.parsers import reasoning, tool_calls  # noqa: F401
+
+
+def tool_call_parser_names() -> list[str]:
+    """Registered tool-call parser names, sorted."""
+    _builtins()
+    return sorted(_TOOL_CALL_PARSERS)
+
+
+def reasoning_parser_names() -> list[str]:
+    """Registered reasoning parser names, sorted."""
+    _builtins()
+    return sorted(_REASONING_PARSERS)
+
+
+def get_tool_call_parser(name: str) -> ToolCallParser:
+    """A new instance of the tool-call parser registered as ``name``; ValueError lists the choices."""
+    _builtins()
+    try:
+        return _TOOL_CALL_PARSERS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown tool-call parser {name!r}; choose one of: {', '.join(sorted(_TOOL_CALL_PARSERS))}"
+        ) from None
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    """A new instance of the reasoning parser registered as ``name``; ValueError lists the choices."""
+    _builtins()
+    try:
+        return _REASONING_PARSERS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown reasoning parser {name!r}; choose one of: {', '.join(sorted(_REASONING_PARSERS))}"
+        ) from None

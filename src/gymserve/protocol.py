@@ -1,0 +1,74 @@
+"""Wire shapes shared by every layer.
+
+Requests and responses travel as plain JSON dicts shaped like the openai SDK's own types
+(``openai.types.chat.CompletionCreateParams``, ``openai.types.chat.ChatCompletion``,
+``openai.types.responses.ResponseCreateParams``, ``openai.types.responses.Response``); the SDK's
+pydantic models validate them in tests. Dicts keep the request path cheap: gymserve sits on the hot
+path of every rollout and re-validating 100 KB histories per call would dominate its cost.
+
+gymserve adds only the training fields, the names NeMo RL's generation servers use:
+
+- ``prompt_token_ids``: ``list[int]``, the exact prompt the policy saw;
+- ``generation_token_ids``: ``list[int]``, the tokens it sampled (trailing EOS/stop trimmed);
+- ``generation_log_probs``: ``list[float]``, one log-probability (natural log) per generated token.
+
+They ride on the chat assistant message (``choices[0].message``) and on the last Responses output
+item of a model call, and come back on input items/messages of the next turn for the prefix splice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+TRAINING_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+ChatRequest = dict[str, Any]
+"""A Chat Completions create request (``openai.types.chat.CompletionCreateParams`` shape) plus
+engine extras such as ``chat_template_kwargs``."""
+ChatCompletionDict = dict[str, Any]
+"""A ``ChatCompletion`` as JSON (``openai.types.chat.ChatCompletion`` shape) plus training fields."""
+ResponsesRequest = dict[str, Any]
+"""A Responses create request (``openai.types.responses.ResponseCreateParams`` shape)."""
+ResponseDict = dict[str, Any]
+"""A ``Response`` as JSON (``openai.types.responses.Response`` shape) plus training fields on items."""
+
+
+class TokenInfo(TypedDict):
+    """The three training fields of one model call; lists of equal length for the generation."""
+
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+
+
+def get_token_info(obj: dict[str, Any]) -> TokenInfo | None:
+    """The training fields of a message or item: all three, or None when none is present.
+
+    Raises ``InvalidRequestError`` when only some are present, when they are not lists of the right
+    element type, or when the generation IDs and log-probs differ in length: partial or inconsistent
+    token metadata must never be trusted (it would silently corrupt training data).
+    """
+    from gymserve.errors import InvalidRequestError
+
+    present = [f for f in TRAINING_FIELDS if obj.get(f) is not None]
+    if not present:
+        return None
+    if len(present) != len(TRAINING_FIELDS):
+        missing = [f for f in TRAINING_FIELDS if f not in present]
+        raise InvalidRequestError(
+            f"token fields must come together: got {', '.join(present)} without {', '.join(missing)}",
+            param=missing[0],
+        )
+    p, g, lp = (obj[f] for f in TRAINING_FIELDS)
+    for name, value in (("prompt_token_ids", p), ("generation_token_ids", g)):
+        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            raise InvalidRequestError(f"{name} must be a list of non-negative integers", param=name)
+    if not isinstance(lp, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lp):
+        raise InvalidRequestError("generation_log_probs must be a list of numbers", param="generation_log_probs")
+    if len(lp) != len(g):
+        raise InvalidRequestError(
+            f"generation_log_probs has {len(lp)} entries but generation_token_ids has {len(g)}; "
+            "they must be equal (one log-prob per generated token)",
+            param="generation_log_probs",
+        )
+    return TokenInfo(prompt_token_ids=p, generation_token_ids=g, generation_log_probs=[float(x) for x in lp])

@@ -1,0 +1,56 @@
+"""Request schemas for the OpenAPI document, generated from the openai SDK's own request types.
+
+``CompletionCreateParams`` and ``ResponseCreateParams`` are the SDK's TypedDicts; pydantic turns
+them into JSON Schema. Their ``$defs`` are moved under ``components/schemas`` (OpenAPI resolves
+``$ref`` against the whole document), prefixed to avoid clashes between the two.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+
+@lru_cache(maxsize=1)
+def _schemas() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    from openai.types.chat import CompletionCreateParams
+    from openai.types.responses import ResponseCreateParams
+    from pydantic import TypeAdapter
+
+    components: dict[str, Any] = {}
+    out = []
+    for prefix, typed in (("Chat", CompletionCreateParams), ("Responses", ResponseCreateParams)):
+        schema = TypeAdapter(typed).json_schema(ref_template=f"#/components/schemas/{prefix}{{model}}")
+        for name, sub in schema.pop("$defs", {}).items():
+            components[prefix + name] = sub
+        out.append(schema)
+    # Strings rather than objects keep the rewrite simple and make accidental sharing impossible.
+    return json.loads(json.dumps(out[0])), json.loads(json.dumps(out[1])), components
+
+
+def chat_request_schema() -> dict[str, Any]:
+    return _schemas()[0]
+
+
+def responses_request_schema() -> dict[str, Any]:
+    return _schemas()[1]
+
+
+def install_openapi(app) -> None:
+    """Publish the SDK request schemas in ``app``'s OpenAPI document (built once, on first request)."""
+    original = app.openapi
+
+    def openapi():
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = original()
+        chat, responses, components = _schemas()
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        for path, schema in (("/v1/chat/completions", chat), ("/v1/responses", responses)):
+            op = doc["paths"][path]["post"]
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi
