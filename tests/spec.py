@@ -1,0 +1,107 @@
+"""Validate Responses objects and streaming events against the openai SDK types and the Open
+Responses OpenAPI spec (``shared/spec/openresponses-openapi.json``).
+
+The ``shared/`` folder lies beside the repository checkout (CI puts it beside the clone);
+``GYMSERVE_SHARED_DIR`` overrides where it is.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from openai.types.chat import ChatCompletion
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+
+def shared_dir() -> Path:
+    override = os.environ.get("GYMSERVE_SHARED_DIR")
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "shared"
+
+
+def load_cases(*categories: str) -> dict[str, dict[str, Any]]:
+    """Public cases by id, from ``shared/cases/public.jsonl``, limited to ``categories``."""
+    cases = {}
+    with open(shared_dir() / "cases" / "public.jsonl") as f:
+        for line in f:
+            if line.strip():
+                case = json.loads(line)
+                if not categories or case.get("category") in categories:
+                    cases[case["id"]] = case
+    return cases
+
+
+@functools.cache
+def _components() -> dict[str, Any]:
+    spec = json.loads((shared_dir() / "spec" / "openresponses-openapi.json").read_text())
+    components = copy.deepcopy(spec["components"])
+    # Spec bug (2026-04-24 copy): JsonSchemaResponseFormat.schema is typed {"type": "null"}, which
+    # would reject every real schema the API echoes back; a JSON schema is an object.
+    components["schemas"]["JsonSchemaResponseFormat"]["properties"]["schema"] = {"type": "object"}
+    return components
+
+
+@functools.cache
+def _validator(schema_name: str) -> jsonschema.protocols.Validator:
+    schema = {"$ref": f"#/components/schemas/{schema_name}", "components": _components()}
+    return jsonschema.Draft202012Validator(schema)
+
+
+def spec_errors(obj: dict[str, Any], schema_name: str) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in _validator(schema_name).iter_errors(obj)]
+
+
+def assert_valid_response(response: dict[str, Any]) -> None:
+    """Valid as ``openai.types.responses.Response`` and as the spec's ``ResponseResource``."""
+    Response.model_validate(response)
+    errors = spec_errors(response, "ResponseResource")
+    assert not errors, errors
+
+
+def assert_valid_chat_completion(completion: dict[str, Any]) -> None:
+    ChatCompletion.model_validate(completion)
+
+
+_EVENT_SCHEMAS = {
+    "response.created": "ResponseCreatedStreamingEvent",
+    "response.in_progress": "ResponseInProgressStreamingEvent",
+    "response.completed": "ResponseCompletedStreamingEvent",
+    "response.failed": "ResponseFailedStreamingEvent",
+    "response.incomplete": "ResponseIncompleteStreamingEvent",
+    "response.output_item.added": "ResponseOutputItemAddedStreamingEvent",
+    "response.output_item.done": "ResponseOutputItemDoneStreamingEvent",
+    "response.content_part.added": "ResponseContentPartAddedStreamingEvent",
+    "response.content_part.done": "ResponseContentPartDoneStreamingEvent",
+    "response.output_text.delta": "ResponseOutputTextDeltaStreamingEvent",
+    "response.output_text.done": "ResponseOutputTextDoneStreamingEvent",
+    "response.reasoning.delta": "ResponseReasoningDeltaStreamingEvent",
+    "response.reasoning.done": "ResponseReasoningDoneStreamingEvent",
+    "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaStreamingEvent",
+    "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneStreamingEvent",
+}
+
+_sdk_event = TypeAdapter(ResponseStreamEvent)
+
+
+def assert_valid_event(event: dict[str, Any]) -> None:
+    """Valid as an SDK ``ResponseStreamEvent`` (where the SDK knows the type) and against the spec.
+
+    The OpenAI API / SDK name reasoning deltas ``response.reasoning_text.*``; the Open Responses
+    spec names the same-shaped events ``response.reasoning.*``: each is checked against the other's
+    schema under its own name.
+    """
+    kind = event["type"]
+    if not kind.startswith("response.reasoning."):
+        _sdk_event.validate_python(event)
+    spec_kind = kind.replace("response.reasoning_text.", "response.reasoning.")
+    assert spec_kind in _EVENT_SCHEMAS, f"no spec schema for event {kind}"
+    errors = spec_errors({**event, "type": spec_kind}, _EVENT_SCHEMAS[spec_kind])
+    assert not errors, (kind, errors)
+    if "response" in event:
+        assert_valid_response(event["response"])
