@@ -32,7 +32,8 @@ def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    out = tmp_path_factory.mktemp("tiny-qwen2")
+    # Named like the embedded model so `auto` picks the same tool-call parser for both.
+    out = tmp_path_factory.mktemp("Qwen2.5-Coder-tiny")
     real = json.loads((embedded_dir / "config.json").read_text())
     cfg = Qwen2Config(
         vocab_size=real["vocab_size"],

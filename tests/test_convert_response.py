@@ -41,10 +41,12 @@ def test_reasoning_text_and_calls_in_order_with_tokens_on_last_item():
     assert response["id"].startswith("resp_") and response["object"] == "response"
 
 
-def test_tokens_go_on_the_response_when_output_is_empty():
+def test_tokens_get_an_empty_message_item_when_output_is_empty():
+    """A call with no visible output is still a turn: an empty message item carries its tokens."""
     response = convert({"content": "", **TOKENS}, finish_reason="length")
-    assert response["output"] == []
-    assert all(response[f] == v for f, v in TOKENS.items())
+    [item] = response["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] == "" and item["status"] == "incomplete"
+    assert all(item[f] == v for f, v in TOKENS.items())
 
 
 def test_every_think_block_becomes_reasoning():

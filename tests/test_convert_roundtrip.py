@@ -64,7 +64,10 @@ def test_round_trip_reasoning_field_name():
 def test_round_trip_of_a_truncated_turn_keeps_tokens():
     message = {"role": "assistant", "content": None, **TOKENS}
     response = chat_to_response(completion_of(message, "length"), {"model": "m", "input": "q"})
-    assert response["output"] == [] and response["generation_token_ids"] == [7, 8]
+    back = responses_to_chat({"model": "m", "input": [{"role": "user", "content": "q"}, *response["output"]]},
+                             ConvertOptions())
+    assistant = back["messages"][-1]
+    assert assistant["role"] == "assistant" and assistant["generation_token_ids"] == [7, 8]
 
 
 # -- property-based ----------------------------------------------------------------------------

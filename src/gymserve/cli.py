@@ -18,13 +18,22 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Command-line flags as a nested override dict for ``load_config``."""
     backend: dict[str, Any] = {}
     server: dict[str, Any] = {}
-    if args.backend:
-        backend["type"] = args.backend
+    kind = args.backend or ("chat" if args.base_url else None)
+    if kind:
+        backend["type"] = kind
     if args.model:
         backend["model"] = args.model
     if args.base_url:
-        backend["base_urls" if (args.backend or "chat") == "chat" else "base_url"] = (
-            args.base_url if (args.backend or "chat") == "chat" else args.base_url[0])
+        if kind == "chat":
+            backend["base_urls"] = args.base_url
+        elif kind == "azure":
+            backend["endpoint"] = args.base_url[0]
+        elif kind in ("openai",):
+            backend["base_url"] = args.base_url[0]
+        else:
+            raise SystemExit(f"gymserve: --base-url does not apply to the {kind} backend")
+    if getattr(args, "api_version", None):
+        backend["api_version"] = args.api_version
     if args.api_key_env:
         if args.api_key_env not in os.environ:
             raise SystemExit(f"gymserve: --api-key-env {args.api_key_env}: that environment variable is not set")
@@ -57,7 +66,10 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="where the model runs (default: local, the embedded model)")
     p.add_argument("--model", help="local: 'embedded', an HF model directory or a .gguf file; "
                                    "remote: the upstream model name")
-    p.add_argument("--base-url", action="append", help="upstream base URL ending in /v1; repeat for replicas")
+    p.add_argument("--base-url", action="append",
+                   help="upstream base URL ending in /v1 (implies --backend chat); repeat for replicas; "
+                        "azure: the resource endpoint")
+    p.add_argument("--api-version", help="azure: the api-version query parameter sent on every request")
     p.add_argument("--api-key-env", help="name of the environment variable holding the upstream API key")
     p.add_argument("--engine", help="local inference engine (default: transformers)")
     p.add_argument("--tool-call-parser", help="tool-call parser name, or 'auto' (as vllm serve spells it)")
@@ -85,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--base-url", help="use a running Responses endpoint instead of the embedded model")
     demo.add_argument("--model", help="model name at --base-url, or a local model for the in-process server")
     demo.add_argument("--verify-model", help="local model directory for teacher forcing with --base-url")
-    demo.add_argument("--max-output-tokens", type=int, default=48, help="per model call (default 48)")
+    demo.add_argument("--max-output-tokens", type=int, help="per model call (default: run_demo's)")
 
     roll = sub.add_parser("rollout", help="collect rollouts from a JSONL file of tasks")
     roll.add_argument("--input", required=True, help="tasks JSONL (one Responses create request + env per line)")
@@ -144,8 +156,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from gymserve.demo import run_demo
 
-        return run_demo(base_url=args.base_url, model=args.model, max_output_tokens=args.max_output_tokens,
-                        verify_model=args.verify_model)
+        kwargs = {"max_output_tokens": args.max_output_tokens} if args.max_output_tokens else {}
+        return run_demo(base_url=args.base_url, model=args.model, verify_model=args.verify_model, **kwargs)
     if args.command == "rollout":
         from gymserve.rollout import main_rollout
 

@@ -260,7 +260,8 @@ def chat_to_response(completion: ChatCompletionDict, request: ResponsesRequest, 
     the tool call id; ``arguments`` always a JSON string). ``finish_reason`` ``length`` /
     ``content_filter`` give status ``incomplete`` with ``incomplete_details`` and mark the last
     message/function_call item incomplete (only the end of a generation is cut off). Training
-    fields go on the last output item, or on the response itself when the output is empty.
+    fields go on the last output item; a call with token fields but no visible output gets one
+    empty message item to carry them.
 
     ``item_ids`` fixes the ids of the output items in order (the streaming builder passes the ids
     it already announced); missing ones are generated. Raises ``UpstreamError`` when the
@@ -295,14 +296,18 @@ def chat_to_response(completion: ChatCompletionDict, request: ResponsesRequest, 
     if status == "incomplete" and output and output[-1]["type"] in ("message", "function_call"):
         output[-1]["status"] = "incomplete"
 
+    tokens = _token_info(completion, choice, message)
+    if tokens is not None:
+        if not output:
+            # A model call that produced no visible text (only EOS, or whitespace) is still a turn
+            # the policy took: an empty message item carries its token fields so the agent passes
+            # it back and the next prompt stays token-contiguous.
+            output.append(message_item(next_id("msg"), "", "incomplete" if status == "incomplete" else "completed"))
+        # On the last item, which the next turn's input carries back unchanged.
+        output[-1].update(tokens)
     response = response_envelope(
         request, model=completion.get("model"), status=status, output=output, incomplete_details=details,
         usage=convert_usage(completion.get("usage")), response_id=response_id, created_at=created_at)
-    tokens = _token_info(completion, choice, message)
-    if tokens is not None:
-        # On the last item the next turn's input carries them back; on the response when there
-        # is no item, so a turn truncated to nothing still reports what the policy saw.
-        (output[-1] if output else response).update(tokens)
     return response
 
 

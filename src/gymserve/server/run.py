@@ -43,7 +43,7 @@ async def serve_async(config, backend=None) -> None:
     """Build the backend (unless given), serve until SIGINT/SIGTERM, then close the backend."""
     from gymserve.backends import build_backend
 
-    backend = backend or build_backend(config.backend)
+    backend = backend or build_backend(config)
     _warn_exposed(config)
     server = uvicorn.Server(_uvicorn_config(build_app(config, backend), config.server.host, config.server.port))
     try:
@@ -90,7 +90,7 @@ def start_background_server(config, backend_factory=None, *, startup_timeout: fl
             if backend_factory is None:
                 from gymserve.backends import build_backend
 
-                backend = build_backend(config.backend)
+                backend = build_backend(config)
             else:
                 backend = backend_factory()
         except BaseException as exc:  # noqa: BLE001 - handed to the starting thread

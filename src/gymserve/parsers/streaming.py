@@ -1,0 +1,150 @@
+"""Incremental parsing of a streamed generation into reasoning, content and tool-call deltas.
+
+The one rule: a delta is emitted only once no later text can change it, so concatenating the deltas
+of a stream gives exactly what :func:`gymserve.parsers.parse_output` gives for the whole text (same
+reasoning, content, calls and arguments), however the text was split. What that costs in latency:
+
+- Reasoning is held until ``</think>`` closes the span (or the stream finishes): until then an
+  unclosed span may still turn out to be content (finish reason ``"stop"``, case RP-04). It is then
+  emitted as one delta.
+- Content streams as it arrives, except text that may be the start of a tag (``<tool``,
+  ``[TOOL_``) and trailing whitespace (content is stripped), which wait for the next text.
+- A tool call is emitted when its JSON closes and the call is known to be well-formed: one
+  ``tool_call_start`` delta (index, name) and one ``tool_call_arguments`` delta holding the whole
+  canonical arguments string. Tag text (``<tool_call>``) never reaches content unless the call is
+  malformed, in which case it is content in the whole-text parse too.
+- Whole-message formats (bare JSON for ``qwen2_5_coder`` and ``llama3_json``): a message whose
+  first non-blank character is ``{``, ``[`` or a backtick is held until the end, since only the
+  end tells a call from an ordinary JSON answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gymserve.parsers.base import ParsedToolCall, ReasoningParser, ToolCallParser
+from gymserve.parsers.json_scan import declared_tool_names
+
+DeltaKind = Literal["reasoning", "content", "tool_call_start", "tool_call_arguments"]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed piece.
+
+    ``kind == "reasoning" | "content"``: ``text`` is the new text. ``"tool_call_start"``: a new call
+    ``index`` (0, 1, …) named ``name``. ``"tool_call_arguments"``: ``text`` extends call ``index``'s
+    arguments string.
+    """
+
+    kind: DeltaKind
+    text: str = ""
+    index: int | None = None
+    name: str | None = None
+
+
+class _StrippedText:
+    """Emits pieces of a text whose leading and trailing whitespace must end up stripped: leading
+    whitespace is dropped, trailing whitespace held until non-blank text follows it."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.held = ""
+
+    def push(self, piece: str) -> str:
+        if not self.started:
+            piece = piece.lstrip()
+            if not piece:
+                return ""
+            self.started = True
+        combined = self.held + piece
+        body = combined.rstrip()
+        self.held = combined[len(body) :]
+        return body
+
+
+class StreamingParser:
+    """Parses a generation delta by delta; agrees with ``parse_output`` on the whole text.
+
+    ``StreamingParser(tool_parser, reasoning_parser, prompt_tail, tools)``: the same arguments as
+    :func:`~gymserve.parsers.parse_output` (no tools declared → no tool calls). Call
+    :meth:`feed` with each text delta and :meth:`finish` once with the finish reason; both return
+    a list of :class:`Delta`. After :meth:`finish`, ``reasoning_incomplete`` is set.
+    """
+
+    def __init__(
+        self,
+        tool_parser: ToolCallParser | None,
+        reasoning_parser: ReasoningParser | None,
+        prompt_tail: str = "",
+        tools: list[dict[str, Any]] | None = None,
+    ) -> None:
+        self._tool_parser = tool_parser if declared_tool_names(tools) else None
+        self._reasoning_parser = reasoning_parser
+        self._prompt_tail = prompt_tail
+        self._tools = tools
+        self._text = ""
+        # Index into _text where the text after the reasoning span starts; None while undecided.
+        self._rest_start: int | None = None if reasoning_parser is not None else 0
+        self._consumed = 0  # how much of the rest the tool parser has decided
+        self._content = _StrippedText()
+        self._calls = 0
+        self._finished = False
+        self.reasoning_incomplete = False
+
+    def feed(self, text_delta: str) -> list[Delta]:
+        """Add generated text; returns the deltas it decided."""
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        self._text += text_delta
+        out: list[Delta] = []
+        if self._rest_start is None:
+            assert self._reasoning_parser is not None
+            decided = self._reasoning_parser.split_partial(self._text, self._prompt_tail)
+            if decided is None:
+                return out
+            reasoning, rest = decided
+            self._start_rest(reasoning, rest, out)
+        self._scan(final=False, out=out)
+        return out
+
+    def finish(self, finish_reason: str | None = "stop") -> list[Delta]:
+        """End of generation; returns the remaining deltas."""
+        if self._finished:
+            raise RuntimeError("finish() called twice")
+        self._finished = True
+        out: list[Delta] = []
+        if self._rest_start is None:
+            assert self._reasoning_parser is not None
+            reasoning, rest, incomplete = self._reasoning_parser.split(
+                self._text, self._prompt_tail, finish_reason or "stop"
+            )
+            self.reasoning_incomplete = incomplete
+            self._start_rest(reasoning, rest, out)
+        self._scan(final=True, out=out)
+        return out
+
+    def _start_rest(self, reasoning: str | None, rest: str, out: list[Delta]) -> None:
+        if reasoning:
+            out.append(Delta("reasoning", reasoning))
+        self._rest_start = len(self._text) - len(rest)
+
+    def _scan(self, final: bool, out: list[Delta]) -> None:
+        assert self._rest_start is not None
+        rest = self._text[self._rest_start :]
+        if self._tool_parser is None:
+            items: list[str | ParsedToolCall] = [rest[self._consumed :]]
+            end = len(rest)
+        else:
+            items, end = self._tool_parser.scan(rest, self._tools, start=self._consumed, final=final)
+        self._consumed = end
+        for item in items:
+            if isinstance(item, str):
+                text = self._content.push(item)
+                if text:
+                    out.append(Delta("content", text))
+            else:
+                out.append(Delta("tool_call_start", index=self._calls, name=item.name))
+                out.append(Delta("tool_call_arguments", item.arguments, index=self._calls))
+                self._calls += 1

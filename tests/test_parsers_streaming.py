@@ -1,0 +1,182 @@
+"""Streaming parser: deltas, concatenated, equal the whole-text parse however the text is split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gymserve.parsers import (
+    Delta,
+    ParsedOutput,
+    ParsedToolCall,
+    StreamingParser,
+    get_reasoning_parser,
+    get_tool_call_parser,
+    parse_output,
+    tool_call_parser_names,
+)
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_time", "parameters": {}}},
+    {"type": "function", "function": {"name": "get_weather", "parameters": {}}},
+]
+THINK_TAIL = "<|im_start|>assistant\n<think>\n"
+PLAIN_TAIL = "<|im_start|>assistant\n"
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris </tool_call> \\"x\\" é"}}'
+TIME = '{"name": "get_time", "arguments": {}}'
+
+TEXTS = [
+    "The user asks 2+2. That is 4.\n</think>\n\nThe answer is 4.",
+    "Paris.",
+    "<think>\nhmm\n</think>\n\nHello there.\n",
+    f"Plan: call <tool_call>{TIME}</tool_call> first.\n</think>\n\n<tool_call>\n{TIME}\n</tool_call>",
+    f"Maybe <tool_call>{TIME}</tool_call>?\n</think>\n\nI do not need a tool.",
+    f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>\nDone.",
+    f"<tool_call>\n{TIME}\n{WEATHER}\n</tool_call>",
+    '<tool_call>\n{"name": "get_time", "arguments": [1]}\n</tool_call> after',
+    '<tool_call>{"name": "get_time", "arguments": {"a": "unterminated}</tool_call> x',
+    f"```json\n{WEATHER}\n```",
+    f"  {WEATHER}  ",
+    f"[{WEATHER}, {TIME}]",
+    '{"name": "nope", "arguments": {}}',
+    'Here is JSON: {"name": "get_time", "arguments": {}}',
+    f'<|python_tag|>{WEATHER.replace("arguments", "parameters")}; {TIME}',
+    f"{TIME}; {WEATHER}",
+    f"Sure [TOOL_CALLS][{WEATHER}, {TIME}]",
+    '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
+    "[TOOL_CALLS]not json",
+    "a < b and c <tool but not a call <tool_cal",
+    "",
+    "   ",
+    "</think>",
+    "<think>never closed",
+]
+
+
+def collect(deltas: list[Delta]) -> ParsedOutput:
+    """Concatenate deltas into the shape parse_output returns."""
+    reasoning = "".join(d.text for d in deltas if d.kind == "reasoning")
+    content = "".join(d.text for d in deltas if d.kind == "content")
+    names: dict[int, str] = {}
+    args: dict[int, str] = {}
+    for d in deltas:
+        if d.kind == "tool_call_start":
+            assert d.index == len(names), "call indices are 0, 1, ... in order"
+            names[d.index] = d.name
+            args[d.index] = ""
+        elif d.kind == "tool_call_arguments":
+            assert d.index in names, "arguments only after the call started"
+            args[d.index] += d.text
+    calls = [ParsedToolCall(names[i], args[i]) for i in sorted(names)]
+    return ParsedOutput(reasoning or None, content or None, calls)
+
+
+def stream(text: str, cuts: list[int], finish_reason: str, **kw) -> tuple[ParsedOutput, list[Delta], bool]:
+    parser = StreamingParser(kw["tool_parser"], kw["reasoning_parser"], kw["prompt_tail"], kw["tools"])
+    deltas: list[Delta] = []
+    last = 0
+    for cut in sorted(set(cuts)) + [len(text)]:
+        deltas += parser.feed(text[last:cut])
+        last = cut
+    deltas += parser.finish(finish_reason)
+    return collect(deltas), deltas, parser.reasoning_incomplete
+
+
+def assert_agrees(text, cuts, finish_reason, tool_name, reasoning_name, prompt_tail, tools):
+    kw = dict(
+        tool_parser=get_tool_call_parser(tool_name) if tool_name else None,
+        reasoning_parser=get_reasoning_parser(reasoning_name) if reasoning_name else None,
+        prompt_tail=prompt_tail,
+        tools=tools,
+    )
+    whole = parse_output(text, finish_reason=finish_reason, **kw)
+    got, deltas, incomplete = stream(text, cuts, finish_reason, **kw)
+    assert got.reasoning == whole.reasoning
+    assert got.content == whole.content
+    assert got.tool_calls == whole.tool_calls
+    assert incomplete == whole.reasoning_incomplete
+    for d in deltas:
+        if d.kind == "content" and "<tool_call>" not in (whole.content or ""):
+            assert "<tool_call>" not in d.text
+    for call in got.tool_calls:
+        json.loads(call.arguments)
+
+
+parsers = st.sampled_from([None, *tool_call_parser_names()])
+reasoners = st.sampled_from([None, "qwen3", "deepseek_r1"])
+tails = st.sampled_from(["", THINK_TAIL, PLAIN_TAIL, "<think>\n\n</think>\n\n"])
+finishes = st.sampled_from(["stop", "length"])
+tool_lists = st.sampled_from([TOOLS, None])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(TEXTS), st.data(), parsers, reasoners, tails, finishes, tool_lists
+)
+def test_stream_equals_whole_parse_for_known_texts(text, data, tool_name, reasoning_name, tail, finish, tools):
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    assert_agrees(text, cuts, finish, tool_name, reasoning_name, tail, tools)
+
+
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<think>", "</think>", "<tool", "</thi", "{", "}", "[", "]",
+    '"name"', '"arguments"', '"parameters"', ":", ",", ";", '"get_time"', '"get_weather"', '"x"',
+    "{}", " ", "\n", "a", "```", "json", '"', "\\", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]",
+    "get_time", "é", "<", "NaN", "1",
+    # whole well-formed pieces, so random texts also hold real calls
+    f"<tool_call>{TIME}</tool_call>", WEATHER, TIME, f"[{TIME}]", f"```json\n{TIME}\n```", "get_time[ARGS]{}",
+]
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.sampled_from(FRAGMENTS), max_size=30).map("".join),
+    st.data(), parsers, reasoners, tails, finishes, tool_lists,
+)
+def test_stream_equals_whole_parse_for_random_texts(text, data, tool_name, reasoning_name, tail, finish, tools):
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    assert_agrees(text, cuts, finish, tool_name, reasoning_name, tail, tools)
+
+
+def test_content_streams_before_the_end_and_holds_partial_tags():
+    parser = StreamingParser(get_tool_call_parser("hermes"), None, "", TOOLS)
+    assert parser.feed("Let me check") == [Delta("content", "Let me check")]
+    # "<tool" may become "<tool_call>": held back, never shown as content.
+    assert parser.feed(" the weather <tool") == [Delta("content", " the weather")]
+    assert parser.feed("_call>\n" + TIME[:10]) == []
+    deltas = parser.feed(TIME[10:] + "\n</tool_call>")
+    assert deltas == [
+        Delta("tool_call_start", index=0, name="get_time"),
+        Delta("tool_call_arguments", "{}", index=0),
+    ]
+    assert parser.finish("stop") == []
+
+
+def test_reasoning_is_emitted_when_think_closes():
+    parser = StreamingParser(None, get_reasoning_parser("qwen3"), THINK_TAIL, None)
+    assert parser.feed("I think ") == []
+    assert parser.feed("it is 4.\n</think>\n\nThe ") == [
+        Delta("reasoning", "I think it is 4."),
+        Delta("content", "The"),
+    ]
+    assert parser.feed("answer is 4.") == [Delta("content", " answer is 4.")]
+    assert parser.finish("stop") == []
+
+
+def test_unclosed_reasoning_decided_by_finish_reason():
+    for finish, expected in [("stop", [Delta("content", "Paris.")]), ("length", [Delta("reasoning", "Paris.")])]:
+        parser = StreamingParser(None, get_reasoning_parser("qwen3"), "<|assistant|><think>", None)
+        assert parser.feed("Paris.") == []
+        assert parser.finish(finish) == expected
+        assert parser.reasoning_incomplete is (finish == "length")
+
+
+def test_feed_after_finish_raises():
+    parser = StreamingParser(None, None)
+    parser.finish()
+    with pytest.raises(RuntimeError):
+        parser.feed("x")

@@ -1,0 +1,314 @@
+"""Tool-call parsers: formats, malformed calls, registry, auto inference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gymserve.parsers import (
+    ParsedToolCall,
+    ToolCallParser,
+    get_tool_call_parser,
+    infer_tool_call_parser,
+    parse_output,
+    register,
+    tool_call_parser_names,
+)
+from gymserve.parsers.json_scan import declared_tool_names, json_end
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+
+
+def parse(parser: str, text: str, tools=TOOLS):
+    return get_tool_call_parser(parser).parse(text, tools)
+
+
+def call(name: str, **args) -> ParsedToolCall:
+    return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+# ---------------------------------------------------------------------------------------- hermes
+
+
+def test_hermes_single_call():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert parse("hermes", text) == (None, [call("get_weather", city="Paris")])
+
+
+def test_hermes_close_tag_inside_argument_string_does_not_end_the_call():
+    args = {"html": 'x </tool_call> y "quoted" } {', "n": 1}
+    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(args)}}}\n</tool_call> bye'
+    content, calls = parse("hermes", text)
+    assert calls == [ParsedToolCall("get_weather", json.dumps(args, ensure_ascii=False))]
+    assert content == "bye"
+
+
+def test_hermes_several_calls_and_text_around_them():
+    text = (
+        "Let me check both.\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>\n'
+        "Then I answer."
+    )
+    content, calls = parse("hermes", text)
+    assert calls == [call("get_weather", city="Rome"), call("get_time", tz="CET")]
+    # Text between calls is kept verbatim (each newline that separated the blocks), then stripped.
+    assert content == "Let me check both.\n\n\nThen I answer."
+
+
+def test_hermes_unicode_arguments_are_not_escaped():
+    content, calls = parse("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "S\\u00e3o Paulo"}}</tool_call>')
+    assert calls[0].arguments == '{"city": "São Paulo"}'
+
+
+def test_hermes_call_cut_before_close_tag_counts_if_the_json_is_complete():
+    content, calls = parse("hermes", '<tool_call>\n{"name": "get_time", "arguments": {}}\n')
+    assert calls == [call("get_time")] and content is None
+
+
+def test_hermes_missing_arguments_means_empty_object():
+    assert parse("hermes", '<tool_call>{"name": "get_time"}</tool_call>')[1] == [call("get_time")]
+
+
+def test_hermes_arguments_as_json_string_are_decoded():
+    text = '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
+    assert parse("hermes", text)[1] == [call("get_weather", city="Oslo")]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "get_time", "arguments": {</tool_call>',  # bad JSON
+        '<tool_call>{"arguments": {}}</tool_call>',  # name missing
+        '<tool_call>{"name": "get_time", "arguments": [1, 2]}</tool_call>',  # arguments not an object
+        '<tool_call>{"name": "get_time", "arguments": "nope"}</tool_call>',  # string, not an object
+        '<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>',  # NaN is not JSON
+        '<tool_call>{"name": "get_time", "arguments": {}} trailing</tool_call>',  # garbage in block
+        "<tool_call></tool_call>",  # empty
+        '<tool_call>{"name": "get_time", "arguments": {"a": "never closed',  # cut mid-string
+    ],
+)
+def test_hermes_malformed_call_stays_as_text(text):
+    content, calls = parse("hermes", text)
+    assert calls == []
+    assert content == text.strip()
+
+
+def test_hermes_malformed_block_does_not_hide_a_later_good_call():
+    bad = '<tool_call>{"name": 1}</tool_call>'
+    good = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    content, calls = parse("hermes", f"{bad}\n{good}")
+    assert content == bad and calls == [call("get_time")]
+
+
+def test_hermes_accepts_undeclared_names_since_the_tags_are_explicit():
+    assert parse("hermes", '<tool_call>{"name": "other", "arguments": {}}</tool_call>')[1] == [call("other")]
+
+
+def test_hermes_plain_text_is_content():
+    assert parse("hermes", "  Just an answer with a < sign.\n") == ("Just an answer with a < sign.", [])
+    assert parse("hermes", "") == (None, [])
+
+
+# ------------------------------------------------------------------------------------ llama3_json
+
+
+def test_llama3_json_whole_message():
+    assert parse("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}') == (
+        None,
+        [call("get_weather", city="Paris")],
+    )
+
+
+def test_llama3_json_python_tag_and_semicolons():
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "arguments": {}}'
+    assert parse("llama3_json", text) == (None, [call("get_weather", city="Rome"), call("get_time")])
+
+
+def test_llama3_json_text_before_python_tag_is_content():
+    text = 'Checking.<|python_tag|>{"name": "get_time", "parameters": {}}'
+    assert parse("llama3_json", text) == ("Checking.", [call("get_time")])
+
+
+def test_llama3_json_ordinary_json_and_undeclared_names_stay_content():
+    for text in ['{"name": "Bob", "parameters": {}}', '{"answer": 4}', 'The call is {"name": "get_time", "parameters": {}}']:
+        assert parse("llama3_json", text) == (text, [])
+
+
+def test_llama3_json_python_code_after_tag_stays_content():
+    text = "<|python_tag|>print(1)"
+    assert parse("llama3_json", text) == (text, [])
+
+
+# ---------------------------------------------------------------------------------------- mistral
+
+
+def test_mistral_json_array():
+    text = 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Lyon"}}, {"name": "get_time", "arguments": {}}]'
+    assert parse("mistral", text) == ("Sure.", [call("get_weather", city="Lyon"), call("get_time")])
+
+
+def test_mistral_v11_name_args_form():
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}[TOOL_CALLS]get_time[ARGS]{}'
+    assert parse("mistral", text) == (None, [call("get_weather", city="Lyon"), call("get_time")])
+
+
+@pytest.mark.parametrize("text", ["[TOOL_CALLS] oops", '[TOOL_CALLS][{"name": "x", "arguments": 3}]', "[TOOL_CALLS]["])
+def test_mistral_malformed_stays_text(text):
+    assert parse("mistral", text) == (text, [])
+
+
+# ---------------------------------------------------------------------------------- qwen2_5_coder
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        WEATHER,
+        f"  \n{WEATHER}\n",
+        f"```json\n{WEATHER}\n```",
+        f"```\n{WEATHER}\n```",
+        f"\n```json\n{WEATHER}\n```\n",
+        f"<tool_call>\n{WEATHER}\n</tool_call>",
+    ],
+)
+def test_qwen2_5_coder_single_call_forms(text):
+    assert parse("qwen2_5_coder", text) == (None, [call("get_weather", city="Paris")])
+
+
+def test_qwen2_5_coder_list_of_calls():
+    text = f'```json\n[{WEATHER}, {{"name": "get_time", "arguments": {{}}}}]\n```'
+    assert parse("qwen2_5_coder", text) == (None, [call("get_weather", city="Paris"), call("get_time")])
+
+
+def test_qwen2_5_coder_accepts_responses_form_tools():
+    assert parse("qwen2_5_coder", WEATHER, RESPONSES_TOOLS)[1] == [call("get_weather", city="Paris")]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "send_email", "arguments": {"to": "x"}}',  # undeclared tool name
+        '{"name": "Alice", "age": 30}',  # ordinary JSON answer
+        f"Here you go:\n{WEATHER}",  # JSON inside an answer, not the whole message
+        f"```json\n{WEATHER}\n```\nThat is the call.",  # text after the fence
+        f"```python\n{WEATHER}\n```",  # not a JSON fence
+        '[1, 2, 3]',
+        "```json\n[]\n```",
+    ],
+)
+def test_qwen2_5_coder_ordinary_json_stays_content(text):
+    assert parse("qwen2_5_coder", text) == (text.strip(), [])
+
+
+def test_qwen2_5_coder_bare_json_needs_declared_tools():
+    assert parse("qwen2_5_coder", WEATHER, None) == (WEATHER, [])
+    assert parse("qwen2_5_coder", WEATHER, []) == (WEATHER, [])
+
+
+def test_parse_output_without_tools_finds_no_calls():
+    text = f"<tool_call>\n{WEATHER}\n</tool_call>"
+    for tools in (None, []):
+        parsed = parse_output(text, tools=tools, tool_parser=get_tool_call_parser("hermes"))
+        assert parsed.tool_calls == [] and parsed.content == text
+
+
+def test_parsing_never_raises_on_junk():
+    junk = ["{", "[", "```", '{"name": ', "<tool_call>{", "[TOOL_CALLS]{", "<|python_tag|>[", "\\", '"', "}{][", "\x00"]
+    for name in tool_call_parser_names():
+        for text in junk:
+            content, calls = parse(name, text)
+            assert calls == [] and content == (text.strip() or None)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def test_json_end_respects_strings_and_escapes():
+    text = '{"a": "}\\"}", "b": [1, {"c": "]"}]} tail'
+    assert text[: json_end(text, 0)] == '{"a": "}\\"}", "b": [1, {"c": "]"}]}'
+    assert json_end('{"a": "unterminated}', 0) is None
+    assert json_end("[1, 2", 0) is None
+
+
+def test_declared_tool_names_reads_both_forms():
+    assert declared_tool_names(TOOLS + RESPONSES_TOOLS + [{"type": "web_search"}]) == {"get_weather", "get_time"}
+    assert declared_tool_names(None) == set()
+
+
+# --------------------------------------------------------------------------------------- registry
+
+
+def test_registry_names_and_instances():
+    assert {"hermes", "llama3_json", "mistral", "qwen2_5_coder"} <= set(tool_call_parser_names())
+    parser = get_tool_call_parser("hermes")
+    assert isinstance(parser, ToolCallParser) and parser.name == "hermes"
+
+
+def test_unknown_parser_name_lists_the_choices():
+    with pytest.raises(ValueError) as err:
+        get_tool_call_parser("nope")
+    for name in ("hermes", "llama3_json", "mistral", "qwen2_5_coder"):
+        assert name in str(err.value)
+
+
+def test_register_adds_a_parser_and_refuses_a_taken_name(monkeypatch):
+    from gymserve.parsers import base
+
+    monkeypatch.setattr(base, "_TOOL_CALL_PARSERS", dict(base._TOOL_CALL_PARSERS))  # undone after the test
+
+    @register("test_only_upper")
+    class Upper(ToolCallParser):
+        def parse_final(self, text, tools):
+            return [text.upper()]
+
+    assert "test_only_upper" in tool_call_parser_names()
+    assert get_tool_call_parser("test_only_upper").parse("hi", TOOLS) == ("HI", [])
+    with pytest.raises(ValueError):
+
+        @register("hermes")
+        class Other(ToolCallParser):
+            pass
+
+    with pytest.raises(TypeError):
+        register("not_a_parser")(int)
+
+
+# ---------------------------------------------------------------------------------------- infer
+
+
+@pytest.mark.parametrize(
+    ("model_type", "model_name", "template", "expected"),
+    [
+        ("qwen2", "Qwen2.5 Coder 0.5B Instruct AWQ", "... <tool_call> ...", "qwen2_5_coder"),
+        ("qwen2", "Qwen/Qwen2.5-Coder-7B-Instruct", None, "qwen2_5_coder"),
+        ("qwen2", "Qwen/Qwen2.5-7B-Instruct", "... <tool_call> ...", "hermes"),
+        ("qwen3", "Qwen/Qwen3-8B", None, "hermes"),
+        (None, None, "{{ '<tool_call>' }}", "hermes"),
+        ("mistral", "mistralai/Mistral-7B-Instruct-v0.3", None, "mistral"),
+        (None, None, "[TOOL_CALLS]", "mistral"),
+        ("llama", "meta-llama/Llama-3.1-8B-Instruct", None, "llama3_json"),
+        (None, None, "<|python_tag|>", "llama3_json"),
+        (None, "NousResearch/Hermes-3-Llama-3.1-8B", "<tool_call>", "hermes"),
+    ],
+)
+def test_infer_tool_call_parser(model_type, model_name, template, expected):
+    name, reason = infer_tool_call_parser(model_type, model_name, template)
+    assert name == expected and reason
+
+
+@pytest.mark.parametrize(
+    ("model_type", "model_name", "template"),
+    [("gpt2", "gpt2", None), (None, None, None), ("qwen3", "Qwen/Qwen3-Coder-30B", "<function=x>")],
+)
+def test_infer_tool_call_parser_refuses_to_guess(model_type, model_name, template):
+    with pytest.raises(ValueError) as err:
+        infer_tool_call_parser(model_type, model_name, template)
+    assert "hermes" in str(err.value) and "qwen2_5_coder" in str(err.value)

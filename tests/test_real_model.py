@@ -1,0 +1,54 @@
+"""The real embedded model (Qwen2.5-Coder-0.5B-Instruct) behind the server: few, short calls,
+one loaded copy for the module."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from gymserve.backends.local import LocalBackend
+from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, ServerConfig
+from gymserve.server.run import start_background_server
+from gymserve.verify import teacher_forced_log_probs
+
+pytestmark = pytest.mark.real_model
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Get the current weather for a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def real_server(embedded_dir):
+    cfg = GymserveConfig(server=ServerConfig(port=0),
+                         backend=LocalBackendConfig(model="embedded", sampling=SamplingConfig(temperature=0)))
+    srv = start_background_server(cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(real_server):
+    return openai.OpenAI(base_url=real_server.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def test_tool_call_then_answer_is_token_contiguous_and_exact(client, real_server):
+    """Turn 1: the model's bare-JSON answer becomes a function_call item; turn 2 (after the tool
+    output) starts with turn 1's prompt + generation; every log-prob matches teacher forcing."""
+    inp = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r1 = client.responses.create(model="m", input=inp, tools=[WEATHER_TOOL], max_output_tokens=48)
+    items = [it.model_dump(exclude_none=True) for it in r1.output]
+    calls = [it for it in items if it["type"] == "function_call"]
+    assert len(calls) == 1 and calls[0]["name"] == "get_weather", items
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    t1 = items[-1]
+    inp += items + [{"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "18C, sunny"}]
+    r2 = client.responses.create(model="m", input=inp, tools=[WEATHER_TOOL], max_output_tokens=8)
+    t2 = r2.output[-1].model_extra
+    p1, g1 = t1["prompt_token_ids"], t1["generation_token_ids"]
+    assert t2["prompt_token_ids"][: len(p1) + len(g1)] == p1 + g1
+    model = real_server.backend.engine.model
+    for t in (t1, t2):
+        tf = teacher_forced_log_probs(model, t["prompt_token_ids"], t["generation_token_ids"])
+        assert max(abs(a - b) for a, b in zip(tf, t["generation_log_probs"])) <= 1e-4

@@ -1,0 +1,184 @@
+"""The local backend behind the real HTTP server, driven by the official openai SDK (tiny model)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from gymserve.backends.local import LocalBackend
+from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, ServerConfig
+from gymserve.server.run import start_background_server
+
+TOOLS_CHAT = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def _server(model_dir, **local):
+    cfg = GymserveConfig(server=ServerConfig(port=0), backend=LocalBackendConfig(model=str(model_dir), **local))
+    return start_background_server(cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = _server(tiny_model_dir, sampling=SamplingConfig(temperature=1.0, seed=1234), context_window=512)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+def _fields(message) -> tuple[list[int], list[int], list[float]]:
+    extra = message.model_extra
+    return extra["prompt_token_ids"], extra["generation_token_ids"], extra["generation_log_probs"]
+
+
+def test_chat_returns_training_fields_and_usage(client, tokenizer):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=6)
+    p, g, lp = _fields(r.choices[0].message)
+    expected_prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}],
+                                                    add_generation_prompt=True, tokenize=False)
+    assert p == tokenizer(expected_prompt, add_special_tokens=False)["input_ids"]
+    assert len(g) == len(lp) == 6
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(p) and r.usage.completion_tokens == 6
+
+
+def test_three_turns_stay_token_contiguous(client, tokenizer):
+    """Each turn's prompt extends the previous prompt + generation exactly (sampled drift on the
+    real model: test_real_model.py)."""
+    messages = [{"role": "user", "content": "Tell me something."}]
+    prev = None
+    for turn in range(3):
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+        msg = r.choices[0].message
+        p, g, lp = _fields(msg)
+        if prev is not None:
+            assert p[: len(prev[0]) + len(prev[1])] == prev[0] + prev[1]
+        prev = (p, g)
+        # Sent back as NeMo Gym does: content plus the three token fields on the assistant message.
+        messages += [{"role": "assistant", "content": msg.content, "prompt_token_ids": p,
+                      "generation_token_ids": g, "generation_log_probs": lp},
+                     {"role": "user", "content": f"And turn {turn + 2}?"}]
+    assert len(prev[0]) > 60
+
+
+def test_pinned_sampling_rejects_other_temperature(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, temperature=0.3)
+    err = exc.value.body
+    assert err["param"] == "temperature" and "pinned" in err["message"]
+    # The same value as the config is fine, as NeMo Gym sends it.
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                   temperature=1.0, top_p=1.0)
+
+
+def test_context_length_error_names_both_numbers(client):
+    long = "word " * 600
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long}], max_tokens=2)
+    msg = exc.value.body["message"]
+    assert "context length" in msg and "512" in msg
+    assert exc.value.body["code"] == "context_length_exceeded"
+
+
+def test_max_tokens_clamped_to_context_window(client, tokenizer):
+    text = "word " * 480
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=400)
+    p, g, _ = _fields(r.choices[0].message)
+    assert len(p) + r.usage.completion_tokens == 512
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_standard_logprobs_with_token_ids(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                       logprobs=True, top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    _, g, lp = _fields(r.choices[0].message)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in g]
+    assert [c.logprob for c in content] == pytest.approx(lp)
+    assert all(len(c.top_logprobs) == 2 for c in content)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": "hi"}, "messages"),
+    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, None),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, None),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"},
+                                 {"role": "assistant", "content": "y", "prompt_token_ids": [1, 2],
+                                  "generation_token_ids": [999999999], "generation_log_probs": [-1.0]}]}, None),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+])
+def test_bad_input_is_400_with_error_object(server, body, param):
+    r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param:
+        assert err["param"] == param
+
+
+def test_malformed_json_and_unknown_route(server):
+    r = httpx.post(server.base_url + "/chat/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.base_url.removesuffix("/v1") + "/chat/completions", json={}, timeout=10)
+    assert r.status_code == 404 and "/v1" in r.json()["error"]["message"]
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [server.backend.engine.model_name]
+    h = httpx.get(server.base_url.removesuffix("/v1") + "/health", timeout=10).json()
+    assert h["status"] == "ok" and h["tool_call_parser"] == "qwen2_5_coder"
+
+
+def test_stop_token_trimmed_with_its_log_prob(tiny_model_dir, tokenizer):
+    """A generation that ends on a stop token returns it neither in the ids nor in the log-probs."""
+    probe = _server(tiny_model_dir, sampling=SamplingConfig(temperature=0))
+    try:
+        c = openai.OpenAI(base_url=probe.base_url, api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "Hello"}]
+        g = _fields(c.chat.completions.create(model="t", messages=msgs, max_tokens=5).choices[0].message)[1]
+    finally:
+        probe.stop()
+    stop = g[2]
+    srv = _server(tiny_model_dir, sampling=SamplingConfig(temperature=0, stop_token_ids=[stop]))
+    try:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
+        r = c.chat.completions.create(model="t", messages=msgs, max_tokens=5)
+        _, g2, lp2 = _fields(r.choices[0].message)
+        assert r.choices[0].finish_reason == "stop"
+        assert g2 == g[: g.index(stop)] and len(lp2) == len(g2)
+        assert r.usage.completion_tokens == len(g2) + 1
+    finally:
+        srv.stop()
+
+
+def test_non_canonical_generation_survives_splice(client, tokenizer):
+    """Retokenization drift: a generation whose IDs are not what its text re-encodes to (as a model
+    sampling " 4" as " " + "4" produces) is kept token for token in the next prompt."""
+    text = "The answer is 4. 你好世界"
+    canonical = tokenizer(text, add_special_tokens=False)["input_ids"]
+    sampled = [i for ch in text for i in tokenizer(ch, add_special_tokens=False)["input_ids"]]
+    assert sampled != canonical and tokenizer.decode(sampled) == text
+    first = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Q1"}], max_tokens=1)
+    p = first.choices[0].message.model_extra["prompt_token_ids"]
+    messages = [{"role": "user", "content": "Q1"},
+                {"role": "assistant", "content": text, "prompt_token_ids": p, "generation_token_ids": sampled,
+                 "generation_log_probs": [-1.0] * len(sampled)},
+                {"role": "user", "content": "Q2"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    p2 = r.choices[0].message.model_extra["prompt_token_ids"]
+    assert p2[: len(p) + len(sampled)] == p + sampled
+    # Then exactly one end-of-turn, and the template's rendering of the rest.
+    rest = tokenizer.decode(p2[len(p) + len(sampled):])
+    assert rest == "<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n"
