@@ -1,0 +1,399 @@
+"""The chat backend: any OpenAI-compatible Chat Completions server, one or more replicas.
+
+Serves vLLM, SGLang, TensorRT-LLM, llama.cpp, ``transformers serve`` or another gymserve. Responses
+requests go through ``gymserve.convert``. Calls use the official ``openai`` SDK client
+(``AsyncOpenAI``: auth header, ``default_query``, ``default_headers``, timeouts) with its own retries
+off: retries happen here, once, so a connection failure can move to another replica and a
+context-window overflow is never retried.
+
+Upstream behaviour followed:
+
+- reasoning arrives as ``message.reasoning_content`` (DeepSeek, vLLM < 0.10) or ``message.reasoning``
+  (vLLM ≥ 0.10; gpt-oss always sends it); whichever comes is mirrored into the other name, so
+  clients keyed on either keep working.
+- token IDs (``return_token_id_information: true``), in vLLM's forms: ``return_token_ids: true``
+  (top-level ``prompt_token_ids`` and ``choices[0].token_ids``, vLLM ≥ 0.10.2), ``logprobs: true``
+  with ``return_tokens_as_token_ids: true`` (``logprobs.content[].token == "token_id:N"``), and
+  ``POST {root}/tokenize`` as the fallback for the prompt. Message-level ``prompt_token_ids``,
+  ``generation_token_ids``, ``generation_log_probs`` (another gymserve, NeMo RL) are taken as given.
+  The three are put on ``choices[0].message``. Partial or inconsistent metadata raises
+  ``UpstreamError`` (502); IDs are never fabricated.
+- servers that return raw text (no tool-call/reasoning parser) are parsed here with the same
+  parser registry as the local engine (``tool_parser``, ``reasoning_parser`` options).
+- an upstream context-window overflow becomes an empty, length-terminated reply (case CL-01).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gymserve.backends.base import Backend, RequestContext
+from gymserve.backends.pool import Limiter, Replica, ReplicaPool, backoff_delay
+from gymserve.backends.upstream_errors import (
+    UpstreamContextLengthError, is_connection_failure, is_retryable, redact_url, translate_error,
+)
+from gymserve.errors import GymserveError, InvalidRequestError, UpstreamError
+from gymserve.protocol import TRAINING_FIELDS, ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest, get_token_info
+
+log = logging.getLogger("gymserve.backends")
+
+_PLACEHOLDER_KEY = "EMPTY"  # what vLLM's docs use; never let the SDK pick up OPENAI_API_KEY for a self-hosted server
+
+
+def secret_value(secret: Any) -> str | None:
+    return secret.get_secret_value() if secret is not None else None
+
+
+class ChatBackend(Backend):
+    """A remote Chat Completions server (``ChatBackendConfig``); base class of the OpenAI and
+    Azure backends, which change URLs, clients and the Responses route.
+
+    ``max_queue`` bounds the requests waiting for one of ``num_concurrent_requests`` slots
+    (``OverloadedError`` beyond). Errors: everything upstream becomes a ``GymserveError`` from
+    ``upstream_errors.translate_error``.
+    """
+
+    name = "chat"
+
+    def __init__(self, config: Any, *, max_queue: int = 1024):
+        self.config = config
+        self._secrets = tuple(s for s in (secret_value(getattr(config, f, None)) for f in ("api_key", "azure_ad_token")) if s)
+        replicas = [Replica(url, self._make_client(url)) for url in self._replica_bases()]
+        interval = getattr(config, "health_check_interval", 0) if len(replicas) > 1 else 0
+        self.pool = ReplicaPool(replicas, probe=self._probe, interval=interval)
+        self.limiter = Limiter(config.num_concurrent_requests, max_queue, name=f"{self.name} backend")
+        self._tool_parser = self._reasoning_parser = None
+        if getattr(config, "tool_parser", None):
+            self._tool_parser = _tool_parser(config.tool_parser, config.model)
+        if getattr(config, "reasoning_parser", None):
+            from gymserve.parsers import get_reasoning_parser
+
+            self._reasoning_parser = get_reasoning_parser(config.reasoning_parser)
+
+    # ------------------------------------------------------------------ per-backend hooks
+    def _replica_bases(self) -> list[str]:
+        return list(self.config.base_urls)
+
+    def _make_client(self, base_url: str) -> Any:
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=base_url, api_key=secret_value(self.config.api_key) or _PLACEHOLDER_KEY,
+                           default_query=self.config.default_query or None,
+                           default_headers=self.config.default_headers or None,
+                           timeout=self.config.timeout, max_retries=0)
+
+    def _url(self, replica: Replica, kind: str) -> str:
+        path = {"chat": "/chat/completions", "responses": "/responses", "models": "/models"}[kind]
+        return replica.base_url + path
+
+    def _upstream_model(self, request: dict[str, Any]) -> str | None:
+        return self.config.model or request.get("model")
+
+    @property
+    def api_version(self) -> str | None:
+        return getattr(self.config, "api_version", None)
+
+    def convert_options(self):
+        from gymserve.convert import ConvertOptions
+
+        cfg = self.config
+        return ConvertOptions(reasoning_mode=cfg.reasoning_mode, developer_role=cfg.developer_role or "system",
+                              max_tokens_field=cfg.max_tokens_field or "max_tokens")
+
+    # ------------------------------------------------------------------ the one call path
+    async def _probe(self, replica: Replica) -> None:
+        await replica.client.get(self._url(replica, "models"), cast_to=object,
+                                 options={"timeout": min(5.0, self.config.timeout)})
+
+    def _translate(self, exc: BaseException, url: str, kind: str) -> GymserveError:
+        return translate_error(exc, url=url, kind=kind, backend=self.name, secrets=self._secrets,
+                               api_version=self.api_version, timeout=self.config.timeout)
+
+    async def _call(self, kind: str, body: dict[str, Any] | None, ctx: RequestContext, *, stream: bool = False,
+                    replica: Replica | None = None, url: str | None = None) -> tuple[Any, Replica]:
+        """POST ``body`` (GET when None) to the ``kind`` URL of a replica; retries connection
+        errors, 5xx and 429 with backoff (on another replica when the first is unreachable).
+        Returns ``(parsed JSON or SDK stream, replica)``; raises a translated ``GymserveError``."""
+        from openai import AsyncStream
+
+        attempt = 0
+        while True:
+            rep = replica or self.pool.pick(ctx.session_id)
+            target = url or self._url(rep, kind)
+            rep.in_flight += 1
+            try:
+                if body is None:
+                    result = await rep.client.get(target, cast_to=object)
+                elif stream:
+                    result = await rep.client.post(target, body=body, cast_to=object, stream=True,
+                                                   stream_cls=AsyncStream[object])
+                else:
+                    result = await rep.client.post(target, body=body, cast_to=object)
+            except Exception as exc:
+                err = self._translate(exc, target, kind)
+                if is_connection_failure(err):
+                    self.pool.mark_down(rep, err.message)
+                if attempt >= self.config.max_retries or not is_retryable(err):
+                    raise err from None
+                delay = backoff_delay(attempt, self.config.retry_backoff, getattr(err, "upstream_retry_after", None))
+                attempt += 1
+                log.warning("retry %d/%d of %s in %.2f s: %s", attempt, self.config.max_retries,
+                            redact_url(target), delay, err.message)
+                await asyncio.sleep(delay)
+                continue
+            finally:
+                rep.in_flight -= 1
+            self.pool.mark_up(rep)
+            if not stream and not isinstance(result, dict):
+                raise UpstreamError(f"{redact_url(target)} answered with something that is not a JSON object "
+                                    f"({str(result)[:120]!r}); is the base URL an OpenAI-compatible API?",
+                                    url=redact_url(target), code="upstream_bad_response")
+            return result, rep
+
+    # ------------------------------------------------------------------ chat
+    def _chat_body(self, request: ChatRequest) -> dict[str, Any]:
+        cfg = self.config
+        body = {**copy.deepcopy(cfg.extra_body), **request}
+        body.pop("stream", None)
+        body.pop("stream_options", None)
+        if cfg.chat_template_kwargs or request.get("chat_template_kwargs"):
+            body["chat_template_kwargs"] = {**cfg.chat_template_kwargs, **(request.get("chat_template_kwargs") or {})}
+        model = self._upstream_model(request)
+        if model:
+            body["model"] = model
+        if getattr(cfg, "return_token_id_information", False):
+            body.update(return_token_ids=True, logprobs=True, return_tokens_as_token_ids=True)
+            body.setdefault("top_logprobs", 0)
+        return body
+
+    async def _chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
+        """The upstream completion, post-processed; raises ``UpstreamContextLengthError`` on overflow."""
+        body = self._chat_body(request)
+        async with self.limiter.slot():
+            completion, replica = await self._call("chat", body, ctx)
+            choices = completion.get("choices")
+            if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+                raise UpstreamError(f"{redact_url(self._url(replica, 'chat'))} returned a chat completion without choices")
+            if getattr(self.config, "return_token_id_information", False):
+                await self._attach_token_info(completion, request, body, replica, ctx)
+        for choice in choices:
+            if isinstance(choice.get("message"), dict):
+                mirror_reasoning(choice["message"])
+                self._apply_parsers(choice, request)
+        if self.config.served_model_name:
+            completion["model"] = self.config.served_model_name
+        return completion
+
+    async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
+        """POST ``{base}/chat/completions``; an upstream context overflow gives an empty
+        ``finish_reason: length`` completion (``context_exceeded_chat_completion``)."""
+        try:
+            return await self._chat(request, ctx)
+        except UpstreamContextLengthError as exc:
+            from gymserve.convert import context_exceeded_chat_completion
+
+            log.info("context window exceeded upstream; answering with an empty length-terminated reply: %s", exc.message)
+            return context_exceeded_chat_completion(request, self.config.served_model_name or request.get("model") or "")
+
+    async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """Upstream chunks passed through (reasoning field mirrored). When gymserve must see the
+        whole answer (token IDs, client-side parsers), the completion is fetched whole and sent as
+        chunks; an overflow gives the chunks of the empty length-terminated completion."""
+        if self._tool_parser or self._reasoning_parser or getattr(self.config, "return_token_id_information", False):
+            for chunk in completion_to_chunks(await self.chat(request, ctx)):
+                yield chunk
+            return
+        body = {**self._chat_body(request), "stream": True}
+        if request.get("stream_options"):
+            body["stream_options"] = request["stream_options"]
+        async with self.limiter.slot():
+            try:
+                stream, replica = await self._call("chat", body, ctx, stream=True)
+            except UpstreamContextLengthError:
+                from gymserve.convert import context_exceeded_chat_completion
+
+                for chunk in completion_to_chunks(context_exceeded_chat_completion(request, request.get("model") or "")):
+                    yield chunk
+                return
+            try:
+                async for chunk in stream:
+                    if isinstance(chunk, dict):
+                        for choice in chunk.get("choices") or []:
+                            if isinstance(choice.get("delta"), dict):
+                                mirror_reasoning(choice["delta"])
+                        if self.config.served_model_name:
+                            chunk["model"] = self.config.served_model_name
+                    yield chunk
+            except Exception as exc:
+                raise self._translate(exc, self._url(replica, "chat"), "chat") from None
+            finally:
+                with contextlib.suppress(Exception):
+                    await stream.close()
+
+    # ------------------------------------------------------------------ responses, models, health
+    async def responses(self, request: ResponsesRequest, ctx: RequestContext) -> ResponseDict:
+        """Convert to chat, call, convert back; an overflow gives ``context_exceeded_response``."""
+        from gymserve.convert import chat_to_response, context_exceeded_response, responses_to_chat
+
+        chat_request = responses_to_chat(request, self.convert_options())
+        try:
+            completion = await self._chat(chat_request, ctx)
+        except UpstreamContextLengthError as exc:
+            log.info("context window exceeded upstream; answering with an empty incomplete response: %s", exc.message)
+            return context_exceeded_response(request)
+        return chat_to_response(completion, request)
+
+    async def upstream_models(self, ctx: RequestContext | None = None) -> list[str]:
+        """IDs from ``GET {base}/models`` of one replica (raises the translated error)."""
+        result, _ = await self._call("models", None, ctx or RequestContext())
+        return [m.get("id") for m in result.get("data") or [] if isinstance(m, dict) and m.get("id")]
+
+    async def models(self) -> list[str]:
+        name = self.config.served_model_name or self.config.model
+        return [name] if name else await self.upstream_models()
+
+    async def health(self) -> dict[str, Any]:
+        return {**self.pool.status(), "backend": self.name}
+
+    async def close(self) -> None:
+        await self.pool.close()
+        for replica in self.pool.replicas:
+            with contextlib.suppress(Exception):
+                await replica.client.close()
+
+    # ------------------------------------------------------------------ post-processing
+    def _apply_parsers(self, choice: dict[str, Any], request: ChatRequest) -> None:
+        """Parse raw text on gymserve's side: tool calls only when the request offered tools and
+        the server found none; reasoning only when the server sent no reasoning field."""
+        msg = choice["message"]
+        text = msg.get("content")
+        tool_parser = self._tool_parser if request.get("tools") and not msg.get("tool_calls") else None
+        reasoning_parser = self._reasoning_parser if not (msg.get("reasoning_content") or msg.get("reasoning")) else None
+        if not isinstance(text, str) or not text or (tool_parser is None and reasoning_parser is None):
+            return
+        from gymserve.parsers import parse_output
+
+        parsed = parse_output(text, prompt_tail="", finish_reason=choice.get("finish_reason") or "stop",
+                              tools=request.get("tools"), tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+        msg["content"] = parsed.content
+        if parsed.reasoning is not None:
+            msg["reasoning_content"] = msg["reasoning"] = parsed.reasoning
+        if parsed.tool_calls:
+            msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.tool_calls]
+            if choice.get("finish_reason") == "stop":
+                choice["finish_reason"] = "tool_calls"
+
+    async def _attach_token_info(self, completion: dict[str, Any], request: ChatRequest, body: dict[str, Any],
+                                 replica: Replica, ctx: RequestContext) -> None:
+        where = redact_url(self._url(replica, "chat"))
+        choice = completion["choices"][0]
+        msg = choice.setdefault("message", {})
+        try:
+            if get_token_info(msg) is not None:
+                return
+            prompt, gen, logprobs = vllm_token_fields(completion, choice)
+            if gen is None or logprobs is None:
+                missing = "generation token IDs" if gen is None else "log-probs"
+                raise InvalidRequestError(
+                    f"no {missing} in the answer; return_token_id_information needs a server that honours "
+                    "return_token_ids or logprobs + return_tokens_as_token_ids (vLLM ≥ 0.10.2), or set "
+                    "return_token_id_information: false")
+            if prompt is None:
+                prompt = await self._tokenize(body, replica, ctx)
+            msg.update(prompt_token_ids=prompt, generation_token_ids=gen, generation_log_probs=logprobs)
+            get_token_info(msg)
+        except InvalidRequestError as exc:
+            raise UpstreamError(f"token metadata from {where} is unusable: {exc.message}",
+                                url=where, code="upstream_token_ids") from None
+        if not request.get("logprobs"):
+            choice["logprobs"] = None
+
+    async def _tokenize(self, body: dict[str, Any], replica: Replica, ctx: RequestContext) -> list[int]:
+        """Prompt IDs from vLLM's ``POST {root}/tokenize`` (root = base URL without ``/v1``), same replica."""
+        root = replica.base_url.removesuffix("/v1")
+        tbody = {"model": body.get("model"), "messages": body.get("messages"), "add_generation_prompt": True}
+        for key in ("tools", "chat_template_kwargs"):
+            if body.get(key):
+                tbody[key] = body[key]
+        try:
+            result, _ = await self._call("tokenize", tbody, ctx, replica=replica, url=f"{root}/tokenize")
+        except GymserveError as exc:
+            raise InvalidRequestError(f"no prompt_token_ids in the answer and the /tokenize fallback failed: {exc.message}") from None
+        tokens = result.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise InvalidRequestError(f"{root}/tokenize returned no token list")
+        return tokens
+
+
+def _tool_parser(name: str, model: str | None):
+    from gymserve.parsers import get_tool_call_parser
+
+    if name == "auto":
+        from gymserve.parsers.tool_calls import infer_tool_call_parser
+
+        name, _ = infer_tool_call_parser(None, model, None)
+    return get_tool_call_parser(name)
+
+
+def mirror_reasoning(message: dict[str, Any]) -> None:
+    """Copy ``reasoning`` ⇄ ``reasoning_content`` so both names carry the text (CR-01)."""
+    text = message.get("reasoning_content") or message.get("reasoning")
+    if isinstance(text, str) and text:
+        for key in ("reasoning_content", "reasoning"):
+            if not message.get(key):
+                message[key] = text
+
+
+def vllm_token_fields(completion: dict[str, Any], choice: dict[str, Any]) -> tuple[list | None, list | None, list | None]:
+    """``(prompt_ids, generation_ids, logprobs)`` from vLLM's answer shapes (None where absent).
+
+    Raises ``InvalidRequestError`` when ``token_ids`` and the ``token_id:N`` log-prob tokens
+    disagree, or when log-prob entries lack numbers."""
+    prompt = completion.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    gen = choice.get("token_ids")
+    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    logprobs = None
+    if isinstance(content, list):
+        if not all(isinstance(e, dict) and isinstance(e.get("logprob"), (int, float)) for e in content):
+            raise InvalidRequestError("logprobs.content has entries without a numeric logprob")
+        logprobs = [float(e["logprob"]) for e in content]
+        tokens = [e.get("token") for e in content]
+        if all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+            ids = [int(t.split(":", 1)[1]) for t in tokens]
+            if gen is None:
+                gen = ids
+            elif list(gen) != ids:
+                raise InvalidRequestError("choices[0].token_ids and the token_id:N tokens of logprobs.content disagree")
+    return prompt, gen, logprobs
+
+
+def completion_to_chunks(completion: ChatCompletionDict) -> list[dict[str, Any]]:
+    """A whole ``ChatCompletion`` as two ``ChatCompletionChunk`` dicts: the full delta, then the
+    finish reason with usage (training fields ride on the first delta)."""
+    head = {"id": completion.get("id"), "object": "chat.completion.chunk", "created": completion.get("created"),
+            "model": completion.get("model")}
+    choice = completion["choices"][0]
+    delta = {k: v for k, v in (choice.get("message") or {}).items() if v is not None}
+    if delta.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(delta["tool_calls"])]
+    return [
+        {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice.get("logprobs")}]},
+        {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason")}],
+         "usage": completion.get("usage")},
+    ]
+
+
+def strip_training_fields(obj: Any) -> Any:
+    """A copy of a request without gymserve's training fields on messages/items (clouds reject them)."""
+    if isinstance(obj, list):
+        return [strip_training_fields(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: strip_training_fields(v) for k, v in obj.items() if k not in TRAINING_FIELDS}
+    return obj

@@ -1,0 +1,182 @@
+"""Replicas, session affinity, health, concurrency limits and retry delays for remote backends.
+
+- ``ReplicaPool``: several base URLs of one model. A new session is assigned round-robin among the
+  healthy replicas, then sticks to its replica so a multi-turn rollout keeps hitting the same
+  prefix (KV) cache; requests without a session go round-robin. A replica that fails to connect is
+  marked unhealthy and skipped; a background probe (``GET {base}/models``, which every
+  OpenAI-compatible server answers) brings it back when it answers again. When every replica is
+  unhealthy requests still go out (round-robin), so a recovered server is used before the next probe.
+- ``Limiter``: at most ``limit`` calls in flight and ``max_queue`` waiting; beyond that
+  ``OverloadedError`` (429 with ``retry_after``), so overload turns into back-pressure instead of
+  unbounded memory and latency.
+- ``backoff_delay``: exponential backoff with jitter, honouring an upstream ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gymserve.errors import OverloadedError
+
+log = logging.getLogger("gymserve.backends.pool")
+
+MAX_BACKOFF = 8.0
+
+
+@dataclass(eq=False)
+class Replica:
+    """One upstream server. ``client`` is its SDK client; ``last_error`` says why it is unhealthy."""
+
+    base_url: str
+    client: Any = None
+    healthy: bool = True
+    last_error: str | None = None
+    in_flight: int = 0
+    sessions: int = field(default=0)
+
+
+class ReplicaPool:
+    """Chooses a replica per request; see the module docstring for the policy.
+
+    ``probe(replica)`` must raise when the replica is down (it is called every ``interval``
+    seconds once ``start()`` has run inside an event loop; ``interval == 0`` disables probing).
+    ``max_sessions`` bounds the affinity table (least recently used sessions are forgotten).
+    """
+
+    def __init__(self, replicas: list[Replica], *, probe: Callable[[Replica], Awaitable[Any]] | None = None,
+                 interval: float = 10.0, max_sessions: int = 100_000):
+        if not replicas:
+            raise ValueError("a replica pool needs at least one replica")
+        self.replicas = replicas
+        self._probe = probe
+        self._interval = interval
+        self._rr = itertools.count()
+        self._sessions: OrderedDict[str, Replica] = OrderedDict()
+        self._max_sessions = max_sessions
+        self._task: asyncio.Task | None = None
+
+    def _next_healthy(self) -> Replica:
+        healthy = [r for r in self.replicas if r.healthy] or self.replicas
+        return healthy[next(self._rr) % len(healthy)]
+
+    def pick(self, session_id: str | None = None) -> Replica:
+        """The replica for this request: the session's own if healthy, else a round-robin choice
+        (recorded for the session)."""
+        self.start()
+        if session_id is None:
+            return self._next_healthy()
+        replica = self._sessions.get(session_id)
+        if replica is not None and (replica.healthy or not any(r.healthy for r in self.replicas)):
+            self._sessions.move_to_end(session_id)
+            return replica
+        if replica is not None:
+            replica.sessions -= 1
+            log.info("session %s moves off unhealthy replica %s", session_id, replica.base_url)
+        replica = self._next_healthy()
+        self._sessions[session_id] = replica
+        replica.sessions += 1
+        if len(self._sessions) > self._max_sessions:
+            _, old = self._sessions.popitem(last=False)
+            old.sessions -= 1
+        return replica
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        if replica.healthy:
+            log.warning("replica %s marked unhealthy: %s", replica.base_url, reason)
+        replica.healthy, replica.last_error = False, reason
+
+    def mark_up(self, replica: Replica) -> None:
+        if not replica.healthy:
+            log.info("replica %s is healthy again", replica.base_url)
+        replica.healthy, replica.last_error = True, None
+
+    async def check_all(self) -> None:
+        """Probe every replica once, updating health."""
+        if self._probe is None:
+            return
+
+        async def one(replica: Replica) -> None:
+            try:
+                await self._probe(replica)
+            except Exception as exc:  # any failure means "not usable now"
+                self.mark_down(replica, getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
+            else:
+                self.mark_up(replica)
+
+        await asyncio.gather(*(one(r) for r in self.replicas))
+
+    def start(self) -> None:
+        """Start the background probe (idempotent; needs a running event loop)."""
+        if self._task is not None or self._probe is None or self._interval <= 0:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._task = loop.create_task(self._loop(), name="gymserve-replica-health")
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            await self.check_all()
+
+    def status(self) -> dict[str, Any]:
+        """``{"status": ok|degraded|down, "replicas": [...]}`` for ``/health``."""
+        up = sum(r.healthy for r in self.replicas)
+        state = "ok" if up == len(self.replicas) else "degraded" if up else "down"
+        return {"status": state, "replicas": [
+            {"base_url": r.base_url, "healthy": r.healthy, "in_flight": r.in_flight, "sessions": r.sessions,
+             **({"last_error": r.last_error} if r.last_error else {})} for r in self.replicas]}
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
+                await self._task
+            self._task = None
+
+
+class Limiter:
+    """At most ``limit`` concurrent calls and ``max_queue`` waiting ones (``OverloadedError`` beyond)."""
+
+    def __init__(self, limit: int, max_queue: int, *, name: str = "backend"):
+        self.limit, self.max_queue, self.name = limit, max_queue, name
+        self._sem = asyncio.Semaphore(limit)
+        self.waiting = 0
+        self.running = 0
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self._sem.locked() and self.waiting >= self.max_queue:
+            raise OverloadedError(
+                f"{self.name} is overloaded: {self.running} requests running (num_concurrent_requests={self.limit}) "
+                f"and {self.waiting} queued (max_queue={self.max_queue}); retry later",
+                retry_after=1.0,
+            )
+        self.waiting += 1
+        try:
+            await self._sem.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            self._sem.release()
+
+
+def backoff_delay(attempt: int, initial: float, retry_after: float | None = None) -> float:
+    """Seconds to wait before retry ``attempt`` (0-based): ``initial * 2**attempt`` capped at 8 s,
+    minus up to 25 % jitter (as the openai SDK does); an upstream Retry-After up to 60 s wins."""
+    if retry_after is not None and 0 < retry_after <= 60:
+        return retry_after
+    return min(initial * (2 ** attempt), MAX_BACKOFF) * (1 - 0.25 * random.random())

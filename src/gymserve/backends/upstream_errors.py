@@ -1,0 +1,246 @@
+"""Turning openai-SDK / httpx exceptions into gymserve errors that explain.
+
+The SDK's ``APIConnectionError`` always reads "Connection error." and hides the cause (a missing
+URL scheme, a DNS failure, a refused port), so misconfigured endpoints look like network outages
+(case AZ-02). Here every failure becomes a ``GymserveError`` whose message names:
+
+- the URL tried (``redact_url``: no user-info, no key-like query parameters);
+- the cause: the HTTP status and upstream message, or the root exception class and host;
+- the likely fix (missing ``/v1``, missing ``api-version``, a deployment-scoped Azure base used for
+  Responses, a chat-only server asked for Responses, a wrong port...).
+
+A 404 is reported as a 404 with its path, never as a connection error. Upstream context-window
+overflows become ``UpstreamContextLengthError`` so callers can answer with an empty, incomplete
+reply instead of retrying (case CL-01). API keys never appear: every message goes through
+``redact`` with the configured secrets.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from gymserve.errors import GymserveError, OverloadedError, UpstreamConnectionError, UpstreamError
+
+_SECRET_QUERY = re.compile(r"(key|token|secret|sig|signature|password|code)", re.I)
+# Key shapes worth masking even when we were not told the value (an upstream echoing a key back).
+_KEY_PATTERNS = re.compile(r"\b(sk-[A-Za-z0-9_\-]{6,}|Bearer\s+[A-Za-z0-9._\-]{8,})")
+
+# What vLLM, SGLang, llama.cpp, TensorRT-LLM, OpenAI and Azure say when the prompt outgrows the window.
+_CONTEXT_PATTERNS = re.compile(
+    r"maximum context length|context length|context_length_exceeded|context window|exceed_context_size"
+    r"|context size|max_model_len|maximum model length|max_seq_len|prompt is too long"
+    r"|max_tokens.{0,40}(too large|exceed)|(too large|exceed).{0,40}max_tokens",
+    re.I,
+)
+
+
+class UpstreamContextLengthError(UpstreamError):
+    """The upstream refused the request because the prompt (plus max_tokens) exceeds its context
+    window (400, code ``context_length_exceeded``). Backends answer it with an empty, length-
+    terminated reply; it is never retried (the overflow is deterministic)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, url: str | None = None):
+        super().__init__(message, url=url, status_code=400, code="context_length_exceeded")
+
+
+def redact(text: str, secrets: tuple[str, ...] | list[str] = ()) -> str:
+    """``text`` with every configured secret (and anything shaped like a key) replaced by ``***``."""
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "***")
+    return _KEY_PATTERNS.sub(lambda m: m.group(0)[:3] + "***", text)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user-info and with key-like query values replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    query = urlencode([(k, "***" if _SECRET_QUERY.search(k) and k != "api-version" else v)
+                       for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe=":/*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def is_context_length_message(text: str | None, code: str | None = None) -> bool:
+    """True when an upstream error message/code means "the prompt does not fit the context window"."""
+    return code == "context_length_exceeded" or bool(text and _CONTEXT_PATTERNS.search(text))
+
+
+def _body_message(body: Any, fallback: str) -> tuple[str, str | None, str | None]:
+    """(message, code, param) from an OpenAI-shaped (``{"error": {...}}``), vLLM-shaped
+    (``{"object": "error", "message"}``) or FastAPI-shaped (``{"detail"}``) error body."""
+    if isinstance(body, dict):
+        inner = body.get("error") if isinstance(body.get("error"), dict) else body
+        msg = inner.get("message") or inner.get("detail") or body.get("detail") or fallback
+        code, param = inner.get("code"), inner.get("param")
+        return str(msg), (str(code) if code is not None else None), (str(param) if param is not None else None)
+    if isinstance(body, str) and body.strip():
+        return body.strip()[:500], None, None
+    return fallback, None, None
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        nxt = exc.__cause__ or exc.__context__
+        if nxt is None:
+            break
+        exc = nxt
+    return exc
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _not_found_hint(url: str, kind: str, backend: str, api_version: str | None) -> str:
+    path = urlsplit(url).path
+    if backend == "azure":
+        hint = ("Azure answers a bare 404 'Resource not found' when api-version is missing or wrong, or the path is wrong. "
+                "Chat Completions is deployment-scoped ({endpoint}/openai/deployments/<deployment>/chat/completions) "
+                "but Responses is not ({endpoint}/openai/responses, or {endpoint}/openai/v1/responses): "
+                "a /deployments/ base used for Responses 404s, and the deployment name goes in body.model.")
+        if "/deployments/" in path and kind == "responses":
+            hint = "This Responses URL is deployment-scoped, which Azure does not serve. " + hint
+        return hint + f" api-version sent: {api_version or 'none'}; check the deployment name and api_version."
+    if kind == "responses":
+        return ("The server has no Responses API at this path: most OpenAI-compatible servers (vLLM, SGLang, llama.cpp, "
+                "transformers serve) speak only Chat Completions; use backend type 'chat', which converts Responses "
+                "requests to Chat Completions, or fix base_url.")
+    if "/v1" not in path:
+        return "The base URL probably lacks /v1 (e.g. http://host:8000/v1); gymserve appends /chat/completions to it."
+    return "Check the base URL's path (it should end where /chat/completions is appended, usually /v1) and the model name."
+
+
+def _connection_hint(root: BaseException, host: str, port: int | None) -> str:
+    text = f"{type(root).__name__}: {root}".lower()
+    if "name or service not known" in text or "nodename nor servname" in text or "getaddrinfo" in text \
+            or "name resolution" in text or "no address associated" in text:
+        return f"DNS lookup of {host} failed: check the host name in the base URL/endpoint."
+    if "refused" in text:
+        return f"nothing is listening on {host}:{port}: is the server running, and is the port right?"
+    if "ssl" in text or "certificate" in text or "tls" in text:
+        return "TLS handshake failed: check http:// vs https:// and the server's certificate."
+    if "unsupportedprotocol" in text or "missing an 'http://' or 'https://'" in text or "protocol" in text:
+        return "the URL must start with http:// or https://."
+    if "timeout" in text:
+        return "the server did not answer in time: raise timeout, lower the load, or check the host is reachable."
+    return "check the base URL, that the server is up, and any proxy settings."
+
+
+def translate_error(exc: BaseException, *, url: str, kind: str = "chat", backend: str = "chat",
+                    secrets: tuple[str, ...] = (), api_version: str | None = None,
+                    timeout: float | None = None) -> GymserveError:
+    """The ``GymserveError`` that explains ``exc`` raised while calling ``url``.
+
+    ``kind``: what was called ("chat", "responses", "models", "tokenize"); ``backend``: "chat",
+    "openai" or "azure" (selects the hints). Returns (never raises):
+    ``UpstreamContextLengthError`` (400), ``UpstreamError`` with the upstream's 4xx status and message
+    for other 400/422s, ``OverloadedError`` (429, ``retry_after`` from the header), ``UpstreamError``
+    (502) for 401/403/404/5xx and unreadable answers, ``UpstreamConnectionError`` (502, 504 on timeout).
+    """
+    if isinstance(exc, GymserveError):
+        return exc
+    shown = redact_url(url)
+    response = getattr(exc, "response", None)
+    status = getattr(exc, "status_code", None) or getattr(response, "status_code", None)
+    if status is not None and response is not None:
+        body = getattr(exc, "body", None)
+        if body is None:
+            try:
+                body = response.json()
+            except Exception:
+                body = getattr(response, "text", "")
+        msg, code, param = _body_message(body, str(exc))
+        msg = redact(msg, secrets)
+        sent = getattr(response, "request", None)
+        if sent is not None and getattr(sent, "url", None) is not None:
+            shown = redact_url(str(sent.url))  # the URL as sent, default query (api-version) included
+        where = f"{getattr(sent, 'method', 'POST')} {shown}"
+        if status in (400, 413, 422, 500) and is_context_length_message(msg, code):
+            return UpstreamContextLengthError(f"upstream context window exceeded ({where}): {msg}", url=shown)
+        if status == 404:
+            return UpstreamError(f"upstream returned 404 Not Found for {where}: {msg!r}. "
+                                 f"{_not_found_hint(url, kind, backend, api_version)}", url=shown, code="upstream_not_found")
+        if status in (401, 403):
+            fix = ("the key goes in the api-key header (api_key) or an Entra token in azure_ad_token"
+                   if backend == "azure" else "set api_key (sent as Authorization: Bearer)")
+            return UpstreamError(f"upstream rejected the credentials ({status}) for {where}: {msg}. Check the key: {fix}.",
+                                 url=shown, code="upstream_auth")
+        if status == 429:
+            retry_after = _retry_after(response)
+            err = OverloadedError(f"upstream is rate limiting ({where}): {msg}", retry_after=retry_after or 1.0)
+            err.code = "upstream_rate_limited"
+            err.upstream_retry_after = retry_after
+            return err
+        if 400 <= status < 500:
+            err = UpstreamError(msg, url=shown, status_code=status if status != 408 else 504, param=param, code=code)
+            err.error_type = "invalid_request_error"
+            return err
+        return UpstreamError(f"upstream failed with {status} ({where}): {msg}", url=shown, code="upstream_server_error")
+
+    chain = _chain(exc)
+    names = {type(e).__name__ for e in chain}
+    root = _root_cause(exc)
+    parts = urlsplit(url)
+    host = parts.hostname or "?"
+    port = parts.port or (443 if parts.scheme == "https" else 80 if parts.scheme == "http" else None)
+    cause = f"{type(root).__name__}: {redact(str(root), secrets)}" if str(root) else type(root).__name__
+    # The transport's class (httpx ConnectError, ReadTimeout...) is what users search for; the
+    # root (gaierror, ConnectionRefusedError) says why.
+    transport = next((e for e in chain if type(e).__module__.split(".")[0].startswith(("httpx", "httpcore"))), None)
+    if transport is not None and transport is not root:
+        cause = f"{type(transport).__name__} ({cause})"
+    if names & {"APITimeoutError", "ReadTimeout", "WriteTimeout", "PoolTimeout", "TimeoutException", "TimeoutError"} \
+            and not names & {"ConnectTimeout"}:
+        after = f" after {timeout:g} s" if timeout else ""
+        return UpstreamConnectionError(f"upstream {host} timed out{after} ({shown}; {cause}). "
+                                       "Raise the backend timeout or lower num_concurrent_requests.",
+                                       url=shown, status_code=504, code="upstream_timeout")
+    if names & {"APIConnectionError", "ConnectError", "ConnectTimeout", "NetworkError", "TransportError",
+                "UnsupportedProtocol", "RemoteProtocolError", "ProxyError", "ReadError", "WriteError", "OSError",
+                "ConnectionError", "gaierror", "LocalProtocolError"} or isinstance(root, OSError):
+        return UpstreamConnectionError(
+            f"cannot reach upstream host {host} ({shown}): {cause}. {_connection_hint(root, host, port)}",
+            url=shown, status_code=502, code="upstream_unreachable")
+    if names & {"JSONDecodeError", "APIResponseValidationError"}:
+        return UpstreamError(f"upstream answered {shown} with something that is not the expected JSON ({cause}); "
+                             "is the base URL pointing at an OpenAI-compatible API?", url=shown, code="upstream_bad_response")
+    return UpstreamError(f"calling {shown} failed: {cause}", url=shown)
+
+
+def _retry_after(response: Any) -> float | None:
+    try:
+        return max(0.0, float(response.headers.get("retry-after")))
+    except (TypeError, ValueError):
+        return None
+
+
+def is_retryable(err: GymserveError) -> bool:
+    """Connection errors (not timeouts of a request that may be running), 5xx and 429 only: a
+    4xx is deterministic and a context-window overflow would fail the same way again."""
+    if isinstance(err, UpstreamContextLengthError):
+        return False
+    if isinstance(err, OverloadedError):
+        return True
+    if isinstance(err, UpstreamConnectionError):
+        return err.code != "upstream_timeout"
+    return isinstance(err, UpstreamError) and err.code == "upstream_server_error"
+
+
+def is_connection_failure(err: GymserveError) -> bool:
+    """The replica itself is unreachable (mark it unhealthy), as opposed to a bad answer."""
+    return isinstance(err, UpstreamConnectionError) and err.code == "upstream_unreachable"

@@ -1,0 +1,242 @@
+"""In-process fake upstreams: OpenAI, Azure OpenAI (and gateways in front of it), and scriptable
+OpenAI-compatible chat servers.
+
+Each runs a Starlette app under uvicorn on 127.0.0.1 and a free port, in a daemon thread, records
+every request (method, path, query, headers, JSON body) and checks it the way the cloud would:
+OpenAI wants ``Authorization: Bearer <key>``; Azure wants the ``api-key`` header and the
+``api-version`` query parameter and answers a bare 404 ``Resource not found`` for a missing
+api-version or a path it does not serve (e.g. a deployment-scoped Responses URL).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]
+    body: Any
+
+
+Answer = tuple[int, Any] | tuple[int, Any, dict[str, str]] | Response
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeServer:
+    """Serve ``handler(recorded) -> (status, json[, headers]) | Response`` on 127.0.0.1.
+
+    ``url`` is ``http://127.0.0.1:<port>``; ``requests`` the recorded requests; ``stop()`` and
+    ``start()`` again (same port) simulate a replica going down and coming back.
+    """
+
+    def __init__(self, handler: Callable[[Recorded], Answer], port: int | None = None):
+        self.handler = handler
+        self.port = port or free_port()
+        self.requests: list[Recorded] = []
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
+        self.app = Starlette(routes=[Route("/{path:path}", self._endpoint, methods=methods)])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _endpoint(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = raw.decode(errors="replace")
+        rec = Recorded(request.method, request.url.path, dict(request.query_params),
+                       {k.lower(): v for k, v in request.headers.items()}, body)
+        self.requests.append(rec)
+        answer = self.handler(rec)
+        if callable(getattr(answer, "__await__", None)):
+            answer = await answer
+        if isinstance(answer, Response):
+            return answer
+        status, payload, *rest = answer
+        return JSONResponse(payload, status_code=status, headers=rest[0] if rest else None)
+
+    def start(self) -> FakeServer:
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"fake server on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(10)
+            self._server = None
+
+    def __enter__(self) -> FakeServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def chat_requests(self) -> list[Recorded]:
+        return [r for r in self.requests if r.path.endswith("/chat/completions")]
+
+
+# ---------------------------------------------------------------------------------- payloads
+def completion(content: str | None = "ok", *, model: str = "m", finish_reason: str = "stop",
+               extra: dict[str, Any] | None = None, **message_fields: Any) -> dict[str, Any]:
+    """A ChatCompletion dict; ``message_fields`` go on the message, ``extra`` on the completion."""
+    return {
+        "id": "chatcmpl-" + uuid.uuid4().hex[:8], "object": "chat.completion", "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "finish_reason": finish_reason, "logprobs": None,
+                     "message": {"role": "assistant", "content": content, **message_fields}}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+        **(extra or {}),
+    }
+
+
+def response_obj(text: str, *, model: str) -> dict[str, Any]:
+    """A minimal Responses API ``Response`` dict."""
+    return {
+        "id": "resp_" + uuid.uuid4().hex[:8], "object": "response", "created_at": time.time(), "status": "completed",
+        "model": model, "error": None, "incomplete_details": None,
+        "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+        "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4},
+        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+    }
+
+
+def sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
+    def gen():
+        for c in chunks:
+            yield f"data: {json.dumps(c)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+# ---------------------------------------------------------------------------------- OpenAI
+def openai_handler(api_key: str, model: str = "gpt-test") -> Callable[[Recorded], Answer]:
+    """Like api.openai.com: Bearer auth, /v1/chat/completions, /v1/responses, /v1/models."""
+
+    def handle(r: Recorded) -> Answer:
+        if r.headers.get("authorization") != f"Bearer {api_key}":
+            return 401, {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                                   "param": None, "code": "invalid_api_key"}}
+        if r.method == "GET" and r.path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "openai"}]}
+        if r.method == "POST" and r.path == "/v1/chat/completions":
+            if r.body.get("model") != model or not isinstance(r.body.get("messages"), list):
+                return 400, {"error": {"message": "bad model or messages", "type": "invalid_request_error"}}
+            return 200, completion("hello from openai", model=model)
+        if r.method == "POST" and r.path == "/v1/responses":
+            if r.body.get("model") != model or "input" not in r.body:
+                return 400, {"error": {"message": "bad model or input", "type": "invalid_request_error"}}
+            if r.body["input"] == "overflow":
+                return 400, {"error": {"message": "Your input exceeds the context window of this model.",
+                                       "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}}
+            done = response_obj("hello from responses", model=model)
+            if r.body.get("stream"):
+                return sse([{"type": "response.created", "sequence_number": 0, "response": {**done, "status": "in_progress", "output": []}},
+                            {"type": "response.completed", "sequence_number": 1, "response": done}])
+            return 200, done
+        return 404, {"error": {"message": f"Invalid URL ({r.method} {r.path})", "type": "invalid_request_error",
+                               "param": None, "code": None}}
+
+    return handle
+
+
+# ---------------------------------------------------------------------------------- Azure
+AZ_NOT_FOUND = (404, {"error": {"code": "404", "message": "Resource not found"}})
+
+
+def azure_handler(*, api_key: str, api_version: str, deployment: str, chat_paths: tuple[str, ...] | None = None,
+                  responses_paths: tuple[str, ...] | None = None) -> Callable[[Recorded], Answer]:
+    """Like an Azure OpenAI resource (or a gateway with ``chat_paths``/``responses_paths``).
+
+    Default paths: ``/openai/deployments/{deployment}/chat/completions``; ``/openai/responses`` and
+    ``/openai/v1/responses`` (body.model must be the deployment); ``/openai/models``.
+    """
+    chat_paths = chat_paths or (f"/openai/deployments/{deployment}/chat/completions",)
+    responses_paths = responses_paths or ("/openai/responses", "/openai/v1/responses")
+
+    def handle(r: Recorded) -> Answer:
+        if r.query.get("api-version") != api_version:
+            return AZ_NOT_FOUND
+        if r.headers.get("api-key") != api_key or api_key in r.headers.get("authorization", ""):
+            return 401, {"error": {"code": "401", "message": "Access denied due to invalid subscription key or wrong "
+                                                             "API endpoint. Make sure to provide a valid key."}}
+        if r.method == "GET" and r.path.endswith("/models"):
+            return 200, {"object": "list", "data": [{"id": "gpt-4o", "object": "model"}]}
+        if r.method == "POST" and r.path in chat_paths:
+            return 200, completion("hello from azure chat", model="gpt-4o-2024-08-06")
+        if r.method == "POST" and r.path in responses_paths:
+            if r.body.get("model") != deployment:
+                return 404, {"error": {"code": "DeploymentNotFound", "message": "The API deployment for this resource "
+                                                                               "does not exist."}}
+            return 200, response_obj("hello from azure responses", model="gpt-4o-2024-08-06")
+        return AZ_NOT_FOUND
+
+    return handle
+
+
+# ---------------------------------------------------------------------------------- chat servers
+@dataclass
+class ChatScript:
+    """A scriptable OpenAI-compatible chat server (vLLM stand-in).
+
+    ``plan``: answers consumed one per chat request before falling back to ``default``;
+    ``default(recorded)`` builds the normal answer (by default a completion naming ``name``).
+    """
+
+    name: str = "replica"
+    plan: list[Answer] = field(default_factory=list)
+    default: Callable[[Recorded], Answer] | None = None
+    tokenize: Callable[[Recorded], Answer] | None = None
+
+    def __call__(self, r: Recorded) -> Answer:
+        if r.method == "GET" and r.path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": "policy", "object": "model"}]}
+        if r.path == "/tokenize" and self.tokenize is not None:
+            return self.tokenize(r)
+        if r.path != "/v1/chat/completions":
+            return 404, {"detail": "Not Found"}
+        if self.plan:
+            return self.plan.pop(0)
+        if self.default is not None:
+            return self.default(r)
+        return 200, completion(f"from {self.name}", model=r.body.get("model", "m"))
+
+
+def vllm_error(message: str, status: int = 400) -> tuple[int, dict[str, Any]]:
+    """vLLM's error body (``{"object": "error", "message", "type", "code"}``)."""
+    return status, {"object": "error", "type": "BadRequestError", "code": status, "message": message}

@@ -1,0 +1,284 @@
+"""The chat backend against fake OpenAI-compatible chat servers: replicas, affinity, health,
+retries, limits, token IDs, reasoning fields, client-side parsing and streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from fakes import ChatScript, FakeServer, completion, sse, vllm_error
+
+from gymserve.backends import RequestContext, build_backend
+from gymserve.backends.chat import ChatBackend
+from gymserve.config import ConfigError, validate_config
+from gymserve.errors import OverloadedError, UpstreamConnectionError, UpstreamError
+
+KEY = "sk-chat-SECRET-abcdef0123"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def make(urls, max_queue=1024, **options) -> ChatBackend:
+    cfg = validate_config({"server": {"max_queue": max_queue}, "backend": {
+        "type": "chat", "base_urls": urls, "model": "policy", "api_key": KEY, "retry_backoff": 0.01, **options}})
+    return build_backend(cfg)
+
+
+@pytest.fixture
+def servers():
+    started = []
+
+    def start(script=None, port=None):
+        s = FakeServer(script or ChatScript(name=f"r{len(started)}"), port=port).start()
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+async def test_chat_passes_body_model_key_and_options(servers):
+    s = servers()
+    b = make([s.url + "/v1/"], chat_template_kwargs={"enable_thinking": False}, extra_body={"top_k": 20},
+             default_headers={"X-Team": "rl"}, served_model_name="public")
+    out = await b.chat({"model": "whatever", "messages": MSG, "max_tokens": 4, "top_k": 5}, RequestContext())
+    rec = s.requests[-1]
+    assert rec.path == "/v1/chat/completions" and rec.headers["authorization"] == f"Bearer {KEY}"
+    assert rec.headers["x-team"] == "rl"
+    assert rec.body == {"model": "policy", "messages": MSG, "max_tokens": 4, "top_k": 5,
+                        "chat_template_kwargs": {"enable_thinking": False}}
+    assert out["choices"][0]["message"]["content"] == "from r0" and out["model"] == "public"
+    assert await b.models() == ["public"]
+    await b.close()
+
+
+async def test_no_key_sends_placeholder_not_the_environment(servers, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env-should-not-leak")
+    s = servers()
+    b = build_backend(validate_config({"backend": {"type": "chat", "base_url": s.url + "/v1"}}))
+    await b.chat({"model": "m", "messages": MSG}, RequestContext())
+    assert s.requests[-1].headers["authorization"] == "Bearer EMPTY"
+    assert await b.models() == ["policy"]  # asked upstream: no model configured
+    await b.close()
+
+
+async def test_responses_go_through_the_converter(servers):
+    s = servers(ChatScript(default=lambda r: (200, completion("4", reasoning="2+2=4", model="policy"))))
+    b = make([s.url + "/v1"])
+    resp = await b.responses({"model": "policy", "input": "2+2?", "max_output_tokens": 16}, RequestContext())
+    assert s.requests[-1].body["messages"][-1] == {"role": "user", "content": "2+2?"}
+    assert [i["type"] for i in resp["output"]] == ["reasoning", "message"] and resp["status"] == "completed"
+    await b.close()
+
+
+@pytest.mark.parametrize("fields", [{"reasoning": "r"}, {"reasoning_content": "r"}, {"reasoning": "r", "reasoning_content": "r"}])
+async def test_reasoning_comes_back_under_both_names(servers, fields):
+    s = servers(ChatScript(default=lambda r: (200, completion("4", **fields))))
+    b = make([s.url + "/v1"])
+    msg = (await b.chat({"messages": MSG}, RequestContext()))["choices"][0]["message"]
+    assert msg["reasoning"] == msg["reasoning_content"] == "r"
+    await b.close()
+
+
+async def test_sessions_stick_to_a_replica_and_new_ones_round_robin(servers):
+    a, c = servers(), servers()
+    b = make([a.url + "/v1", c.url + "/v1"])
+    seen = {}
+    for turn in range(3):
+        for sid in ("s1", "s2", "s3", "s4"):
+            out = await b.chat({"messages": MSG}, RequestContext(session_id=sid))
+            seen.setdefault(sid, set()).add(out["choices"][0]["message"]["content"])
+    assert all(len(v) == 1 for v in seen.values())
+    assert {next(iter(v)) for v in seen.values()} == {"from r0", "from r1"}
+    await b.close()
+
+
+async def test_dead_replica_is_skipped_and_comes_back(servers):
+    a, c = servers(), servers()
+    b = make([a.url + "/v1", c.url + "/v1"], health_check_interval=0.05)
+    first = (await b.chat({"messages": MSG}, RequestContext(session_id="s")))["choices"][0]["message"]["content"]
+    dead = a if first == "from r0" else c
+    dead.stop()
+    # The session's replica is gone: the call fails over (connection errors are retried).
+    out = await b.chat({"messages": MSG}, RequestContext(session_id="s"))
+    assert out["choices"][0]["message"]["content"] != first
+    assert (await b.health())["status"] == "degraded"
+    servers(ChatScript(name="back"), port=dead.port)
+    for _ in range(100):
+        if (await b.health())["status"] == "ok":
+            break
+        await asyncio.sleep(0.02)
+    assert (await b.health())["status"] == "ok"
+    await b.close()
+
+
+async def test_retries_5xx_and_429_then_succeeds(servers):
+    s = servers(ChatScript(plan=[vllm_error("busy", 503), (429, {"error": {"message": "slow"}}, {"retry-after": "0"})]))
+    b = make([s.url + "/v1"])
+    out = await b.chat({"messages": MSG}, RequestContext())
+    assert out["choices"][0]["message"]["content"] == "from replica" and len(s.chat_requests()) == 3
+    await b.close()
+
+
+async def test_retries_are_bounded(servers):
+    s = servers(ChatScript(plan=[vllm_error("boom", 500)] * 5))
+    b = make([s.url + "/v1"], max_retries=2)
+    with pytest.raises(UpstreamError) as info:
+        await b.chat({"messages": MSG}, RequestContext())
+    assert info.value.status_code == 502 and "500" in info.value.message and len(s.chat_requests()) == 3
+    await b.close()
+
+
+async def test_context_overflow_is_an_empty_length_reply_without_retry(servers):
+    overflow = vllm_error("This model's maximum context length is 32768 tokens. However, you requested 32818 tokens.")
+    s = servers(ChatScript(plan=[overflow, overflow, overflow]))
+    b = make([s.url + "/v1"])
+    out = await b.chat({"model": "policy", "messages": MSG}, RequestContext())
+    assert out["choices"][0]["finish_reason"] == "length" and out["choices"][0]["message"]["content"] is None
+    resp = await b.responses({"model": "policy", "input": "hi"}, RequestContext())
+    assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert resp["output"] == [] and len(s.chat_requests()) == 2
+    chunks = [c async for c in b.chat_stream({"model": "policy", "messages": MSG}, RequestContext())]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    await b.close()
+
+
+async def test_other_400_passes_through(servers):
+    s = servers(ChatScript(plan=[vllm_error("Invalid tool schema")]))
+    b = make([s.url + "/v1"])
+    with pytest.raises(UpstreamError) as info:
+        await b.chat({"messages": MSG}, RequestContext())
+    assert info.value.status_code == 400 and info.value.message == "Invalid tool schema" and len(s.chat_requests()) == 1
+    await b.close()
+
+
+async def test_overload_beyond_the_queue(servers):
+    gate = asyncio.Event()
+
+    async def slow(r):
+        await gate.wait()
+        return 200, completion("slow")
+
+    s = servers(ChatScript(default=slow))
+    b = make([s.url + "/v1"], max_queue=1, num_concurrent_requests=1)
+    first = asyncio.create_task(b.chat({"messages": MSG}, RequestContext()))
+    second = asyncio.create_task(b.chat({"messages": MSG}, RequestContext()))
+    await asyncio.sleep(0.2)
+    with pytest.raises(OverloadedError) as info:
+        await b.chat({"messages": MSG}, RequestContext())
+    assert info.value.status_code == 429
+    gate.set()
+    await asyncio.gather(first, second)
+    await b.close()
+
+
+async def test_unreachable_error_names_url_and_never_the_key(servers, caplog):
+    s = servers()
+    port = s.port
+    s.stop()
+    b = make([f"http://127.0.0.1:{port}/v1"], max_retries=1)
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(UpstreamConnectionError) as info:
+        await b.chat({"messages": MSG}, RequestContext())
+    assert f"http://127.0.0.1:{port}/v1/chat/completions" in info.value.message and "ConnectError" in info.value.message
+    assert KEY not in info.value.message and KEY not in caplog.text and "retry 1/1" in caplog.text
+    await b.close()
+
+
+# ------------------------------------------------------------------------------ token IDs
+def vllm_answer(r):
+    lp = {"content": [{"token": "token_id:11", "logprob": -0.5}, {"token": "token_id:12", "logprob": -0.25}]}
+    c = completion("ab", extra={"prompt_token_ids": [1, 2, 3]})
+    c["choices"][0].update(token_ids=[11, 12], logprobs=lp)
+    return 200, c
+
+
+async def test_token_ids_requested_in_vllm_forms_and_moved_to_the_message(servers):
+    s = servers(ChatScript(default=vllm_answer))
+    b = make([s.url + "/v1"], return_token_id_information=True)
+    out = await b.chat({"messages": MSG}, RequestContext())
+    body = s.requests[-1].body
+    assert body["return_token_ids"] and body["logprobs"] and body["return_tokens_as_token_ids"] and body["top_logprobs"] == 0
+    msg = out["choices"][0]["message"]
+    assert (msg["prompt_token_ids"], msg["generation_token_ids"], msg["generation_log_probs"]) == ([1, 2, 3], [11, 12], [-0.5, -0.25])
+    assert out["choices"][0]["logprobs"] is None  # the client did not ask for them
+    resp = await b.responses({"input": "x"}, RequestContext())
+    assert resp["output"][-1]["generation_token_ids"] == [11, 12]
+    await b.close()
+
+
+async def test_prompt_ids_from_tokenize_fallback_and_message_level_fields(servers):
+    def logprobs_only(r):
+        c = completion("a")
+        c["choices"][0]["logprobs"] = {"content": [{"token": "token_id:7", "logprob": -1.0}]}
+        return 200, c
+
+    s = servers(ChatScript(default=logprobs_only, tokenize=lambda r: (200, {"count": 2, "tokens": [5, 6]})))
+    b = make([s.url + "/v1"], return_token_id_information=True)
+    msg = (await b.chat({"messages": MSG}, RequestContext()))["choices"][0]["message"]
+    assert msg["prompt_token_ids"] == [5, 6] and msg["generation_token_ids"] == [7]
+    tok = [r for r in s.requests if r.path == "/tokenize"][0]
+    assert tok.body["messages"] == MSG and tok.body["add_generation_prompt"] is True
+    s.handler.default = lambda r: (200, completion("a", prompt_token_ids=[1], generation_token_ids=[2], generation_log_probs=[-0.1]))
+    msg = (await b.chat({"messages": MSG}, RequestContext()))["choices"][0]["message"]
+    assert msg["generation_log_probs"] == [-0.1]
+    await b.close()
+
+
+@pytest.mark.parametrize("answer, words", [
+    (completion("a"), "no generation token IDs"),
+    (completion("a", prompt_token_ids=[1], generation_token_ids=[2]), "must come together"),
+    (completion("a", prompt_token_ids=[1], generation_token_ids=[2, 3], generation_log_probs=[-1.0]), "one log-prob per"),
+])
+async def test_partial_token_metadata_is_an_error(servers, answer, words):
+    s = servers(ChatScript(default=lambda r: (200, answer), tokenize=lambda r: (200, {"tokens": [1]})))
+    b = make([s.url + "/v1"], return_token_id_information=True)
+    with pytest.raises(UpstreamError, match=words) as info:
+        await b.chat({"messages": MSG}, RequestContext())
+    assert info.value.status_code == 502 and info.value.code == "upstream_token_ids"
+    await b.close()
+
+
+# ------------------------------------------------------------------------------ parsing, streaming
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+async def test_client_side_parsers_for_raw_text_servers(servers):
+    raw = '<think>user wants weather</think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    s = servers(ChatScript(default=lambda r: (200, completion(raw))))
+    b = make([s.url + "/v1"], tool_parser="hermes", reasoning_parser="qwen3")
+    out = await b.chat({"messages": MSG, "tools": TOOLS}, RequestContext())
+    msg, choice = out["choices"][0]["message"], out["choices"][0]
+    assert msg["reasoning_content"] == "user wants weather" and msg["content"] is None
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert choice["finish_reason"] == "tool_calls"
+    with pytest.raises(ConfigError, match="tool_parser|tool-call parser"):
+        make([s.url + "/v1"], tool_parser="no-such-parser")
+    await b.close()
+
+
+async def test_streaming_passthrough(servers):
+    chunks = [{"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy",
+               "choices": [{"index": 0, "delta": {"role": "assistant", "reasoning": "hm"}, "finish_reason": None}]},
+              {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy",
+               "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}]
+    s = servers(ChatScript(default=lambda r: sse(chunks)))
+    b = make([s.url + "/v1"])
+    got = [c async for c in b.chat_stream({"messages": MSG, "stream": True}, RequestContext())]
+    assert s.requests[-1].body["stream"] is True
+    assert got[0]["choices"][0]["delta"]["reasoning_content"] == "hm" and got[1]["choices"][0]["delta"]["content"] == "hi"
+    await b.close()
+
+
+async def test_responses_stream_over_the_chat_stream(servers):
+    chunks = [{"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy",
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": None}]},
+              {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy",
+               "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+    s = servers(ChatScript(default=lambda r: sse(chunks)))
+    b = make([s.url + "/v1"])
+    events = [e async for e in b.responses_stream({"model": "policy", "input": "x", "stream": True}, RequestContext())]
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "hi"
+    await b.close()
