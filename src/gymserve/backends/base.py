@@ -44,6 +44,7 @@ class Backend:
     async def responses(self, request: ResponsesRequest, ctx: RequestContext) -> ResponseDict:
         from gymserve.convert import chat_to_response, responses_to_chat
 
+        request = self.fill_responses_defaults(request)
         chat_request = responses_to_chat(request, self.convert_options())
         completion = await self.chat(chat_request, ctx)
         return chat_to_response(completion, request)
@@ -58,6 +59,7 @@ class Backend:
         from gymserve.convert.stream import ResponseStreamBuilder
         from gymserve.errors import GymserveError
 
+        request = self.fill_responses_defaults(request)
         chat_request = responses_to_chat(request, self.convert_options())
         chat_request["stream"] = True
         chat_request["stream_options"] = {"include_usage": True}
@@ -79,6 +81,11 @@ class Backend:
             return
         for event in builder.finish():
             yield event
+
+    def fill_responses_defaults(self, request: ResponsesRequest) -> ResponsesRequest:
+        """The request as this backend will run it, so the Response echoes the real parameters
+        (e.g. the server's pinned temperature). Default: unchanged."""
+        return request
 
     def convert_options(self):
         """How this backend wants Responses requests rendered as chat (``gymserve.convert.ConvertOptions``)."""

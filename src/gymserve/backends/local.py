@@ -85,6 +85,14 @@ class LocalBackend(Backend):
             "context_window": self.engine.context_window, "eos_token_ids": list(self.engine.eos_token_ids),
         }
 
+    def fill_responses_defaults(self, request):
+        """Echo the pinned sampling params in the Response (the Responses API echoes what ran)."""
+        sampling = self.config.sampling
+        pinned = {"temperature": sampling.temperature, "top_p": sampling.top_p}
+        forced = sampling.on_mismatch == "override"
+        fill = {k: v for k, v in pinned.items() if v is not None and (forced or request.get(k) is None)}
+        return {**request, **fill} if fill else request
+
     async def models(self) -> list[str]:
         return [self.engine.model_name]
 
