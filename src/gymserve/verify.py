@@ -1,0 +1,285 @@
+"""Check rollouts for training: token contiguity across turns, and log-probs by teacher forcing.
+
+**Contiguity.** A multi-turn rollout is token-contiguous when, for every turn k ≥ 1, turn k's
+``prompt_token_ids`` start with turn k-1's ``prompt_token_ids + generation_token_ids``. Turns are
+read from a rollout's ``"turns"`` list (the ``gymserve rollout`` format, see ``gymserve.rollout``),
+or, when absent, from the output items that carry the training fields. A rollout without token
+fields is not contiguous (reason ``"no token fields"``): it cannot be trained on token-exactly.
+
+**Teacher forcing.** One forward pass of the same model over ``prompt + generation`` in float32;
+``log_softmax`` of the logits at the position before each generated token gives that token's
+log-prob. It must match the ``generation_log_probs`` the server reported within a tolerance
+(default 1e-4). For a contiguous rollout one pass over the last turn's sequence covers all turns
+(causal attention: a position's logits depend only on the tokens before it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gymserve.protocol import TokenInfo, get_token_info
+
+DEFAULT_TOLERANCE = 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# Contiguity
+
+
+def rollout_turns(rollout: dict[str, Any]) -> list[TokenInfo | None]:
+    """The training fields of each model call of a rollout, in order (None: a turn without them).
+
+    Raises ``gymserve.errors.InvalidRequestError`` on partial or inconsistent token fields.
+    """
+    if "turns" in rollout:
+        return [get_token_info(t) for t in rollout["turns"]]
+    return [info for item in rollout.get("output", []) if (info := get_token_info(item)) is not None]
+
+
+@dataclass
+class Contiguity:
+    """``ok``; otherwise ``turn`` (the first bad turn's index) and ``reason``."""
+
+    ok: bool
+    turn: int | None = None
+    reason: str | None = None
+
+
+def check_contiguity(turns: Sequence[TokenInfo | None]) -> Contiguity:
+    """Check that each turn's prompt starts with the previous turn's prompt + generation."""
+    if not turns or any(t is None for t in turns):
+        bad = next((i for i, t in enumerate(turns) if t is None), None)
+        return Contiguity(False, bad, "no token fields")
+    for k in range(1, len(turns)):
+        prev = turns[k - 1]["prompt_token_ids"] + turns[k - 1]["generation_token_ids"]
+        prompt = turns[k]["prompt_token_ids"]
+        if prompt[: len(prev)] != prev:
+            if len(prompt) < len(prev):
+                why = f"prompt has {len(prompt)} tokens, fewer than the previous prompt + generation ({len(prev)})"
+            else:
+                first = next(i for i, (a, b) in enumerate(zip(prompt, prev)) if a != b)
+                why = f"first differing token at position {first}: {prompt[first]} != {prev[first]}"
+            return Contiguity(False, k, why)
+    return Contiguity(True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Teacher forcing
+
+
+def load_model(spec: str | os.PathLike | None):
+    """A float32 causal LM in eval mode from ``spec`` (``None``/"embedded", a directory or a .gguf),
+    resolved by ``gymserve.engine.model_store.resolve_model``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gymserve.engine.model_store import resolve_model
+
+    resolved = resolve_model(None if spec is None else str(spec))
+    model = AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def _token_log_probs(model: Any, ids: Sequence[int], start: int):
+    """Log-probs (float32 tensor, length ``len(ids) - start``) of ``ids[start:]``, each given all
+    tokens before it, from one forward pass over ``ids``. Requires ``start >= 1``."""
+    import torch
+
+    if start < 1:
+        raise ValueError("teacher forcing needs at least one prompt token")
+    n_keep = len(ids) - start
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        try:
+            # Logits only where needed: the full [seq, vocab] matrix is GBs for long rollouts.
+            logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=n_keep + 1).logits[0]
+            logits = logits[:-1]  # the last position predicts a token beyond the sequence
+        except TypeError:  # models without logits_to_keep
+            logits = model(input_ids=input_ids, use_cache=False).logits[0, start - 1 : -1]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        targets = input_ids[0, start:]
+        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu()
+
+
+def teacher_forced_log_probs(model: Any, prompt_ids: Sequence[int], generation_ids: Sequence[int]) -> list[float]:
+    """Natural-log probability of each generated token given the prompt and the tokens before it.
+
+    ``model``: a transformers causal LM (``model(input_ids).logits``: ``[1, seq, vocab]``).
+    One forward pass over ``prompt_ids + generation_ids`` (shape ``[1, P + G]``); float32
+    ``log_softmax`` at positions ``P-1 … P+G-2``, gathered at the generated IDs. Returns ``G`` floats
+    (``[]`` when ``G == 0``). Raises ``ValueError`` on an empty prompt.
+    """
+    if not generation_ids:
+        return []
+    return _token_log_probs(model, list(prompt_ids) + list(generation_ids), len(prompt_ids)).tolist()
+
+
+def rollout_log_prob_diffs(model: Any, turns: Sequence[TokenInfo], contiguous: bool) -> list[float]:
+    """``|recomputed - reported|`` for every generated token of the rollout's turns, turn by turn."""
+    import torch
+
+    diffs: list[float] = []
+    if contiguous and len(turns) > 1:
+        last = turns[-1]
+        seq = last["prompt_token_ids"] + last["generation_token_ids"]
+        first = len(turns[0]["prompt_token_ids"])
+        logp = _token_log_probs(model, seq, first)
+        for t in turns:
+            p, g = len(t["prompt_token_ids"]), len(t["generation_token_ids"])
+            got = logp[p - first : p - first + g]
+            diffs += (got - torch.tensor(t["generation_log_probs"], dtype=torch.float32)).abs().tolist()
+        return diffs
+    for t in turns:
+        got = teacher_forced_log_probs(model, t["prompt_token_ids"], t["generation_token_ids"])
+        diffs += [abs(a - b) for a, b in zip(got, t["generation_log_probs"])]
+    return diffs
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole files
+
+
+@dataclass
+class RolloutCheck:
+    """One rollout's verdict; ``max_diff`` is None when log-probs were not recomputed."""
+
+    id: str
+    contiguity: Contiguity
+    num_tokens: int = 0
+    max_diff: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class VerifyReport:
+    """All rollouts: ``contiguous``/``total`` and the max log-prob difference over ``num_tokens``."""
+
+    checks: list[RolloutCheck] = field(default_factory=list)
+    tolerance: float = DEFAULT_TOLERANCE
+    teacher_forced: bool = False
+
+    @property
+    def total(self) -> int:
+        return len(self.checks)
+
+    @property
+    def contiguous(self) -> int:
+        return sum(c.contiguity.ok for c in self.checks)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.checks)
+
+    @property
+    def max_diff(self) -> float | None:
+        diffs = [c.max_diff for c in self.checks if c.max_diff is not None]
+        return max(diffs) if diffs else None
+
+    @property
+    def contiguity_ok(self) -> bool:
+        return self.total > 0 and self.contiguous == self.total
+
+    @property
+    def log_probs_ok(self) -> bool:
+        return self.max_diff is None or self.max_diff <= self.tolerance
+
+    @property
+    def ok(self) -> bool:
+        return self.contiguity_ok and self.log_probs_ok and not any(c.error for c in self.checks)
+
+
+def load_rollouts(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read a rollouts JSON Lines file (``gymserve rollout`` output). Raises ``ValueError`` naming
+    the line of invalid JSON."""
+    rollouts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rollouts.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid JSON ({exc})") from exc
+    return rollouts
+
+
+def verify_rollouts(rollouts: Sequence[dict[str, Any]], model: Any | None = None, *,
+                    tolerance: float = DEFAULT_TOLERANCE) -> VerifyReport:
+    """Check contiguity of every rollout and, when ``model`` is given, its log-probs.
+
+    Rollouts whose ``turns`` list is empty (an error before the first model call) are skipped.
+    """
+    report = VerifyReport(tolerance=tolerance, teacher_forced=model is not None)
+    for n, r in enumerate(rollouts):
+        rid = str(r.get("id", f"#{n + 1}"))
+        if "turns" in r and not r["turns"]:
+            continue
+        try:
+            turns = rollout_turns(r)
+        except Exception as exc:  # noqa: BLE001 - inconsistent fields are a finding, not a crash
+            report.checks.append(RolloutCheck(rid, Contiguity(False, None, str(exc)), error=str(exc)))
+            continue
+        check = RolloutCheck(rid, check_contiguity(turns))
+        if model is not None and turns and all(t is not None for t in turns):
+            diffs = rollout_log_prob_diffs(model, turns, check.contiguity.ok)
+            check.num_tokens = len(diffs)
+            check.max_diff = max(diffs) if diffs else 0.0
+        report.checks.append(check)
+    return report
+
+
+def format_report(report: VerifyReport, *, max_listed: int = 10) -> str:
+    """Human-readable summary: contiguity share, max log-prob difference, the first failures."""
+    lines = []
+    if report.total == 0:
+        lines.append("no rollouts with model calls to check")
+        return "\n".join(lines)
+    share = 100.0 * report.contiguous / report.total
+    lines.append(f"contiguity: {report.contiguous}/{report.total} rollouts token-contiguous ({share:.1f}%)"
+                 + ("" if report.contiguity_ok else "  FAIL"))
+    if report.teacher_forced:
+        md = report.max_diff
+        md_s = "n/a (no generated tokens)" if md is None else f"{md:.3g}"
+        lines.append(f"log-probs: {report.num_tokens} tokens teacher-forced, max |diff| = {md_s} "
+                     f"(tolerance {report.tolerance:g})" + ("" if report.log_probs_ok else "  FAIL"))
+    else:
+        lines.append("log-probs: not recomputed (no model given)")
+    bad = [c for c in report.checks
+           if not c.contiguity.ok or c.error or (c.max_diff is not None and c.max_diff > report.tolerance)]
+    for c in bad[:max_listed]:
+        parts = []
+        if not c.contiguity.ok:
+            parts.append(f"not contiguous at turn {c.contiguity.turn}: {c.contiguity.reason}")
+        if c.max_diff is not None and c.max_diff > report.tolerance:
+            parts.append(f"log-prob diff {c.max_diff:.3g}")
+        lines.append(f"  {c.id}: " + "; ".join(parts))
+    if len(bad) > max_listed:
+        lines.append(f"  ... and {len(bad) - max_listed} more")
+    return "\n".join(lines)
+
+
+def main_verify(path: str, model: str | None = None, tolerance: float = DEFAULT_TOLERANCE) -> int:
+    """``gymserve verify-rollouts``: exit 0 when every rollout is contiguous and every log-prob is
+    within ``tolerance``; 1 when either fails; 2 when the file or model cannot be read.
+    ``model``: the policy model the rollouts came from (default: the embedded model)."""
+    try:
+        rollouts = load_rollouts(path)
+    except (OSError, ValueError) as exc:
+        print(f"gymserve verify-rollouts: {exc}", file=sys.stderr)
+        return 2
+    try:
+        print(f"teacher forcing with model {model or 'embedded'} (pass --model for another)", file=sys.stderr)
+        lm = load_model(model)
+    except Exception as exc:  # noqa: BLE001
+        print(f"gymserve verify-rollouts: cannot load model {model or 'embedded'}: {exc}", file=sys.stderr)
+        return 2
+    report = verify_rollouts(rollouts, lm, tolerance=tolerance)
+    print(format_report(report))
+    print("PASS" if report.ok else "FAIL")
+    return 0 if report.ok else 1
