@@ -1,4 +1,4 @@
-"""The ``gymserve`` command: serve, demo, rollout, verify-rollouts, check.
+"""The ``gymserve`` command: serve, launch, status, check, demo, rollout, verify-rollouts.
 
 Flags cover the common case; everything else comes from ``--config FILE`` (YAML, see
 ``gymserve.config``). A flag given on the command line overrides the same key in the file.
@@ -79,7 +79,8 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree (also used to generate docs/reference/cli.md)."""
-    parser = argparse.ArgumentParser(prog="gymserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="gymserve", description="Token-exact Responses API and Chat Completions serving for RL of LLM agents.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -88,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--server-api-key-env", help="environment variable holding the key clients must present")
+    serve.add_argument("--replicas", type=int, help="local backend only: serve N engine replicas on Ray "
+                                                   "(same as `gymserve launch --replicas N`)")
+    serve.add_argument("--ray-address", help="with --replicas: the Ray cluster to join (see `gymserve launch`)")
+
+    from gymserve.ray_cluster.cli import add_launch_parser, add_status_parser
+
+    add_launch_parser(sub)
+    add_status_parser(sub)
 
     check = sub.add_parser("check", help="probe a configured backend and say what works and what to change")
     _add_backend_flags(check)
@@ -141,6 +150,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "launch" or (args.command == "serve" and args.replicas):
+        from gymserve.ray_cluster.cli import main_launch
+
+        return main_launch(args)
+    if args.command == "status":
+        from gymserve.ray_cluster.cli import main_status
+
+        return main_status(args.base_url)
     if args.command == "serve":
         from gymserve.server.run import serve_async
 

@@ -2,7 +2,7 @@
 
 Shape::
 
-    server:  {host, port, api_key, max_body_bytes, capture_path, max_queue}
+    server:  {host, port, api_key, max_body_bytes, capture_path, max_queue, shutdown_timeout}
     backend: {type: local | chat | openai | azure | ray, ...}
 
 ``${var}`` in the YAML resolves against the keys of an ``env.yaml`` (beside the config file, or
@@ -49,6 +49,7 @@ class ServerConfig(_Model):
     max_body_bytes: int = Field(16 << 20, ge=1024)
     capture_path: str | None = None
     max_queue: int = Field(1024, ge=0)
+    shutdown_timeout: float = Field(30.0, gt=0, description="seconds in-flight requests get to finish after SIGTERM")
 
 
 class SamplingConfig(_Model):
@@ -78,6 +79,11 @@ class LocalBackendConfig(_Model):
     num_threads: int | None = Field(None, ge=1)
     reasoning_field: str = "reasoning_content"
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Arguments for a GPU engine (`vllm`, `trtllm`): `tensor_parallel_size`, "
+                    "`gpu_memory_utilization`, `max_model_len`, `dtype`, and any other engine argument by its "
+                    "vLLM `AsyncEngineArgs` / TensorRT-LLM `LLM` name. Ignored by `transformers`.")
 
 
 # NeMo Gym model-server options with no meaning here (process layout, its own server), accepted so a

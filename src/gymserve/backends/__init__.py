@@ -33,7 +33,7 @@ def build_backend(config: Any, *, max_queue: int | None = None) -> Backend:
         # ---- local backend: owned by the lead (gymserve.backends.local) -------------------------
         from gymserve.backends.local import LocalBackend
 
-        return LocalBackend.from_config(config)
+        return LocalBackend.from_config(config, max_queue=max_queue)
     from gymserve.config import RayBackendConfig
 
     if isinstance(config, RayBackendConfig):

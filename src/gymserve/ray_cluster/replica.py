@@ -1,0 +1,175 @@
+"""One policy replica: a Ray actor that owns a token-exact ``LocalBackend``.
+
+The actor is an *async actor* (its methods are coroutines), so Ray runs them all on one event loop
+inside the actor process; that is the loop the engine's per-request queues belong to, and many
+requests are in flight at once and batched by the engine (Ray: "AsyncIO for Actors",
+https://docs.ray.io/en/latest/ray-core/actors/async_api.html).
+
+Wire shapes (plain dicts, the same as the HTTP API's, so nothing Ray-specific leaks into them):
+
+- ``chat(request, session_id, request_id) -> ChatCompletion dict`` with the training fields;
+- ``chat_stream(...)``: an async generator of ``ChatCompletionChunk`` dicts, called with
+  ``num_returns="streaming"`` (Ray streaming generators,
+  https://docs.ray.io/en/latest/ray-core/ray-generator.html);
+- ``info()`` / ``health()``: ``{"name", "incarnation", "pid", "node_id", "node_ip", "in_flight",
+  "served", "model", ...LocalBackend.describe()}`` (``incarnation`` is new in every process, so a
+  restart shows as a changed value under the same name);
+- ``served_sessions() -> {session_id: calls}``: which sessions this process served (bounded LRU).
+
+Errors: a ``GymserveError`` raised by the local backend (bad request, context length, ...) is
+*returned* as ``{ERROR_KEY: {...}}`` rather than raised, because Ray re-raises task exceptions
+wrapped in ``RayTaskError`` and rebuilds them by pickling, which loses the keyword-only fields
+(``retry_after``, ``prompt_tokens``) of some of them. ``raise_remote_error`` rebuilds the same
+class on the front end, so clients get exactly the error a single-process server would give.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+ERROR_KEY = "__gymserve_error__"
+_MAX_TRACKED_SESSIONS = 10_000
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """``{ERROR_KEY: {class, message, status_code, error_type, param, code, attrs}}`` for a GymserveError."""
+    attrs = {k: v for k, v in vars(exc).items()
+             if k not in ("message", "param", "code") and isinstance(v, (str, int, float, bool, type(None)))}
+    return {ERROR_KEY: {"class": type(exc).__name__, "message": getattr(exc, "message", str(exc)),
+                        "status_code": getattr(exc, "status_code", 500), "error_type": getattr(exc, "error_type", None),
+                        "param": getattr(exc, "param", None), "code": getattr(exc, "code", None), "attrs": attrs}}
+
+
+def raise_remote_error(result: Any) -> Any:
+    """Return ``result`` unchanged unless it is an ``error_payload``; then raise the same
+    ``gymserve.errors`` class with the same status, type, param, code and fields."""
+    if not (isinstance(result, dict) and ERROR_KEY in result):
+        return result
+    from gymserve import errors
+
+    info = result[ERROR_KEY]
+    cls = getattr(errors, info.get("class", ""), None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.GymserveError)):
+        cls = errors.GymserveError
+    # Built without calling __init__: subclasses take different constructor arguments, but all of
+    # them are fully described by these attributes.
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, info["message"])
+    exc.message, exc.param, exc.code = info["message"], info.get("param"), info.get("code")
+    for key, value in (info.get("attrs") or {}).items():
+        setattr(exc, key, value)
+    if info.get("status_code") is not None and info["status_code"] != cls.status_code:
+        exc.status_code = info["status_code"]
+    if info.get("error_type") and info["error_type"] != cls.error_type:
+        exc.error_type = info["error_type"]
+    raise exc
+
+
+class EngineReplica:
+    """The actor body (wrapped with ``ray.remote`` by ``RayBackend``; usable without Ray in tests).
+
+    ``name``: the replica's stable name (``replica-0``...), kept across restarts.
+    ``local_config``: a ``LocalBackendConfig`` as a dict (model, engine, sampling, ...).
+    ``num_cpus``: the CPUs Ray reserved for it; used as torch's thread count when the config does
+    not set ``num_threads``, so replicas sharing a node do not oversubscribe its cores.
+
+    The constructor loads the model; when Ray restarts the actor after a crash it runs again in a
+    fresh process (a new ``incarnation``), which is how the front end counts restarts.
+    """
+
+    def __init__(self, name: str, local_config: dict[str, Any], num_cpus: float = 1.0):
+        from gymserve.backends.local import LocalBackend
+        from gymserve.config import LocalBackendConfig
+
+        config = LocalBackendConfig.model_validate(local_config)
+        if config.num_threads is None:
+            config = config.model_copy(update={"num_threads": max(1, int(num_cpus))})
+        self.name = name
+        self.incarnation = uuid.uuid4().hex
+        self.backend = LocalBackend.from_config(config)
+        self.in_flight = 0
+        self.served = 0
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._where = _where_am_i()
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    async def info(self) -> dict[str, Any]:
+        """Who and where this replica is, and its load (see module docstring)."""
+        return {"name": self.name, "incarnation": self.incarnation, "pid": os.getpid(), **self._where,
+                "in_flight": self.in_flight, "served": self.served, **self.backend.describe()}
+
+    async def health(self) -> dict[str, Any]:
+        """Same as ``info``; answering at all is the health signal (the event loop is alive)."""
+        return await self.info()
+
+    async def served_sessions(self) -> dict[str, int]:
+        """``{session_id: calls served by this process}`` (the most recent 10,000 sessions)."""
+        return dict(self._sessions)
+
+    def _count(self, session_id: str | None) -> None:
+        self.served += 1
+        if session_id is None:
+            return
+        self._sessions[session_id] = self._sessions.pop(session_id, 0) + 1
+        if len(self._sessions) > _MAX_TRACKED_SESSIONS:
+            self._sessions.popitem(last=False)
+
+    # ---- model calls --------------------------------------------------------------------------
+
+    async def chat(self, request: dict[str, Any], session_id: str | None = None,
+                   request_id: str | None = None) -> dict[str, Any]:
+        """One Chat Completions call on the local backend; a GymserveError comes back as a payload."""
+        from gymserve.backends.base import RequestContext
+        from gymserve.errors import GymserveError
+
+        self.in_flight += 1
+        try:
+            result = await self.backend.chat(request, RequestContext(session_id=session_id, request_id=request_id))
+        except GymserveError as exc:
+            return error_payload(exc)
+        finally:
+            self.in_flight -= 1
+        self._count(session_id)
+        return result
+
+    async def chat_stream(self, request: dict[str, Any], session_id: str | None = None,
+                          request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Chat chunks of one streamed call; an error becomes a final payload item.
+
+        Ray cancels this generator (``CancelledError`` at an ``await``) when the caller cancels the
+        stream, which closes the engine stream and stops generation.
+        """
+        from gymserve.backends.base import RequestContext
+        from gymserve.errors import GymserveError
+
+        self.in_flight += 1
+        try:
+            stream = self.backend.chat_stream(request, RequestContext(session_id=session_id, request_id=request_id))
+            async for chunk in stream:
+                yield chunk
+            self._count(session_id)
+        except GymserveError as exc:
+            yield error_payload(exc)
+        finally:
+            self.in_flight -= 1
+
+    async def shutdown(self) -> None:
+        """Stop the engine's worker thread (the front end then kills the actor)."""
+        await self.backend.close()
+
+
+def _where_am_i() -> dict[str, Any]:
+    """Node and restart facts from Ray's runtime context (empty outside a Ray worker)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return {"node_id": None, "node_ip": None}
+        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+    except Exception:  # noqa: BLE001 - introspection only; never fail a replica over it
+        return {"node_id": None, "node_ip": None}
