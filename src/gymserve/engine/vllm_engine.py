@@ -1,0 +1,320 @@
+"""The vLLM engine: ``AsyncLLM`` (vLLM's V1 async engine) fed prompt token IDs.
+
+Everything token-exact stays above this file (templating, prefix splice, pinned sampling, context
+clamp, stop-token trimming); this adapter only maps ``SamplingParams`` onto vLLM's and vLLM's
+``RequestOutput`` back onto ``Generation`` / ``TokenDelta``.
+
+The mapping (see ``docs/model-servers/vllm-engine.md`` for the parity argument):
+
+- ``temperature`` (0 is greedy in both), ``top_p``, ``seed``, ``max_tokens`` as they are; ``top_k``
+  ``None``/``<= 0`` → ``-1`` ("off"; every vLLM version accepts it); ``stop_token_ids`` as they are,
+  with ``ignore_eos=False`` and ``min_tokens=0``. vLLM applies temperature, then top-k, then top-p,
+  the order ``engine.sampling`` follows.
+- ``logprobs=top_logprobs`` (0 when none): vLLM always adds the sampled token's entry, so every
+  position has it. The engine runs with ``logprobs_mode="raw_logprobs"`` (set explicitly where the
+  version has the argument; it is vLLM's default): the log-prob of the raw model distribution,
+  before temperature/top-k/top-p, which is gymserve's contract.
+- ``detokenize=False``: gymserve decodes text itself; vLLM's detokenizer would be wasted work.
+- Output: ``CompletionOutput.token_ids`` include the EOS or stop token that ended the generation
+  (vLLM's ``check_stop`` leaves it in place; only stop *strings* are cut, and gymserve sends none),
+  with its log-prob, as the ``Generation`` contract wants. ``finish_reason`` ``"stop"``/``"length"``
+  map to themselves; ``"abort"`` (or anything else) is an ``EngineError``.
+- Streaming asks for ``RequestOutputKind.DELTA`` (new tokens only); ``generate`` asks for
+  ``FINAL_ONLY``. Versions without ``output_kind`` stream cumulative outputs and are diffed here.
+- Leaving a stream early (client disconnect) closes vLLM's generator and calls
+  ``engine.abort(request_id)``, which frees the sequence's KV blocks.
+
+The engine object and the two vLLM modules are imported when a ``VLLMEngine`` is constructed, so
+gymserve installs and imports without vLLM; a missing vLLM raises ``ImportError`` naming
+``pip install vllm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from gymserve.engine.base import FinishReason, Generation, SamplingParams, TokenDelta
+from gymserve.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "the vllm engine needs vLLM, which is not installed: pip install vllm"
+RAW_LOGPROBS = "raw_logprobs"
+
+
+# ---- shared with trtllm_engine ------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ModelMeta:
+    """What the local backend needs to know about a model directory, read from its JSON files
+    (no weights loaded): every EOS ID (``generation_config.json`` may list several), vocabulary size,
+    the model's own context length, and its ``model_type``."""
+
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    max_position_embeddings: int | None
+    model_type: str | None = None
+
+
+def read_model_meta(model_dir: str | Path) -> ModelMeta:
+    """Read ``config.json`` (required) and ``generation_config.json`` (optional) of ``model_dir``."""
+    model_dir = Path(model_dir)
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise EngineError(f"{model_dir} has no config.json: give a Hugging Face model directory") from exc
+    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    eos: list[int] = []
+    gen_path = model_dir / "generation_config.json"
+    sources = [json.loads(gen_path.read_text(encoding="utf-8"))] if gen_path.exists() else []
+    sources += [cfg, text_cfg]
+    for src in sources:
+        ids = src.get("eos_token_id")
+        for i in ids if isinstance(ids, list) else [ids]:
+            if isinstance(i, int) and i not in eos:
+                eos.append(i)
+    if not eos:
+        raise EngineError(f"{model_dir}: neither generation_config.json nor config.json names an eos_token_id")
+    vocab = cfg.get("vocab_size") or text_cfg.get("vocab_size")
+    if not isinstance(vocab, int):
+        raise EngineError(f"{model_dir}/config.json has no vocab_size")
+    ctx = cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings")
+    return ModelMeta(tuple(eos), vocab, ctx if isinstance(ctx, int) else None, cfg.get("model_type"))
+
+
+def map_finish_reason(reason: Any, engine: str) -> FinishReason:
+    """``"stop"`` / ``"length"`` as they are; anything else (abort, cancelled, timeout) is an error."""
+    reason = str(reason) if reason is not None else None
+    if reason in ("stop", "length"):
+        return reason  # type: ignore[return-value]
+    raise EngineError(f"{engine} ended the generation with finish reason {reason!r} (aborted or failed)")
+
+
+def accepts(cls: Any, name: str) -> bool:
+    """Whether ``cls`` (a dataclass, msgspec struct or plain class) takes keyword ``name``."""
+    if dataclasses.is_dataclass(cls):
+        return name in {f.name for f in dataclasses.fields(cls)}
+    if name in getattr(cls, "__struct_fields__", ()):
+        return True
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def position_logprob(position: Any, token: int, top_n: int, engine: str) -> tuple[float, list[tuple[int, float]]]:
+    """The sampled token's log-prob and the top ``top_n`` alternatives from one position's log-probs:
+    a float (the sampled token's), or a mapping ``{token_id: Logprob(logprob, rank, ...)}``."""
+    if isinstance(position, (int, float)):
+        return float(position), []
+    if not isinstance(position, Mapping):
+        raise EngineError(f"{engine} returned log-probs of an unknown form: {type(position).__name__}")
+    entry = position.get(token)
+    if entry is None:
+        raise EngineError(f"{engine} returned no log-prob for the sampled token {token}; gymserve needs the "
+                          "sampled token's log-prob at every position")
+    lp = float(getattr(entry, "logprob", entry))
+    tops: list[tuple[int, float]] = []
+    if top_n > 0:
+        items = [(int(t), float(getattr(e, "logprob", e)), getattr(e, "rank", None)) for t, e in position.items()]
+        ranked = [x for x in items if x[2] is not None and x[2] <= top_n]
+        if ranked:
+            ranked.sort(key=lambda x: x[2])
+        else:  # no ranks given: the most likely top_n
+            ranked = sorted(items, key=lambda x: -x[1])[:top_n]
+        tops = [(t, v) for t, v, _ in ranked[:top_n]]
+    return lp, tops
+
+
+def parse_positions(token_ids: Sequence[int], logprobs: Any, top_n: int, engine: str):
+    """``(ids, log_probs, top_logprobs)`` of tokens and their per-position log-probs (same length)."""
+    ids = [int(t) for t in token_ids]
+    if logprobs is None:
+        if not ids:
+            return [], [], []
+        raise EngineError(f"{engine} returned no log-probs although they were requested")
+    positions = list(logprobs)
+    if len(positions) < len(ids):
+        raise EngineError(f"{engine} returned {len(positions)} log-probs for {len(ids)} tokens")
+    lps: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
+    for tok, pos in zip(ids, positions):
+        lp, alts = position_logprob(pos, tok, top_n, engine)
+        lps.append(lp)
+        tops.append(alts)
+    return ids, lps, (tops if top_n > 0 else [])
+
+
+async def collect(stream: AsyncIterator[TokenDelta]) -> Generation:
+    """A whole ``Generation`` from an engine's token deltas."""
+    gen = Generation(token_ids=[], log_probs=[], finish_reason="length")
+    async for delta in stream:
+        gen.token_ids += delta.token_ids
+        gen.log_probs += delta.log_probs
+        gen.top_logprobs += delta.top_logprobs
+        if delta.finish_reason:
+            gen.finish_reason = delta.finish_reason
+    return gen
+
+
+# ---- vLLM ---------------------------------------------------------------------------------------
+
+def import_vllm() -> SimpleNamespace:
+    """vLLM's classes the adapter uses; ``ImportError`` naming ``pip install vllm`` when missing."""
+    try:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.inputs import TokensPrompt
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError:  # older releases: the V0 engine class has the same generate/abort API
+        from vllm import AsyncLLMEngine as AsyncLLM
+    try:
+        from vllm.sampling_params import RequestOutputKind
+    except ImportError:
+        RequestOutputKind = None
+    return SimpleNamespace(SamplingParams=VSamplingParams, AsyncEngineArgs=AsyncEngineArgs,
+                           TokensPrompt=TokensPrompt, AsyncLLM=AsyncLLM, RequestOutputKind=RequestOutputKind)
+
+
+def vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
+    """gymserve ``SamplingParams`` → keyword arguments of ``vllm.SamplingParams`` (see module docstring)."""
+    return {
+        "n": 1,
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+        "top_k": int(sampling.top_k) if sampling.top_k is not None and sampling.top_k > 0 else -1,
+        "min_p": 0.0,
+        "seed": sampling.seed,
+        "max_tokens": int(sampling.max_tokens),
+        "min_tokens": 0,
+        "stop_token_ids": [int(t) for t in sampling.stop_token_ids],
+        "ignore_eos": False,
+        "logprobs": int(sampling.top_logprobs),
+        "detokenize": False,
+        "skip_special_tokens": False,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+    }
+
+
+class VLLMEngine:
+    """The ``Engine`` over vLLM's ``AsyncLLM`` in this process.
+
+    ``model_dir``: a Hugging Face model directory. ``context_window``: passed as ``max_model_len``
+    unless ``engine_args`` names one; the engine's effective ``max_model_len`` becomes
+    ``context_window``. ``engine_args``: ``AsyncEngineArgs`` keywords (``tensor_parallel_size``,
+    ``gpu_memory_utilization``, ``max_model_len``, ``dtype``, ...); ``logprobs_mode`` other than
+    ``raw_logprobs`` is refused.
+    """
+
+    def __init__(self, model_dir: str | Path, *, model_name: str | None = None, context_window: int | None = None,
+                 engine_args: dict[str, Any] | None = None):
+        self._v = import_vllm()
+        self.model_dir = Path(model_dir)
+        self.model_name = model_name or self.model_dir.name
+        meta = read_model_meta(self.model_dir)
+        self.eos_token_ids = meta.eos_token_ids
+        self.vocab_size = meta.vocab_size
+        self.model_type = meta.model_type
+        args = dict(engine_args or {})
+        mode = args.get("logprobs_mode", RAW_LOGPROBS)
+        if mode != RAW_LOGPROBS:
+            raise ValueError(f"engine_args.logprobs_mode={mode!r}: gymserve reports raw log-probs (the policy's "
+                             f"distribution before temperature/top-k/top-p); use {RAW_LOGPROBS!r} or leave it out")
+        engine_args_cls = self._v.AsyncEngineArgs
+        if accepts(engine_args_cls, "logprobs_mode"):
+            args["logprobs_mode"] = RAW_LOGPROBS
+        else:
+            args.pop("logprobs_mode", None)
+            log.info("this vLLM has no logprobs_mode engine argument; its V1 sampler reports raw log-probs")
+        if context_window and "max_model_len" not in args:
+            args["max_model_len"] = int(context_window)
+        try:
+            eargs = engine_args_cls(model=str(self.model_dir), **args)
+        except TypeError as exc:
+            raise ValueError(f"engine_args not accepted by vLLM's AsyncEngineArgs: {exc}") from exc
+        self.engine = self._v.AsyncLLM.from_engine_args(eargs)
+        model_config = getattr(self.engine, "model_config", None)
+        self.context_window = int(getattr(model_config, "max_model_len", None) or args.get("max_model_len")
+                                  or meta.max_position_embeddings or 4096)
+        self._closed = False
+
+    def sampling_params(self, sampling: SamplingParams, *, stream: bool):
+        """The ``vllm.SamplingParams`` of one request (DELTA outputs when streaming, else FINAL_ONLY)."""
+        kwargs = vllm_sampling_kwargs(sampling)
+        kind = self._v.RequestOutputKind
+        if kind is not None:
+            kwargs["output_kind"] = kind.DELTA if stream else kind.FINAL_ONLY
+        return self._v.SamplingParams(**kwargs)
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
+        """Generate to completion; see ``Engine.generate``."""
+        return await collect(self._run(prompt_ids, sampling, stream=False))
+
+    def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """Yield token deltas; closing the iterator early aborts the vLLM request."""
+        return self._run(prompt_ids, sampling, stream=True)
+
+    async def _run(self, prompt_ids: Sequence[int], sampling: SamplingParams, *, stream: bool):
+        if self._closed:
+            raise EngineError("the engine is shut down")
+        if not prompt_ids:
+            raise EngineError("empty prompt")
+        params = self.sampling_params(sampling, stream=stream)
+        delta_mode = stream and self._v.RequestOutputKind is not None
+        request_id = f"gymserve-{uuid.uuid4().hex}"
+        prompt = self._v.TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
+        outputs = self.engine.generate(prompt, params, request_id)
+        seen = 0
+        finished = False
+        try:
+            async for out in outputs:
+                comp = out.outputs[0]
+                ids, lps, tops = parse_positions(comp.token_ids, comp.logprobs, sampling.top_logprobs, "vLLM")
+                if not delta_mode:  # cumulative or final-only output: keep what is new
+                    ids, lps, tops = ids[seen:], lps[seen:], tops[seen:]
+                    seen += len(ids)
+                finish = map_finish_reason(comp.finish_reason, "vLLM") if out.finished else None
+                finished = out.finished
+                if ids or finish:
+                    yield TokenDelta(ids, lps, finish, tops)
+                if finished:
+                    return
+            raise EngineError("vLLM ended the request without a finished output")
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"vLLM generation failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            aclose = getattr(outputs, "aclose", None)
+            if aclose is not None:
+                await aclose()  # vLLM's generator aborts the request itself when closed early
+            if not finished:
+                await self._abort(request_id)
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            res = self.engine.abort(request_id)
+            if inspect.isawaitable(res):
+                await res
+        except Exception as exc:  # noqa: BLE001 - aborting a request that already ended is harmless
+            log.debug("vLLM abort of %s: %s", request_id, exc)
+
+    async def close(self) -> None:
+        self._closed = True
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

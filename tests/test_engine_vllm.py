@@ -1,0 +1,643 @@
+"""The vLLM engine adapter against a test double of vLLM (no GPU, no vLLM install).
+
+The double is a small module tree put in ``sys.modules`` that follows vLLM's real names and
+signatures (read from vLLM's source): ``vllm.SamplingParams`` (same field names and defaults, so a
+misspelt keyword fails here as it would there), ``vllm.sampling_params.RequestOutputKind``,
+``vllm.inputs.TokensPrompt``, ``vllm.engine.arg_utils.AsyncEngineArgs``,
+``vllm.v1.engine.async_llm.AsyncLLM`` (``from_engine_args``, ``generate(prompt, sampling_params,
+request_id)`` as an async generator of ``RequestOutput``, ``abort``, ``shutdown``), and
+``vllm.outputs.RequestOutput`` / ``CompletionOutput`` / ``vllm.logprobs.Logprob``. Its scheduler
+mimics ``vllm.v1.core.sched.utils.check_stop``: the EOS or stop token stays in ``token_ids``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import json
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+import pytest
+
+from gymserve.engine.base import SamplingParams
+from gymserve.errors import EngineError
+
+EOS = 151645
+EOS2 = 151643
+
+
+# ---- the vLLM double ----------------------------------------------------------------------------
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+@dataclass(kw_only=True)
+class VSamplingParams:
+    """vllm.SamplingParams' fields used by gymserve, with vLLM's names and defaults."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: list[int]
+    prompt: str
+    multi_modal_data: Any
+
+
+@dataclass
+class AsyncEngineArgs:
+    model: str = "facebook/opt-125m"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int | None = 0
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    logprobs_mode: str = "raw_logprobs"
+    enforce_eager: bool = False
+    enable_log_requests: bool = False
+    disable_log_stats: bool = False
+
+
+@dataclass
+class OldAsyncEngineArgs:  # a release before logprobs_mode
+    model: str = "facebook/opt-125m"
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "auto"
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: Any = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: Any
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: Any = None
+
+
+def fake_step(prompt: list[int], generated: list[int]) -> tuple[int, list[tuple[int, float]]]:
+    """The double's "model": the next token and the raw distribution's top entries, best first.
+
+    ``FakeAsyncLLM.script`` (a list of token IDs) is followed, then ``EOS``. The sampled token's
+    log-prob is ``-0.1 * (step + 1)``; three alternatives rank around it.
+    """
+    step = len(generated)
+    script = FakeAsyncLLM.script
+    tok = script[step] if step < len(script) else EOS
+    lp = -0.1 * (step + 1)
+    dist = [(tok, lp), (500 + step, lp - 1.0), (600 + step, lp - 2.0), (700 + step, lp - 3.0)]
+    if step % 3 == 2:  # now and then the sampled token is not the most likely one
+        dist = [(900 + step, lp + 0.05)] + dist
+    return tok, dist
+
+
+class FakeAsyncLLM:
+    """``vllm.v1.engine.async_llm.AsyncLLM`` as far as gymserve uses it."""
+
+    script: list[int] = []
+    instances: list[FakeAsyncLLM] = []
+
+    def __init__(self, engine_args):
+        self.engine_args = engine_args
+        self.model_config = types.SimpleNamespace(max_model_len=engine_args.max_model_len or 32768)
+        self.calls: list[tuple[Any, VSamplingParams, str]] = []
+        self.aborted: list[str] = []
+        self.finished_ids: list[str] = []
+        self.shut_down = False
+        self.step_delay = 0.0
+        FakeAsyncLLM.instances.append(self)
+
+    @classmethod
+    def from_engine_args(cls, engine_args, start_engine_loop: bool = True, usage_context: Any = None,
+                         stat_loggers: Any = None):
+        return cls(engine_args)
+
+    async def generate(self, prompt, sampling_params: VSamplingParams, request_id: str, *, prompt_text=None,
+                       lora_request=None, tokenization_kwargs=None, trace_headers=None, priority: int = 0,
+                       data_parallel_rank=None):
+        assert isinstance(prompt, dict) and "prompt_token_ids" in prompt
+        self.calls.append((prompt, sampling_params, request_id))
+        p = sampling_params
+        prompt_ids = list(prompt["prompt_token_ids"])
+        gen: list[int] = []
+        lps: list[dict[int, Logprob]] = []
+        sent = 0
+        try:
+            while True:
+                await asyncio.sleep(self.step_delay)
+                if request_id in self.aborted:
+                    finish = "abort"
+                else:
+                    tok, dist = fake_step(prompt_ids, gen)
+                    gen.append(tok)
+                    if p.logprobs is not None:
+                        top = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(dist[:p.logprobs])}
+                        rank = next(r + 1 for r, (t, _) in enumerate(dist) if t == tok)
+                        top.setdefault(tok, Logprob(dict(dist)[tok], rank))
+                        lps.append(top)
+                    finish = None
+                    if not p.ignore_eos and (tok == EOS or tok in (p.stop_token_ids or ())):
+                        finish = "stop"
+                    elif len(gen) >= p.max_tokens or len(prompt_ids) + len(gen) >= self.model_config.max_model_len:
+                        finish = "length"
+                finished = finish is not None
+                if not finished and p.output_kind == RequestOutputKind.FINAL_ONLY:
+                    continue
+                if p.output_kind == RequestOutputKind.DELTA:
+                    ids, lp_out = gen[sent:], lps[sent:] if p.logprobs is not None else None
+                    sent = len(gen)
+                else:
+                    ids, lp_out = list(gen), list(lps) if p.logprobs is not None else None
+                comp = CompletionOutput(0, "", ids, None, lp_out, finish_reason=finish)
+                yield RequestOutput(request_id, None, prompt_ids, None, [comp], finished)
+                if finished:
+                    self.finished_ids.append(request_id)
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            await self.abort(request_id, internal=True)  # what vLLM's generate() does
+            raise
+
+    async def abort(self, request_id, internal: bool = False) -> None:
+        self.aborted.append(request_id)
+
+    def shutdown(self, timeout=None) -> None:
+        self.shut_down = True
+
+
+def _module(name: str, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    return mod
+
+
+def install_fake_vllm(monkeypatch, *, engine_args_cls=AsyncEngineArgs, with_output_kind: bool = True) -> None:
+    sp_attrs = {"SamplingParams": VSamplingParams}
+    if with_output_kind:
+        sp_attrs["RequestOutputKind"] = RequestOutputKind
+    mods = {
+        "vllm": _module("vllm", SamplingParams=VSamplingParams, TokensPrompt=TokensPrompt,
+                        AsyncEngineArgs=engine_args_cls, AsyncLLMEngine=FakeAsyncLLM),
+        "vllm.sampling_params": _module("vllm.sampling_params", **sp_attrs),
+        "vllm.inputs": _module("vllm.inputs", TokensPrompt=TokensPrompt),
+        "vllm.engine": _module("vllm.engine"),
+        "vllm.engine.arg_utils": _module("vllm.engine.arg_utils", AsyncEngineArgs=engine_args_cls),
+        "vllm.v1": _module("vllm.v1"),
+        "vllm.v1.engine": _module("vllm.v1.engine"),
+        "vllm.v1.engine.async_llm": _module("vllm.v1.engine.async_llm", AsyncLLM=FakeAsyncLLM),
+        "vllm.outputs": _module("vllm.outputs", RequestOutput=RequestOutput, CompletionOutput=CompletionOutput),
+        "vllm.logprobs": _module("vllm.logprobs", Logprob=Logprob),
+    }
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
+
+def write_model_dir(path, *, vocab_size=151936, max_pos=32768):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab_size,
+        "max_position_embeddings": max_pos, "eos_token_id": EOS}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, EOS2]}))
+    return path
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return write_model_dir(tmp_path / "Qwen2.5-Coder-0.5B-Instruct")
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    install_fake_vllm(monkeypatch)
+    FakeAsyncLLM.script = [11, 12, 13, 14, 15]
+    FakeAsyncLLM.instances = []
+    yield FakeAsyncLLM
+
+
+@pytest.fixture
+def engine(fake_vllm, model_dir):
+    from gymserve.engine.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine(model_dir, model_name="policy")
+    yield eng
+    asyncio.run(eng.close())
+
+
+def _sp(**kw) -> SamplingParams:
+    kw.setdefault("max_tokens", 16)
+    kw.setdefault("stop_token_ids", (EOS, EOS2))
+    return SamplingParams(**kw)
+
+
+# ---- construction, engine args, missing package ------------------------------------------------
+
+def test_missing_vllm_says_what_to_install(monkeypatch, model_dir):
+    from gymserve.config import LocalBackendConfig
+    from gymserve.engine import create_engine
+    from gymserve.engine.model_store import ResolvedModel
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm → ImportError
+    with pytest.raises(ImportError, match=r"pip install vllm"):
+        create_engine(LocalBackendConfig(engine="vllm"), ResolvedModel("m", model_dir))
+
+
+def test_unknown_engine_lists_choices(model_dir):
+    from gymserve.config import LocalBackendConfig
+    from gymserve.engine import create_engine
+    from gymserve.engine.model_store import ResolvedModel
+
+    with pytest.raises(ValueError, match="transformers, vllm, trtllm"):
+        create_engine(LocalBackendConfig(engine="tgi"), ResolvedModel("m", model_dir))
+
+
+def test_gymserve_imports_without_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    import importlib
+
+    import gymserve.engine.vllm_engine as mod
+
+    importlib.reload(mod)  # the module itself never imports vllm
+
+
+def test_create_engine_passes_engine_args_from_config(fake_vllm, model_dir):
+    from gymserve.config import LocalBackendConfig
+    from gymserve.engine import create_engine
+    from gymserve.engine.model_store import ResolvedModel
+
+    cfg = LocalBackendConfig(engine="vllm", engine_args={
+        "tensor_parallel_size": 2, "gpu_memory_utilization": 0.8, "max_model_len": 2048, "dtype": "bfloat16"})
+    eng = create_engine(cfg, ResolvedModel("policy", model_dir))
+    args = fake_vllm.instances[-1].engine_args
+    assert (args.model, args.tensor_parallel_size, args.gpu_memory_utilization, args.max_model_len, args.dtype) == (
+        str(model_dir), 2, 0.8, 2048, "bfloat16")
+    assert args.logprobs_mode == "raw_logprobs"
+    assert eng.context_window == 2048
+    assert eng.model_name == "policy"
+    assert eng.eos_token_ids == (EOS, EOS2)
+    assert eng.vocab_size == 151936
+
+
+def test_context_window_becomes_max_model_len(fake_vllm, model_dir):
+    from gymserve.engine.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine(model_dir, context_window=4096)
+    assert fake_vllm.instances[-1].engine_args.max_model_len == 4096
+    assert eng.context_window == 4096
+
+
+def test_non_raw_logprobs_mode_is_refused(fake_vllm, model_dir):
+    from gymserve.engine.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match="raw_logprobs"):
+        VLLMEngine(model_dir, engine_args={"logprobs_mode": "processed_logprobs"})
+
+
+def test_unknown_engine_arg_is_a_value_error(fake_vllm, model_dir):
+    from gymserve.engine.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match="AsyncEngineArgs"):
+        VLLMEngine(model_dir, engine_args={"tensor_paralel_size": 2})
+
+
+def test_older_vllm_without_logprobs_mode(monkeypatch, model_dir):
+    from gymserve.engine.vllm_engine import VLLMEngine
+
+    install_fake_vllm(monkeypatch, engine_args_cls=OldAsyncEngineArgs)
+    FakeAsyncLLM.instances = []
+    VLLMEngine(model_dir)
+    assert not hasattr(FakeAsyncLLM.instances[-1].engine_args, "logprobs_mode")
+
+
+def test_missing_config_json_is_an_engine_error(fake_vllm, tmp_path):
+    from gymserve.engine.vllm_engine import VLLMEngine
+
+    with pytest.raises(EngineError, match="config.json"):
+        VLLMEngine(tmp_path)
+
+
+# ---- sampling params mapping --------------------------------------------------------------------
+
+def test_sampling_mapping_defaults(engine):
+    p = engine.sampling_params(_sp(max_tokens=7), stream=False)
+    assert isinstance(p, VSamplingParams)
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens, p.min_tokens) == (
+        1, 1.0, 1.0, -1, 0.0, None, 7, 0)
+    assert p.stop_token_ids == [EOS, EOS2] and p.ignore_eos is False
+    assert p.logprobs == 0  # the sampled token's log-prob only
+    assert p.detokenize is False and p.skip_special_tokens is False
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.output_kind == RequestOutputKind.FINAL_ONLY
+    assert p.stop is None
+
+
+@pytest.mark.parametrize("top_k, want", [(None, -1), (0, -1), (-1, -1), (40, 40)])
+def test_sampling_mapping_top_k(engine, top_k, want):
+    assert engine.sampling_params(_sp(top_k=top_k), stream=True).top_k == want
+
+
+def test_sampling_mapping_pinned_values(engine):
+    p = engine.sampling_params(_sp(temperature=0.7, top_p=0.9, top_k=20, seed=1234, top_logprobs=5), stream=True)
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.logprobs) == (0.7, 0.9, 20, 1234, 5)
+    assert p.output_kind == RequestOutputKind.DELTA
+    greedy = engine.sampling_params(_sp(temperature=0), stream=False)
+    assert greedy.temperature == 0.0  # vLLM's greedy
+
+
+# ---- outputs: tokens, log-probs, finish reasons -------------------------------------------------
+
+def test_eos_is_kept_with_its_log_prob(engine):
+    gen = asyncio.run(engine.generate([1, 2, 3], _sp()))
+    assert gen.token_ids == [11, 12, 13, 14, 15, EOS]
+    assert gen.finish_reason == "stop"
+    assert gen.log_probs == pytest.approx([-0.1 * (i + 1) for i in range(6)])
+    assert gen.top_logprobs == []
+    prompt, params, _ = FakeAsyncLLM.instances[-1].calls[-1]
+    assert prompt == {"prompt_token_ids": [1, 2, 3]}
+
+
+def test_stop_token_id_is_kept(engine):
+    gen = asyncio.run(engine.generate([1, 2], _sp(stop_token_ids=(EOS, EOS2, 13))))
+    assert gen.token_ids == [11, 12, 13] and gen.finish_reason == "stop"
+    assert len(gen.log_probs) == 3
+
+
+def test_length_finish(engine):
+    gen = asyncio.run(engine.generate([1], _sp(max_tokens=2)))
+    assert gen.token_ids == [11, 12] and gen.finish_reason == "length"
+
+
+def test_top_logprobs_ranked_and_sampled_kept(engine):
+    gen = asyncio.run(engine.generate([1], _sp(top_logprobs=2, max_tokens=4)))
+    assert len(gen.top_logprobs) == 4
+    for i, (tok, lp, tops) in enumerate(zip(gen.token_ids, gen.log_probs, gen.top_logprobs)):
+        assert len(tops) == 2
+        assert [v for _, v in tops] == sorted((v for _, v in tops), reverse=True)
+        if i == 2:  # the sampled token ranked second: the alternatives are ranks 1 and 2
+            assert tops[0][0] == 902 and tops[1] == (tok, pytest.approx(lp))
+        else:
+            assert tops[0] == (tok, pytest.approx(lp))
+
+
+def test_abort_finish_reason_is_an_engine_error(engine):
+    async def run():
+        stream = engine.stream([1], _sp())
+        first = await stream.__anext__()
+        FakeAsyncLLM.instances[-1].aborted.append(FakeAsyncLLM.instances[-1].calls[-1][2])
+        rest = [d async for d in stream]
+        return first, rest
+
+    with pytest.raises(EngineError, match="abort"):
+        asyncio.run(run())
+
+
+def test_missing_sampled_logprob_is_an_engine_error():
+    from gymserve.engine.vllm_engine import parse_positions
+
+    with pytest.raises(EngineError, match="sampled token"):
+        parse_positions([5], [{6: Logprob(-1.0, 1)}], 0, "vLLM")
+    with pytest.raises(EngineError, match="1 log-probs for 2 tokens"):
+        parse_positions([5, 6], [{5: Logprob(-1.0, 1)}], 0, "vLLM")
+
+
+def test_flat_logprobs_form_is_read():
+    """``flat_logprobs=True`` gives a ``FlatLogprobs`` sequence whose items are the same dicts."""
+    from gymserve.engine.vllm_engine import parse_positions
+
+    class Flat:  # indexable, iterable of per-position dicts, like vllm.logprobs.FlatLogprobs
+        def __init__(self, rows):
+            self.rows = rows
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __iter__(self):
+            return iter(self.rows)
+
+    ids, lps, _ = parse_positions([5, 6], Flat([{5: Logprob(-0.5, 1)}, {6: Logprob(-0.25, 1)}]), 0, "vLLM")
+    assert (ids, lps) == ([5, 6], [-0.5, -0.25])
+
+
+# ---- streaming and cancellation -----------------------------------------------------------------
+
+def test_stream_yields_deltas_that_add_up_to_generate(engine):
+    async def run():
+        deltas = [d async for d in engine.stream([1, 2], _sp(top_logprobs=1))]
+        whole = await engine.generate([1, 2], _sp(top_logprobs=1))
+        return deltas, whole
+
+    deltas, whole = asyncio.run(run())
+    assert [len(d.token_ids) for d in deltas] == [1] * 6
+    assert [d.finish_reason for d in deltas] == [None] * 5 + ["stop"]
+    assert sum((d.token_ids for d in deltas), []) == whole.token_ids
+    assert sum((d.log_probs for d in deltas), []) == whole.log_probs
+    assert sum((d.top_logprobs for d in deltas), []) == whole.top_logprobs
+
+
+def test_cumulative_outputs_are_diffed(monkeypatch, model_dir):
+    """A vLLM without ``output_kind`` streams cumulative outputs; the adapter yields only what is new."""
+    from gymserve.engine.vllm_engine import VLLMEngine
+
+    install_fake_vllm(monkeypatch, with_output_kind=False)
+    FakeAsyncLLM.script = [11, 12, 13]
+    eng = VLLMEngine(model_dir)
+
+    async def run():
+        return [d async for d in eng.stream([1], _sp())]
+
+    deltas = asyncio.run(run())
+    assert [d.token_ids for d in deltas] == [[11], [12], [13], [EOS]]
+    assert [len(d.log_probs) for d in deltas] == [1, 1, 1, 1]
+
+
+def test_closing_the_stream_aborts_the_request(engine):
+    FakeAsyncLLM.script = list(range(100, 200))
+
+    async def run():
+        stream = engine.stream([1], _sp(max_tokens=100))
+        got = []
+        async for d in stream:
+            got += d.token_ids
+            if len(got) == 2:
+                break
+        await stream.aclose()
+        return got
+
+    got = asyncio.run(run())
+    fake = FakeAsyncLLM.instances[-1]
+    rid = fake.calls[-1][2]
+    assert got == [100, 101]
+    assert rid in fake.aborted and rid not in fake.finished_ids
+
+
+def test_cancelled_task_aborts_the_request(engine):
+    FakeAsyncLLM.script = list(range(100, 200))
+    FakeAsyncLLM.instances[-1].step_delay = 0.01
+
+    async def run():
+        task = asyncio.create_task(engine.generate([1], _sp(max_tokens=100)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    fake = FakeAsyncLLM.instances[-1]
+    assert fake.calls[-1][2] in fake.aborted
+
+
+def test_closed_engine_refuses_and_shuts_vllm_down(engine):
+    asyncio.run(engine.close())
+    assert FakeAsyncLLM.instances[-1].shut_down
+
+    async def run():
+        return await engine.generate([1], _sp())
+
+    with pytest.raises(EngineError, match="shut down"):
+        asyncio.run(run())
+
+
+# ---- the whole local backend over the double ----------------------------------------------------
+
+@pytest.fixture
+def backend(fake_vllm, model_dir, tokenizer):
+    from gymserve.backends.local import LocalBackend
+    from gymserve.config import LocalBackendConfig, SamplingConfig
+    from gymserve.engine.vllm_engine import VLLMEngine
+
+    cfg = LocalBackendConfig(engine="vllm", sampling=SamplingConfig(temperature=0.8, top_p=0.95, seed=7),
+                             engine_args={"max_model_len": 4096})
+    eng = VLLMEngine(model_dir, model_name="Qwen2.5-Coder-0.5B-Instruct", engine_args=cfg.engine_args)
+    return LocalBackend(cfg, eng, tokenizer)
+
+
+def test_local_backend_chat_over_vllm(backend, tokenizer):
+    from gymserve.backends.base import RequestContext
+
+    answer = tokenizer.encode("Hello there!", add_special_tokens=False)
+    FakeAsyncLLM.script = answer
+    req = {"model": "Qwen2.5-Coder-0.5B-Instruct", "messages": [{"role": "user", "content": "Say hello"}],
+           "logprobs": True, "top_logprobs": 2}
+    out = asyncio.run(backend.chat(req, RequestContext()))
+    msg = out["choices"][0]["message"]
+    assert msg["content"] == "Hello there!"
+    assert out["choices"][0]["finish_reason"] == "stop"
+    # The EOS is trimmed together with its log-prob; the rest is exactly what the engine sampled.
+    assert msg["generation_token_ids"] == answer
+    assert msg["generation_log_probs"] == pytest.approx([-0.1 * (i + 1) for i in range(len(answer))])
+    assert len(out["choices"][0]["logprobs"]["content"]) == len(answer)
+    prompt, params, _ = FakeAsyncLLM.instances[-1].calls[-1]
+    assert prompt["prompt_token_ids"] == msg["prompt_token_ids"]
+    assert tokenizer.decode(prompt["prompt_token_ids"]).endswith("<|im_start|>assistant\n")
+    # Pinned sampling reached vLLM; max_tokens is what is left of the context window.
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.8, 0.95, -1, 7)
+    assert params.max_tokens == 4096 - len(prompt["prompt_token_ids"])
+    assert EOS in params.stop_token_ids and params.logprobs == 2
+    assert out["usage"]["completion_tokens"] == len(answer) + 1
+
+
+def test_local_backend_max_tokens_clamp_and_length(backend, tokenizer):
+    from gymserve.backends.base import RequestContext
+
+    FakeAsyncLLM.script = tokenizer.encode("one two three four five", add_special_tokens=False)
+    req = {"messages": [{"role": "user", "content": "count"}], "max_tokens": 3}
+    out = asyncio.run(backend.chat(req, RequestContext()))
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["choices"][0]["message"]["generation_token_ids"] == FakeAsyncLLM.script[:3]
+    assert FakeAsyncLLM.instances[-1].calls[-1][1].max_tokens == 3
+
+
+def test_local_backend_stream_over_vllm(backend, tokenizer):
+    from gymserve.backends.base import RequestContext
+
+    answer = tokenizer.encode("Streaming works.", add_special_tokens=False)
+    FakeAsyncLLM.script = answer
+
+    async def run():
+        req = {"messages": [{"role": "user", "content": "stream"}], "stream": True}
+        return [c async for c in backend.chat_stream(req, RequestContext())]
+
+    chunks = asyncio.run(run())
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "Streaming works."
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "stop"
+    assert last["delta"]["generation_token_ids"] == answer
+    assert len(last["delta"]["generation_log_probs"]) == len(answer)
+    assert FakeAsyncLLM.instances[-1].calls[-1][1].output_kind == RequestOutputKind.DELTA
+
+
+def test_local_backend_multi_turn_stays_contiguous(backend, tokenizer):
+    """Turn 2's prompt starts with turn 1's prompt + generation (+ the EOS the template closes with)."""
+    from gymserve.backends.base import RequestContext
+
+    FakeAsyncLLM.script = tokenizer.encode("First answer.", add_special_tokens=False)
+    msgs = [{"role": "user", "content": "one"}]
+    first = asyncio.run(backend.chat({"messages": msgs}, RequestContext()))["choices"][0]["message"]
+    FakeAsyncLLM.script = tokenizer.encode("Second.", add_special_tokens=False)
+    msgs2 = msgs + [{"role": "assistant", "content": first["content"],
+                     "prompt_token_ids": first["prompt_token_ids"],
+                     "generation_token_ids": first["generation_token_ids"],
+                     "generation_log_probs": first["generation_log_probs"]},
+                    {"role": "user", "content": "two"}]
+    second = asyncio.run(backend.chat({"messages": msgs2}, RequestContext()))["choices"][0]["message"]
+    prefix = first["prompt_token_ids"] + first["generation_token_ids"]
+    assert second["prompt_token_ids"][:len(prefix)] == prefix
+
+
+def test_fake_sampling_params_mirror_vllm_field_names():
+    """Guard for the double itself: the fields gymserve sets exist under these names in vLLM."""
+    from gymserve.engine.vllm_engine import vllm_sampling_kwargs
+
+    names = {f.name for f in dataclasses.fields(VSamplingParams)}
+    assert set(vllm_sampling_kwargs(_sp())) <= names
