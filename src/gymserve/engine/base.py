@@ -59,6 +59,18 @@ class TokenDelta:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
+async def collect(stream: AsyncIterator[TokenDelta]) -> Generation:
+    """A whole ``Generation`` from an engine's token deltas (how engines implement ``generate``)."""
+    gen = Generation(token_ids=[], log_probs=[], finish_reason="length")
+    async for delta in stream:
+        gen.token_ids += delta.token_ids
+        gen.log_probs += delta.log_probs
+        gen.top_logprobs += delta.top_logprobs
+        if delta.finish_reason:
+            gen.finish_reason = delta.finish_reason
+    return gen
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the local backend needs from an inference engine.

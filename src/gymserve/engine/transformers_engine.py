@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from gymserve.engine.base import Generation, SamplingParams, TokenDelta
+from gymserve.engine.base import Generation, SamplingParams, TokenDelta, collect
 from gymserve.engine.sampling import make_generator, sample_next, top_logprobs
 from gymserve.errors import EngineError
 
@@ -93,14 +93,7 @@ class TransformersEngine:
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
         """Generate to completion; see ``Engine.generate``."""
-        gen = Generation(token_ids=[], log_probs=[], finish_reason="length")
-        async for delta in self.stream(prompt_ids, sampling):
-            gen.token_ids += delta.token_ids
-            gen.log_probs += delta.log_probs
-            gen.top_logprobs += delta.top_logprobs
-            if delta.finish_reason:
-                gen.finish_reason = delta.finish_reason
-        return gen
+        return await collect(self.stream(prompt_ids, sampling))
 
     async def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[TokenDelta]:
         """Yield one ``TokenDelta`` per sampled token; leaving the loop early cancels the request."""

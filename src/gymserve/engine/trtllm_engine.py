@@ -37,8 +37,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gymserve.engine.base import Generation, SamplingParams, TokenDelta
-from gymserve.engine.vllm_engine import (RAW_LOGPROBS, accepts, collect, map_finish_reason, parse_positions,
+from gymserve.engine.base import Generation, SamplingParams, TokenDelta, collect
+from gymserve.engine.vllm_engine import (RAW_LOGPROBS, accepts, map_finish_reason, parse_positions,
                                          read_model_meta)
 from gymserve.errors import EngineError
 

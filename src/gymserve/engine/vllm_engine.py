@@ -41,7 +41,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gymserve.engine.base import FinishReason, Generation, SamplingParams, TokenDelta
+from gymserve.engine.base import FinishReason, Generation, SamplingParams, TokenDelta, collect
 from gymserve.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -152,18 +152,6 @@ def parse_positions(token_ids: Sequence[int], logprobs: Any, top_n: int, engine:
         lps.append(lp)
         tops.append(alts)
     return ids, lps, (tops if top_n > 0 else [])
-
-
-async def collect(stream: AsyncIterator[TokenDelta]) -> Generation:
-    """A whole ``Generation`` from an engine's token deltas."""
-    gen = Generation(token_ids=[], log_probs=[], finish_reason="length")
-    async for delta in stream:
-        gen.token_ids += delta.token_ids
-        gen.log_probs += delta.log_probs
-        gen.top_logprobs += delta.top_logprobs
-        if delta.finish_reason:
-            gen.finish_reason = delta.finish_reason
-    return gen
 
 
 # ---- vLLM ---------------------------------------------------------------------------------------
