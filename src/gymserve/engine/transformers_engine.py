@@ -127,19 +127,20 @@ class TransformersEngine:
 
     def _run(self) -> None:
         active: list[_Request] = []
-        kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        cache = None  # DynamicCache of the running batch, grown in place by each decode step
         mask: torch.Tensor | None = None  # [B, T] 1 = real token, 0 = left padding
         with torch.inference_mode():
             while True:
                 block = not active
-                while len(active) < self.max_batch_size:
+                admitted = []
+                while len(active) + len(admitted) < self.max_batch_size:
                     try:
                         req = self._inbox.get(block=block)
                     except queue.Empty:
                         break
                     block = False
                     if req is None:
-                        self._drain(active)
+                        self._drain(active + [r for r, _ in admitted])
                         return
                     if req.cancelled:
                         continue
@@ -148,29 +149,33 @@ class TransformersEngine:
                     except Exception as exc:  # noqa: BLE001 - reported to the caller, never kills the worker
                         req.emit(exc)
                         continue
-                    if req.next_token is None:  # finished on its first token
-                        continue
-                    kv, mask = self._merge(kv, mask, req_kv, req.seq_len)
-                    active.append(req)
+                    if req.next_token is not None:  # else it finished on its first token
+                        admitted.append((req, req_kv))
+                if admitted:
+                    # The cache is rebuilt only when the batch changes; decode steps extend it in place.
+                    kv = _layers(cache) if cache is not None else None
+                    for req, req_kv in admitted:
+                        kv, mask = self._merge(kv, mask, req_kv, req.seq_len)
+                        active.append(req)
+                    cache = self._new_cache(kv)
                 if not active:
                     continue
                 try:
-                    keep = self._decode_step(active, kv, mask)
-                    kv, mask = self._step_result
+                    keep, mask = self._decode_step(active, cache, mask)
                 except Exception as exc:  # noqa: BLE001
                     for r in active:
                         r.emit(exc)
-                    active, kv, mask = [], None, None
+                    active, cache, mask = [], None, None
                     continue
                 if len(keep) != len(active):
                     active = [active[i] for i in keep]
                     if active:
                         idx = torch.tensor(keep)
-                        kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
-                        mask = mask.index_select(0, idx)
-                        kv, mask = self._compact(kv, mask)
+                        kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in _layers(cache)]
+                        kv, mask = self._compact(kv, mask.index_select(0, idx))
+                        cache = self._new_cache(kv)
                     else:
-                        kv, mask = None, None
+                        cache, mask = None, None
 
     def _drain(self, active: list[_Request]) -> None:
         err = EngineError("the engine shut down during generation")
@@ -184,23 +189,25 @@ class TransformersEngine:
             if req is not None:
                 req.emit(err)
 
-    def _forward(self, input_ids, attention_mask, position_ids, kv):
+    def _new_cache(self, kv):
         from transformers import DynamicCache
 
-        cache = DynamicCache(kv) if kv is not None else DynamicCache()
+        return DynamicCache(kv) if kv is not None else DynamicCache()
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        """One forward pass; ``cache`` is extended in place. Returns the last position's logits."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-        cache = getattr(out, self._cache_kw, None) or out.past_key_values
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        return out.logits[:, -1, :].float(), layers
+        return out.logits[:, -1, :].float()
 
     def _prefill(self, req: _Request):
         ids = torch.tensor([req.prompt_ids])
         n = ids.shape[1]
-        logits, req_kv = self._forward(ids, torch.ones_like(ids), torch.arange(n).unsqueeze(0), None)
+        cache = self._new_cache(None)
+        logits = self._forward(ids, torch.ones_like(ids), torch.arange(n).unsqueeze(0), cache)
         req.seq_len = n
         self._accept(req, logits[0])
-        return req_kv
+        return _layers(cache)
 
     def _accept(self, req: _Request, logits: torch.Tensor) -> bool:
         """Sample from one position's logits, emit it; True while the sequence goes on."""
@@ -234,18 +241,18 @@ class TransformersEngine:
         kv = [(torch.cat([k, rk]), torch.cat([v, rv])) for (k, v), (rk, rv) in zip(kv, req_kv)]
         return kv, torch.cat([mask, new_mask])
 
-    def _decode_step(self, active: list[_Request], kv, mask) -> list[int]:
+    def _decode_step(self, active: list[_Request], cache, mask) -> tuple[list[int], torch.Tensor]:
+        """One batched decode step; returns the indices of sequences that go on, and the new mask."""
         ids = torch.tensor([[r.next_token] for r in active])
         pos = torch.tensor([[r.seq_len] for r in active])
         mask = torch.cat([mask, torch.ones(len(active), 1, dtype=torch.long)], dim=1)
-        logits, kv = self._forward(ids, mask, pos, kv)
+        logits = self._forward(ids, mask, pos, cache)
         keep = []
         for i, r in enumerate(active):
             r.seq_len += 1
             if self._accept(r, logits[i]):
                 keep.append(i)
-        self._step_result = (kv, mask)
-        return keep
+        return keep, mask
 
     @staticmethod
     def _compact(kv, mask):
@@ -255,6 +262,11 @@ class TransformersEngine:
         if start == 0:
             return kv, mask
         return [(k[:, :, start:], v[:, :, start:]) for k, v in kv], mask[:, start:]
+
+
+def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(keys, values)`` tensors ``[B, H, T, D]`` of a DynamicCache."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
