@@ -41,15 +41,21 @@ class TokenInfo(TypedDict):
     generation_log_probs: list[float]
 
 
-def get_token_info(obj: dict[str, Any]) -> TokenInfo | None:
+def get_token_info(obj: dict[str, Any], *, deep: bool = True) -> TokenInfo | None:
     """The training fields of a message or item: all three, or None when none is present.
 
     Raises ``InvalidRequestError`` when only some are present, when they are not lists of the right
     element type, or when the generation IDs and log-probs differ in length: partial or inconsistent
     token metadata must never be trusted (it would silently corrupt training data).
+
+    ``deep=False`` checks presence, list types and lengths but not every element: each turn of a
+    rollout carries its whole prompt, so checking every element of every turn costs O(turns²);
+    the turn that is actually spliced is always checked deeply.
     """
     from gymserve.errors import InvalidRequestError
 
+    if "prompt_token_ids" not in obj and "generation_token_ids" not in obj and "generation_log_probs" not in obj:
+        return None
     present = [f for f in TRAINING_FIELDS if obj.get(f) is not None]
     if not present:
         return None
@@ -60,6 +66,15 @@ def get_token_info(obj: dict[str, Any]) -> TokenInfo | None:
             param=missing[0],
         )
     p, g, lp = (obj[f] for f in TRAINING_FIELDS)
+    if not deep:
+        for name, value in (("prompt_token_ids", p), ("generation_token_ids", g), ("generation_log_probs", lp)):
+            if not isinstance(value, list):
+                raise InvalidRequestError(f"{name} must be a list", param=name)
+        if len(lp) != len(g):
+            raise InvalidRequestError(
+                f"generation_log_probs has {len(lp)} entries but generation_token_ids has {len(g)}; "
+                "they must be equal (one log-prob per generated token)", param="generation_log_probs")
+        return TokenInfo(prompt_token_ids=p, generation_token_ids=g, generation_log_probs=lp)
     for name, value in (("prompt_token_ids", p), ("generation_token_ids", g)):
         if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
             raise InvalidRequestError(f"{name} must be a list of non-negative integers", param=name)

@@ -63,6 +63,13 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
     elif raw_input is not None:
         raise InvalidRequestError("input must be a string or a list of input items", param="input")
     messages = builder.finish()
+    if builder.last_tokens is not None:
+        # Only the last token record is spliced; check it element by element (see get_token_info).
+        info, where = builder.last_tokens
+        try:
+            get_token_info(dict(info))
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"{where}: {e.message}", param=f"{where}.{e.param}") from None
     if not any(m["role"] != "system" for m in messages):
         raise InvalidRequestError("input is required: give at least one message", param="input")
 
@@ -91,6 +98,7 @@ class _MessageBuilder:
         self.system_texts: list[str] = []
         self.messages: list[dict[str, Any]] = []
         self._turn: dict[str, Any] | None = None
+        self.last_tokens: tuple[Any, str] | None = None  # the last token record and where it was
 
     def add_item(self, item: Any, where: str) -> None:
         if not isinstance(item, dict):
@@ -193,10 +201,11 @@ class _MessageBuilder:
 
     def _take_tokens(self, item: dict[str, Any], where: str) -> None:
         try:
-            info = get_token_info(item)
+            info = get_token_info(item, deep=False)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"{where}: {e.message}", param=f"{where}.{e.param}") from None
         if info is not None:
+            self.last_tokens = (info, where)
             self._open_turn()["tokens"] = info
             # Training fields sit on the last item of a model call: whatever follows is a new call,
             # and must stay a separate assistant message so each carries its own token record.
