@@ -26,3 +26,9 @@ demo: install
 
 docs: install
 	$(VENV)/bin/mkdocs build --strict
+
+# Benchmarks: regenerates docs/performance.md and docs/assets/perf/ (full mode: tens of minutes;
+# builds .venv-peer and .venv-nemo for the peers on first use). BENCH_ARGS=--quick for a short run.
+bench: install
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) bench/run_all.py $(BENCH_ARGS)
