@@ -29,10 +29,11 @@ NOTES: dict[tuple[str, str], str] = {
     ("ServerConfig", "port"): "TCP port; 0 picks a free one.",
     ("ServerConfig", "api_key"): "Key clients must send as `Authorization: Bearer <key>` (or `api-key`); "
                                  "every route but `/health` then requires it. Unset: open.",
-    ("ServerConfig", "max_body_bytes"): "Larger request bodies are refused with 400 `request_too_large`.",
-    ("ServerConfig", "capture_path"): "Accepted by the schema; not read by the server yet.",
-    ("ServerConfig", "max_queue"): "Requests that may wait for a free upstream slot before 429 `overloaded` "
-                                   "(remote backends).",
+    ("ServerConfig", "max_body_bytes"): "Larger request bodies are refused with 413 `request_too_large`.",
+    ("ServerConfig", "capture_path"): "Append every model call (request, response, latency, session, replica; "
+                                      "keys redacted) to this JSONL file (`--capture FILE`).",
+    ("ServerConfig", "max_queue"): "Requests that may wait for a free backend slot before 429 `overloaded` "
+                                   "with `Retry-After` (every backend).",
     ("SamplingConfig", "temperature"): "0 is greedy.",
     ("SamplingConfig", "top_k"): "None, 0 or -1: off.",
     ("SamplingConfig", "seed"): "Seeds each request's sampler (None: unseeded).",

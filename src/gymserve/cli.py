@@ -51,6 +51,8 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"gymserve: --server-api-key-env {args.server_api_key_env}: that environment "
                              "variable is not set")
         server["api_key"] = os.environ[args.server_api_key_env]
+    if getattr(args, "capture", None):
+        server["capture_path"] = args.capture
     out: dict[str, Any] = {}
     if backend:
         out["backend"] = backend
@@ -89,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--server-api-key-env", help="environment variable holding the key clients must present")
+    serve.add_argument("--capture", metavar="FILE",
+                       help="append every model call (request, response, latency, session, replica; keys "
+                            "redacted) to this JSONL file")
     serve.add_argument("--replicas", type=int, help="local backend only: serve N engine replicas on Ray "
                                                    "(same as `gymserve launch --replicas N`)")
     serve.add_argument("--ray-address", help="with --replicas: the Ray cluster to join (see `gymserve launch`)")
@@ -100,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="probe a configured backend and say what works and what to change")
     _add_backend_flags(check)
-    check.set_defaults(host=None, port=None, server_api_key_env=None)
+    check.set_defaults(host=None, port=None, server_api_key_env=None, capture=None)
 
     demo = sub.add_parser("demo", help="run the weather agent on the embedded model and verify the rollout")
     demo.add_argument("--base-url", help="use a running Responses endpoint instead of the embedded model")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -126,15 +127,20 @@ class ChatBackend(Backend):
         while True:
             rep = replica or self.pool.pick(ctx.session_id)
             target = url or self._url(rep, kind)
+            ctx.extra["replica"] = replica_label(rep.base_url)
             rep.in_flight += 1
             try:
-                if body is None:
-                    result = await rep.client.get(target, cast_to=object)
-                elif stream:
-                    result = await rep.client.post(target, body=body, cast_to=object, stream=True,
-                                                   stream_cls=AsyncStream[object])
-                else:
-                    result = await rep.client.post(target, body=body, cast_to=object)
+                # httpx's timeout bounds each read, not the whole answer: an upstream that trickles
+                # a byte at a time would never time out. The deadline bounds the whole call (for
+                # streams: until the headers arrive; each chunk is then bounded by the read timeout).
+                async with asyncio.timeout(self.config.timeout):
+                    if body is None:
+                        result = await rep.client.get(target, cast_to=object)
+                    elif stream:
+                        result = await rep.client.post(target, body=body, cast_to=object, stream=True,
+                                                       stream_cls=AsyncStream[object])
+                    else:
+                        result = await rep.client.post(target, body=body, cast_to=object)
             except Exception as exc:
                 err = self._translate(exc, target, kind)
                 if is_connection_failure(err):
@@ -221,8 +227,10 @@ class ChatBackend(Backend):
                 for chunk in completion_to_chunks(context_exceeded_chat_completion(request, request.get("model") or "")):
                     yield chunk
                 return
+            got_chunk = False
             try:
                 async for chunk in stream:
+                    got_chunk = True
                     if isinstance(chunk, dict):
                         for choice in chunk.get("choices") or []:
                             if isinstance(choice.get("delta"), dict):
@@ -230,6 +238,11 @@ class ChatBackend(Backend):
                         if self.config.served_model_name:
                             chunk["model"] = self.config.served_model_name
                     yield chunk
+                if not got_chunk:
+                    where = redact_url(self._url(replica, "chat"))
+                    raise UpstreamError(f"{where} answered a streaming request without any events (not "
+                                        "server-sent events, or an empty stream); does the server support stream=true?",
+                                        url=where, code="upstream_bad_response")
             except Exception as exc:
                 raise self._translate(exc, self._url(replica, "chat"), "chat") from None
             finally:
@@ -330,6 +343,12 @@ class ChatBackend(Backend):
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise InvalidRequestError(f"{root}/tokenize returned no token list")
         return tokens
+
+
+@functools.lru_cache(maxsize=1024)
+def replica_label(base_url: str) -> str:
+    """A replica's name in metrics and capture: its base URL without credentials (``redact_url``)."""
+    return redact_url(base_url)
 
 
 def _tool_parser(name: str, model: str | None):

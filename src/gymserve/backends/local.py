@@ -37,9 +37,13 @@ class LocalBackend(Backend):
 
     name = "local"
 
-    def __init__(self, config, engine: Engine, tokenizer):
+    def __init__(self, config, engine: Engine, tokenizer, *, max_queue: int = 1024):
+        from gymserve.backends.pool import Limiter
         from gymserve.engine.template import ChatTemplate
         from gymserve.parsers import get_reasoning_parser, get_tool_call_parser, infer_tool_call_parser
+
+        # Back-pressure: max_batch_size calls in the engine, max_queue waiting, 429 beyond.
+        self.limiter = Limiter(config.max_batch_size, max_queue, name="local backend")
 
         self.config = config
         self.engine = engine
@@ -63,8 +67,9 @@ class LocalBackend(Backend):
             [*engine.eos_token_ids, *(config.sampling.stop_token_ids or [])]))
 
     @classmethod
-    def from_config(cls, config) -> LocalBackend:
-        """Resolve the model (embedded by default), load tokenizer and engine."""
+    def from_config(cls, config, *, max_queue: int = 1024) -> LocalBackend:
+        """Resolve the model (embedded by default), load tokenizer and engine; ``max_queue``
+        bounds the requests waiting for the engine (``OverloadedError``, 429, beyond)."""
         from transformers import AutoTokenizer
 
         from gymserve.engine import create_engine
@@ -73,7 +78,7 @@ class LocalBackend(Backend):
         resolved = resolve_model(config.model)
         tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
         engine = create_engine(config, resolved)
-        return cls(config, engine, tokenizer)
+        return cls(config, engine, tokenizer, max_queue=max_queue)
 
     def describe(self) -> dict[str, Any]:
         """What ``/health`` and the start-up banner say about this backend."""
@@ -111,7 +116,8 @@ class LocalBackend(Backend):
     async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
         """Answer one Chat Completions request; see ``prepare_call`` for what is rejected (400)."""
         call = self._prepare(request)
-        gen = await self.engine.generate(call.prompt.token_ids, call.sampling)
+        async with self.limiter.slot():
+            gen = await self.engine.generate(call.prompt.token_ids, call.sampling)
         return self._completion(call, gen)
 
     def _trim(self, gen: Generation) -> tuple[list[int], list[float], list]:
@@ -173,8 +179,16 @@ class LocalBackend(Backend):
             content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": alts})
         return {"content": content, "refusal": None}
 
-    def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+    async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """Chunks of one streamed call; the call holds an engine slot until the stream ends."""
         from gymserve.backends.local_stream import stream_chat
 
-        return stream_chat(self, self._prepare(request))
+        call = self._prepare(request)
+        async with self.limiter.slot():
+            stream = stream_chat(self, call)
+            try:
+                async for chunk in stream:
+                    yield chunk
+            finally:
+                await stream.aclose()
 

@@ -151,6 +151,10 @@ def prepare_call(request: ChatRequest, *, template, engine: Engine, sampling_con
     if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= 20:
         raise InvalidRequestError("top_logprobs must be an integer from 0 to 20", param="top_logprobs")
     logprobs = bool(request.get("logprobs"))
+    stream_options = request.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise InvalidRequestError("stream_options must be an object such as {\"include_usage\": true}",
+                                  param="stream_options")
     sampling = SamplingParams(
         max_tokens=_max_tokens(request, len(prompt.token_ids), engine.context_window),
         temperature=float(eff["temperature"]) if eff["temperature"] is not None else 1.0,
@@ -161,4 +165,4 @@ def prepare_call(request: ChatRequest, *, template, engine: Engine, sampling_con
     return LocalCall(prompt=prompt, sampling=sampling, tools=tools,
                      parse_tools=bool(tools) and request.get("tool_choice") != "none",
                      logprobs=logprobs, tokens_as_ids=bool(request.get("return_tokens_as_token_ids")),
-                     include_usage=bool((request.get("stream_options") or {}).get("include_usage")))
+                     include_usage=bool((stream_options or {}).get("include_usage")))

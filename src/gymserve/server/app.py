@@ -1,6 +1,9 @@
 """The HTTP server: OpenAI-compatible routes over one backend.
 
-Routes: ``POST /v1/responses``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``.
+Routes: ``POST /v1/responses``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus; ``server.metrics``). Every model call is timed and counted per backend
+and replica (``ctx.extra["replica"]``, set by the backend) and, with ``capture_path``, written to a
+JSONL capture file (``server.capture``).
 Bodies are parsed as plain JSON (orjson) and handed to the backend as dicts; the backend and the
 converter validate what they use and raise ``GymserveError`` subclasses, which become OpenAI error
 objects with the right status. The request schemas in the OpenAPI document are the openai SDK's
@@ -10,6 +13,7 @@ cost of a 100 KB multi-turn history).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -22,7 +26,10 @@ from fastapi.responses import Response, StreamingResponse
 
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.errors import GymserveError, InvalidRequestError
-from gymserve.server.errors import install_error_handlers
+from gymserve.server.capture import CaptureWriter, install_log_redaction
+from gymserve.server.errors import error_response, install_error_handlers
+from gymserve.server.limits import ShuttingDownError, read_body
+from gymserve.server.metrics import Metrics, usage_tokens
 from gymserve.server.schemas import install_openapi
 
 log = logging.getLogger("gymserve.server")
@@ -36,10 +43,7 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 async def _body(request: Request, max_bytes: int) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise InvalidRequestError(f"request body is {len(raw)} bytes; the limit is {max_bytes} "
-                                  "(server.max_body_bytes)", code="request_too_large")
+    raw = await read_body(request, max_bytes)
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -47,7 +51,19 @@ async def _body(request: Request, max_bytes: int) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InvalidRequestError(f"request body must be a JSON object, got {type(data).__name__}",
                                   code="invalid_json")
+    stream = data.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequestError(f"stream must be true or false, got {type(stream).__name__}", param="stream")
     return data
+
+
+def _error_info(exc: BaseException) -> tuple[int, str, dict[str, Any] | None]:
+    """(HTTP status, error type, error object) that ``exc`` becomes; 499 for a client that left."""
+    if isinstance(exc, GymserveError):
+        return exc.status_code, exc.error_type, exc.to_dict()
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return 499, "cancelled", None
+    return 500, "server_error", {"error": {"message": f"unexpected {type(exc).__name__}", "type": "server_error"}}
 
 
 def _context(request: Request) -> RequestContext:
@@ -69,6 +85,11 @@ def _sse(events: AsyncIterator[dict[str, Any]], *, responses: bool) -> Streaming
         except GymserveError as exc:
             # Headers are gone once streaming started: the error travels as an event.
             yield b"event: error\ndata: " + orjson.dumps({"type": "error", **exc.to_dict()["error"]}) + b"\n\n"
+        except Exception as exc:  # noqa: BLE001 - a bug mid-stream still ends the stream cleanly
+            log.exception("unhandled error while streaming")
+            err = {"type": "error", "message": f"internal error in gymserve ({type(exc).__name__}) while streaming; "
+                   "this is a bug, please report it with the server log", "code": None, "param": None}
+            yield b"event: error\ndata: " + orjson.dumps(err) + b"\n\n"
         if not responses:
             yield b"data: [DONE]\n\n"
 
@@ -77,33 +98,87 @@ def _sse(events: AsyncIterator[dict[str, Any]], *, responses: bool) -> Streaming
 
 
 def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_key: str | None = None,
-               served_models: list[str] | None = None) -> FastAPI:
-    """Build the FastAPI app over ``backend``. The caller owns the backend's lifetime."""
+               served_models: list[str] | None = None, capture_path: str | None = None,
+               secrets: tuple[str, ...] = ()) -> FastAPI:
+    """Build the FastAPI app over ``backend``. The caller owns the backend's lifetime and calls
+    ``close_app`` when the server has stopped (it flushes the capture file).
+
+    ``capture_path``: append every model call to this JSONL file (``server.capture``), redacting
+    ``secrets``, the backend's upstream keys and ``server_api_key``.
+    """
     app = FastAPI(title="gymserve", version="0.1.0",
                   description="Token-exact Responses API and Chat Completions server for RL of LLM agents.")
     app.state.backend = backend
+    app.state.draining = False
+    app.state.metrics = metrics = Metrics(backend)
     install_error_handlers(app)
+
+    @app.exception_handler(ShuttingDownError)
+    async def _draining(request: Request, exc: ShuttingDownError):
+        return error_response(503, exc.message, type_=exc.error_type, code=exc.code,
+                              headers={"Retry-After": "1", "Connection": "close"})
+
     install_openapi(app)
+    all_secrets = tuple(s for s in (*getattr(backend, "_secrets", ()), server_api_key, *secrets) if s)
+    install_log_redaction(all_secrets)
+    app.state.capture = capture = (CaptureWriter(capture_path, secrets=all_secrets, on_drop=metrics.capture_dropped.inc)
+                                   if capture_path else None)
     if server_api_key:
         from gymserve.server.auth import install_api_key_check
 
-        install_api_key_check(app, server_api_key)
+        install_api_key_check(app, server_api_key, on_failure=metrics.auth_failures.inc)
+    backend_name = getattr(backend, "name", "backend")
+    default_replica = "local" if backend_name == "local" else "-"
+
+    def record(route: str, ctx: RequestContext | None, body: Any, t0: float, status: int, *,
+               result: Any = None, error: dict[str, Any] | None = None, error_type: str | None = None,
+               stream: bool = False) -> None:
+        seconds = time.perf_counter() - t0
+        replica = (ctx.extra.get("replica") if ctx is not None else None) or default_replica
+        metrics.observe(route, backend_name, replica, status, seconds,
+                        usage_tokens(result) if status == 200 else (0, 0), error_type)
+        if capture is not None:
+            capture.record(route=route, request_id=ctx.request_id if ctx else None,
+                           session=ctx.session_id if ctx else None, backend=backend_name, replica=replica,
+                           status=status, latency_s=round(seconds, 6), stream=stream, request=body,
+                           **({"error": error} if error is not None else {"response": result}))
+
+    async def serve(route: str, request: Request, call, call_stream, responses: bool) -> Response:
+        """One model call: parse, call the backend, record metrics and capture; errors propagate
+        to the error handlers after being recorded."""
+        t0 = time.perf_counter()
+        gauge = metrics.gauge(route)
+        gauge.inc()
+        body: Any = None
+        ctx: RequestContext | None = None
+        try:
+            if app.state.draining:
+                raise ShuttingDownError()
+            body = await _body(request, max_body_bytes)
+            ctx = _context(request)
+            if body.get("stream"):
+                events = await _first_then_rest(call_stream(body, ctx))
+            else:
+                result = await call(body, ctx)
+        except BaseException as exc:
+            gauge.dec()
+            status, etype, err = _error_info(exc)
+            record(route, ctx, body, t0, status, error=err, error_type=etype)
+            raise
+        if not body.get("stream"):
+            gauge.dec()
+            record(route, ctx, body, t0, 200, result=result)
+            return _json(result)
+        return _sse(_observed(events, lambda *a, **k: (gauge.dec(), record(route, ctx, body, t0, *a, **k)),
+                              keep=capture is not None, responses=responses), responses=responses)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _body(request, max_body_bytes)
-        ctx = _context(request)
-        if body.get("stream"):
-            return _sse(await _first_then_rest(backend.chat_stream(body, ctx)), responses=False)
-        return _json(await backend.chat(body, ctx))
+        return await serve("/v1/chat/completions", request, backend.chat, backend.chat_stream, False)
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        body = await _body(request, max_body_bytes)
-        ctx = _context(request)
-        if body.get("stream"):
-            return _sse(await _first_then_rest(backend.responses_stream(body, ctx)), responses=True)
-        return _json(await backend.responses(body, ctx))
+        return await serve("/v1/responses", request, backend.responses, backend.responses_stream, True)
 
     @app.get("/v1/models")
     async def models():
@@ -114,10 +189,59 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
 
     @app.get("/health")
     async def health():
+        if app.state.draining:
+            return _json({"status": "draining"}, status=503)
         info = await backend.health()
         return _json(info, status=200 if info.get("status") != "down" else 503)
 
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics():
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
     return app
+
+
+def close_app(app: FastAPI) -> None:
+    """Flush and close what the app owns (the capture file); the backend is the caller's."""
+    capture = getattr(app.state, "capture", None)
+    if capture is not None:
+        capture.close()
+
+
+async def _observed(events: AsyncIterator[dict[str, Any]], done, *, keep: bool,
+                    responses: bool) -> AsyncIterator[dict[str, Any]]:
+    """Pass stream events through; when the stream ends, ``done(status, result=..., ...)`` records
+    it: the final Response (Responses API) or the chunks (chat, kept only for capture)."""
+    status, etype, err = 200, None, None
+    kept: list[dict[str, Any]] = []
+    final: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    try:
+        async for ev in events:
+            if responses:
+                kind = ev.get("type")
+                if kind in ("response.completed", "response.incomplete", "response.failed"):
+                    final = ev.get("response")
+                    if kind == "response.failed":
+                        etype = "response_failed"
+                elif kind == "error":
+                    etype = "stream_error"
+            else:
+                if isinstance(ev.get("usage"), dict):
+                    usage = ev["usage"]
+                if keep and len(kept) < 100_000:
+                    kept.append(ev)
+            yield ev
+    except BaseException as exc:
+        status, etype, err = _error_info(exc)
+        raise
+    finally:
+        if responses:
+            result = final
+        else:
+            result = {"usage": usage, "chunks": kept} if keep else {"usage": usage}
+        done(status, result=result, error=err, error_type=etype, stream=True)
 
 
 async def _first_then_rest(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:

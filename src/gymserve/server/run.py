@@ -7,7 +7,10 @@ queues belong to that loop; it is closed when the server stops.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -25,31 +28,87 @@ def build_app(config, backend):
     """The FastAPI app for ``config`` (a ``GymserveConfig``) over an already built ``backend``."""
     from gymserve.server.app import create_app
 
-    return create_app(backend, max_body_bytes=config.server.max_body_bytes, server_api_key=_server_key(config))
+    return create_app(backend, max_body_bytes=config.server.max_body_bytes, server_api_key=_server_key(config),
+                      capture_path=config.server.capture_path)
 
 
-def _uvicorn_config(app, host: str, port: int) -> uvicorn.Config:
+class GymserveServer(uvicorn.Server):
+    """uvicorn's server, plus: the moment shutdown starts (SIGTERM/SIGINT or ``should_exit``), the
+    app is marked draining, so a request that still reaches it (on a kept-alive connection) gets a
+    503 ``shutting_down`` while in-flight ones finish (at most ``server.shutdown_timeout`` s)."""
+
+    def handle_exit(self, sig, frame) -> None:
+        self._drain()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None) -> None:
+        self._drain()
+        await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's, minus re-raising the signal once ``serve()`` returns: that would kill the
+        process before ``serve_async`` closes the backend and flushes the capture file. After a
+        graceful SIGTERM, ``gymserve serve`` cleans up and exits 0."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def _drain(self) -> None:
+        app = self.config.app
+        state = getattr(app, "state", None)
+        if state is not None and not getattr(state, "draining", False):
+            state.draining = True
+            log.info("shutting down: refusing new requests, waiting up to %g s for in-flight ones",
+                     self.config.timeout_graceful_shutdown)
+
+
+def _uvicorn_config(app, host: str, port: int, shutdown_timeout: float = 30.0) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=30, lifespan="off")
+                          timeout_graceful_shutdown=shutdown_timeout, lifespan="off")
+
+
+def _server_for(config, app) -> GymserveServer:
+    return GymserveServer(_uvicorn_config(app, config.server.host, config.server.port,
+                                          getattr(config.server, "shutdown_timeout", 30.0)))
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _warn_exposed(config) -> None:
-    if config.server.host not in ("127.0.0.1", "localhost", "::1") and not _server_key(config):
-        log.warning("binding %s without a server API key: anyone who can reach this address can use the "
-                    "model; set server.api_key (or --server-api-key-env NAME)", config.server.host)
+    """Warn (log and stderr) when binding beyond loopback without a server API key."""
+    if config.server.host not in _LOOPBACK and not _server_key(config):
+        msg = (f"binding {config.server.host} without a server API key: anyone who can reach this address can use "
+               "the model; set server.api_key (or --server-api-key-env NAME)")
+        log.warning(msg)
+        if not logging.getLogger().handlers:
+            print(f"gymserve: warning: {msg}", file=sys.stderr)
 
 
 async def serve_async(config, backend=None) -> None:
     """Build the backend (unless given), serve until SIGINT/SIGTERM, then close the backend."""
     from gymserve.backends import build_backend
 
+    from gymserve.server.app import close_app
+
     backend = backend or build_backend(config)
     _warn_exposed(config)
-    server = uvicorn.Server(_uvicorn_config(build_app(config, backend), config.server.host, config.server.port))
+    app = build_app(config, backend)
+    server = _server_for(config, app)
     try:
         await server.serve()
     finally:
-        await backend.close()
+        try:
+            await backend.close()
+        finally:
+            close_app(app)
 
 
 @dataclass
@@ -58,6 +117,7 @@ class BackgroundServer:
 
     base_url: str = ""
     backend: object = None
+    app: object = None
     _server: uvicorn.Server | None = None
     _thread: threading.Thread | None = None
     _error: list = field(default_factory=list)
@@ -97,8 +157,12 @@ def start_background_server(config, backend_factory=None, *, startup_timeout: fl
             bg._error.append(exc)
             ready.set()
             return
+        from gymserve.server.app import close_app
+
         bg.backend = backend
-        server = uvicorn.Server(_uvicorn_config(build_app(config, backend), config.server.host, config.server.port))
+        app = build_app(config, backend)
+        bg.app = app
+        server = _server_for(config, app)
         server.install_signal_handlers = lambda: None  # only the main thread may own signals
         bg._server = server
         task = asyncio.create_task(server.serve())
@@ -111,7 +175,10 @@ def start_background_server(config, backend_factory=None, *, startup_timeout: fl
         try:
             await task
         finally:
-            await backend.close()
+            try:
+                await backend.close()
+            finally:
+                close_app(app)
 
     def run():
         try:

@@ -1,0 +1,119 @@
+"""Prometheus metrics for ``GET /metrics``: model calls, errors, latency and tokens per route,
+backend and replica, plus queue depth and in-flight requests.
+
+Each app has its own ``CollectorRegistry`` (several servers in one process, as in tests, do not
+clash). The hot path costs a few dictionary look-ups and lock-protected additions per request:
+label children are cached by their label tuple, so ``prometheus_client``'s label validation runs
+once per distinct (route, backend, replica) rather than once per request.
+
+Labels are bounded: ``route`` is one of the served routes, ``backend`` the backend's name and
+``replica`` a configured replica (a base URL with credentials removed, ``local``, or a Ray replica
+name). Nothing from a request body or header becomes a label, and no label or value carries an
+API key (see ``test_security.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def usage_tokens(result: Any) -> tuple[int, int]:
+    """``(tokens in, tokens out)`` from a chat completion's or a Response's ``usage`` (0 if absent)."""
+    usage = result.get("usage") if isinstance(result, dict) else None
+    if not isinstance(usage, dict):
+        return 0, 0
+    tin = usage.get("prompt_tokens", usage.get("input_tokens"))
+    tout = usage.get("completion_tokens", usage.get("output_tokens"))
+    return (tin if isinstance(tin, int) else 0), (tout if isinstance(tout, int) else 0)
+
+
+class _QueueCollector:
+    """Reads queue depth and running calls from the backend's ``Limiter`` at scrape time."""
+
+    def __init__(self, backend_name: str, limiter_of: Callable[[], Any]):
+        self.backend_name, self.limiter_of = backend_name, limiter_of
+
+    def collect(self):
+        limiter = self.limiter_of()
+        waiting = GaugeMetricFamily("gymserve_backend_queued_requests",
+                                    "Requests waiting for a backend slot (bounded by server.max_queue)", labels=["backend"])
+        running = GaugeMetricFamily("gymserve_backend_running_requests",
+                                    "Requests holding a backend slot", labels=["backend"])
+        if limiter is not None:
+            waiting.add_metric([self.backend_name], getattr(limiter, "waiting", 0))
+            running.add_metric([self.backend_name], getattr(limiter, "running", 0))
+        yield waiting
+        yield running
+
+    def describe(self):
+        return []
+
+
+class Metrics:
+    """The server's metrics; ``observe`` records one finished model call."""
+
+    def __init__(self, backend: Any = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("gymserve_requests", "Model calls answered, by route, backend, replica and HTTP status",
+                                ["route", "backend", "replica", "status"], registry=r)
+        self.errors = Counter("gymserve_request_errors", "Model calls that failed, by error type",
+                              ["route", "backend", "replica", "type"], registry=r)
+        self.latency = Histogram("gymserve_request_latency_seconds", "Model call latency (whole stream for streams)",
+                                 ["route", "backend", "replica"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("gymserve_tokens", "Tokens in (prompt) and out (generated)",
+                              ["direction", "backend", "replica"], registry=r)
+        self.in_flight = Gauge("gymserve_requests_in_flight", "Model calls being served", ["route"], registry=r)
+        self.auth_failures = Counter("gymserve_auth_failures", "Requests refused for a missing or wrong API key",
+                                     registry=r)
+        self.capture_dropped = Counter("gymserve_capture_dropped", "Capture records dropped (writer queue full)",
+                                       registry=r)
+        self._children: dict[tuple, tuple] = {}
+        self._errors: dict[tuple, Any] = {}
+        self._in_flight: dict[str, Any] = {}
+        if backend is not None:
+            name = getattr(backend, "name", "backend")
+            r.register(_QueueCollector(name, lambda: getattr(backend, "limiter", None)))
+
+    def _child(self, route: str, backend: str, replica: str, status: int):
+        key = (route, backend, replica, status)
+        got = self._children.get(key)
+        if got is None:
+            got = (self.requests.labels(route, backend, replica, str(status)),
+                   self.latency.labels(route, backend, replica),
+                   self.tokens.labels("in", backend, replica),
+                   self.tokens.labels("out", backend, replica))
+            self._children[key] = got
+        return got
+
+    def gauge(self, route: str):
+        g = self._in_flight.get(route)
+        if g is None:
+            g = self._in_flight[route] = self.in_flight.labels(route)
+        return g
+
+    def observe(self, route: str, backend: str, replica: str, status: int, seconds: float,
+                tokens: tuple[int, int] = (0, 0), error_type: str | None = None) -> None:
+        req, lat, tin, tout = self._child(route, backend, replica, status)
+        req.inc()
+        lat.observe(seconds)
+        if tokens[0]:
+            tin.inc(tokens[0])
+        if tokens[1]:
+            tout.inc(tokens[1])
+        if error_type is not None:
+            key = (route, backend, replica, error_type)
+            err = self._errors.get(key)
+            if err is None:
+                err = self._errors[key] = self.errors.labels(*key)
+            err.inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
