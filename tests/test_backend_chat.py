@@ -181,7 +181,7 @@ async def test_unreachable_error_names_url_and_never_the_key(servers, caplog):
     caplog.set_level(logging.DEBUG)
     with pytest.raises(UpstreamConnectionError) as info:
         await b.chat({"messages": MSG}, RequestContext())
-    assert f"http://127.0.0.1:{port}/v1/chat/completions" in info.value.message and "ConnectError" in info.value.message
+    assert f"http://127.0.0.1:{port}/v1/chat/completions" in info.value.message and "ConnectionRefusedError" in info.value.message
     assert KEY not in info.value.message and KEY not in caplog.text and "retry 1/1" in caplog.text
     await b.close()
 

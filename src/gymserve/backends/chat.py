@@ -61,11 +61,15 @@ class ChatBackend(Backend):
     """
 
     name = "chat"
+    # Non-streamed chat calls go through gymserve.backends.http (aiohttp) rather than the SDK: see
+    # that module for the measured reason. Cloud backends keep the SDK, which encodes their rules.
+    lean_http = True
 
     def __init__(self, config: Any, *, max_queue: int = 1024):
         self.config = config
         self._secrets = tuple(s for s in (secret_value(getattr(config, f, None)) for f in ("api_key", "azure_ad_token")) if s)
         replicas = [Replica(url, self._make_client(url)) for url in self._replica_bases()]
+        self._json_clients = {url: self._make_json_client() for url in self._replica_bases()} if self.lean_http else {}
         interval = getattr(config, "health_check_interval", 0) if len(replicas) > 1 else 0
         self.pool = ReplicaPool(replicas, probe=self._probe, interval=interval)
         self.limiter = Limiter(config.num_concurrent_requests, max_queue, name=f"{self.name} backend")
@@ -88,6 +92,14 @@ class ChatBackend(Backend):
                            default_query=self.config.default_query or None,
                            default_headers=self.config.default_headers or None,
                            timeout=self.config.timeout, max_retries=0)
+
+    def _make_json_client(self):
+        from gymserve.backends.http import JSONClient
+
+        key = secret_value(self.config.api_key) or _PLACEHOLDER_KEY
+        return JSONClient(headers={"Authorization": f"Bearer {key}", **(self.config.default_headers or {})},
+                          params=self.config.default_query, limit=self.config.num_concurrent_requests,
+                          timeout=self.config.timeout)
 
     def _url(self, replica: Replica, kind: str) -> str:
         path = {"chat": "/chat/completions", "responses": "/responses", "models": "/models"}[kind]
@@ -139,6 +151,8 @@ class ChatBackend(Backend):
                     elif stream:
                         result = await rep.client.post(target, body=body, cast_to=object, stream=True,
                                                        stream_cls=AsyncStream[object])
+                    elif rep.base_url in self._json_clients:
+                        result = await self._json_clients[rep.base_url].post(target, body)
                     else:
                         result = await rep.client.post(target, body=body, cast_to=object)
             except Exception as exc:
@@ -279,6 +293,9 @@ class ChatBackend(Backend):
         for replica in self.pool.replicas:
             with contextlib.suppress(Exception):
                 await replica.client.close()
+        for client in self._json_clients.values():
+            with contextlib.suppress(Exception):
+                await client.close()
 
     # ------------------------------------------------------------------ post-processing
     def _apply_parsers(self, choice: dict[str, Any], request: ChatRequest) -> None:

@@ -26,6 +26,7 @@ class OpenAIBackend(ChatBackend):
     """``OpenAIBackendConfig``: one base URL, Responses passed through natively."""
 
     name = "openai"
+    lean_http = False  # the SDK encodes the cloud's auth and URL rules
 
     def _replica_bases(self) -> list[str]:
         return [self.config.base_url]

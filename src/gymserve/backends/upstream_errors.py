@@ -201,7 +201,8 @@ def translate_error(exc: BaseException, *, url: str, kind: str = "chat", backend
     cause = f"{type(root).__name__}: {redact(str(root), secrets)}" if str(root) else type(root).__name__
     # The transport's class (httpx ConnectError, ReadTimeout...) is what users search for; the
     # root (gaierror, ConnectionRefusedError) says why.
-    transport = next((e for e in chain if type(e).__module__.split(".")[0].startswith(("httpx", "httpcore"))), None)
+    transport = next((e for e in chain if type(e).__module__.split(".")[0].startswith(("httpx", "httpcore", "aiohttp"))),
+                     None)
     if transport is not None and transport is not root:
         cause = f"{type(transport).__name__} ({cause})"
     if names & {"APITimeoutError", "ReadTimeout", "WriteTimeout", "PoolTimeout", "TimeoutException", "TimeoutError"} \
@@ -212,7 +213,10 @@ def translate_error(exc: BaseException, *, url: str, kind: str = "chat", backend
                                        url=shown, status_code=504, code="upstream_timeout")
     if names & {"APIConnectionError", "ConnectError", "ConnectTimeout", "NetworkError", "TransportError",
                 "UnsupportedProtocol", "RemoteProtocolError", "ProxyError", "ReadError", "WriteError", "OSError",
-                "ConnectionError", "gaierror", "LocalProtocolError"} or isinstance(root, OSError):
+                "ConnectionError", "gaierror", "LocalProtocolError",
+                # aiohttp (the chat backend's lean client, backends/http.py)
+                "ClientConnectionError", "ClientConnectorError", "ClientOSError", "ServerDisconnectedError",
+                "ClientPayloadError", "ServerConnectionError"} or isinstance(root, OSError):
         return UpstreamConnectionError(
             f"cannot reach upstream host {host} ({shown}): {cause}. {_connection_hint(root, host, port)}",
             url=shown, status_code=502, code="upstream_unreachable")

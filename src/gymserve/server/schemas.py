@@ -25,8 +25,10 @@ def _schemas() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         for name, sub in schema.pop("$defs", {}).items():
             components[prefix + name] = sub
         out.append(schema)
-    # Strings rather than objects keep the rewrite simple and make accidental sharing impossible.
-    return json.loads(json.dumps(out[0])), json.loads(json.dumps(out[1])), components
+    chat, responses = json.loads(json.dumps(out[0])), json.loads(json.dumps(out[1]))
+    # The SDK leaves `input` optional (stored conversations); gymserve stores none, so it is required.
+    responses["required"] = sorted(set(responses.get("required", [])) | {"input"})
+    return chat, responses, components
 
 
 def chat_request_schema() -> dict[str, Any]:
@@ -47,9 +49,18 @@ def install_openapi(app) -> None:
         doc = original()
         chat, responses, components = _schemas()
         doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
-        for path, schema in (("/v1/chat/completions", chat), ("/v1/responses", responses)):
-            op = doc["paths"][path]["post"]
-            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+        error = {"description": "OpenAI error object", "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"error": {"type": "object"}}, "required": ["error"]}}}}
+        for path, schema, summary in (("/v1/chat/completions", chat, "Create a chat completion"),
+                                      ("/v1/responses", responses, "Create a model response")):
+            doc["paths"][path] = {"post": {
+                "summary": summary, "operationId": summary.lower().replace(" ", "_"),
+                "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                "responses": {"200": {"description": "the completion / response (JSON, or server-sent events "
+                                                     "when stream is true)",
+                                      "content": {"application/json": {"schema": {"type": "object"}},
+                                                  "text/event-stream": {"schema": {"type": "string"}}}},
+                              "400": error, "401": error, "413": error, "429": error, "502": error}}}
         app.openapi_schema = doc
         return doc
 
