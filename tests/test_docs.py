@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import io
 import json
-import os
 import re
 import shlex
 import subprocess

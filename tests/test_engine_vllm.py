@@ -18,7 +18,7 @@ import enum
 import json
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import pytest

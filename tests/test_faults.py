@@ -18,7 +18,7 @@ import time
 import httpx
 import psutil
 import pytest
-from fakes import ChatScript, FakeServer, completion, sse
+from fakes import ChatScript, FakeServer, completion
 
 from gymserve.backends import RequestContext, build_backend
 from gymserve.backends.chat import completion_to_chunks
@@ -248,7 +248,7 @@ async def test_transport_faults_fail_fast_and_clearly(raw, mode, retried, code, 
     before = await _tasks()
     err, took = await _expect_failure(b)
     assert err.code == code and err.status_code == status, err.message
-    assert f"127.0.0.1:{s.port}" in err.message or f"127.0.0.1" in err.message  # names the replica
+    assert f"127.0.0.1:{s.port}" in err.message or "127.0.0.1" in err.message  # names the replica
     assert s.requests == (3 if retried else 1)
     # Never past its timeouts: each try is bounded by `timeout`, plus tiny backoffs.
     assert took < TIMEOUT * (3 if retried else 1) + 1.0

@@ -7,7 +7,6 @@ Flags cover the common case; everything else comes from ``--config FILE`` (YAML,
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -164,12 +163,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return main_status(args.base_url)
     if args.command == "serve":
-        from gymserve.server.run import serve_async
+        from gymserve.server.run import run_event_loop, serve_async
 
         config = _load(args)
         print(f"gymserve: serving {config.backend.type} backend on http://{config.server.host}:"
               f"{config.server.port}/v1", file=sys.stderr)
-        asyncio.run(serve_async(config))
+        run_event_loop(serve_async(config))
         return 0
     if args.command == "check":
         from gymserve.check import main_check

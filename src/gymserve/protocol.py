@@ -21,6 +21,8 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 TRAINING_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+_INT = frozenset({int})  # exactly int: bool is a subclass of int but never a token ID
+_NUMBER = frozenset({int, float})
 
 ChatRequest = dict[str, Any]
 """A Chat Completions create request (``openai.types.chat.CompletionCreateParams`` shape) plus
@@ -76,9 +78,10 @@ def get_token_info(obj: dict[str, Any], *, deep: bool = True) -> TokenInfo | Non
                 "they must be equal (one log-prob per generated token)", param="generation_log_probs")
         return TokenInfo(prompt_token_ids=p, generation_token_ids=g, generation_log_probs=lp)
     for name, value in (("prompt_token_ids", p), ("generation_token_ids", g)):
-        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        # set(map(type, ...)) iterates in C: this check runs on every spliced turn's whole prompt.
+        if not isinstance(value, list) or (value and (not set(map(type, value)) <= _INT or min(value) < 0)):
             raise InvalidRequestError(f"{name} must be a list of non-negative integers", param=name)
-    if not isinstance(lp, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lp):
+    if not isinstance(lp, list) or not set(map(type, lp)) <= _NUMBER:
         raise InvalidRequestError("generation_log_probs must be a list of numbers", param="generation_log_probs")
     if len(lp) != len(g):
         raise InvalidRequestError(
@@ -86,4 +89,6 @@ def get_token_info(obj: dict[str, Any], *, deep: bool = True) -> TokenInfo | Non
             "they must be equal (one log-prob per generated token)",
             param="generation_log_probs",
         )
-    return TokenInfo(prompt_token_ids=p, generation_token_ids=g, generation_log_probs=[float(x) for x in lp])
+    if int in set(map(type, lp)):
+        lp = [float(x) for x in lp]
+    return TokenInfo(prompt_token_ids=p, generation_token_ids=g, generation_log_probs=lp)

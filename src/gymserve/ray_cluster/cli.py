@@ -14,7 +14,6 @@ Nothing here imports ray until ``main_launch`` builds the backend.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from typing import Any
@@ -97,14 +96,14 @@ def load_launch_config(args: argparse.Namespace):
 def main_launch(args: argparse.Namespace) -> int:
     """Start the replicas and serve until SIGINT/SIGTERM; then the replicas are killed and a Ray
     instance started here is stopped. Returns the exit code (0)."""
-    from gymserve.server.run import serve_async
+    from gymserve.server.run import run_event_loop, serve_async
 
     config = load_launch_config(args)
     b = config.backend
     where = b.ray_address or "a local Ray instance (or the one RAY_ADDRESS / `ray start` names)"
     print(f"gymserve: starting {b.replicas} replica(s) of {b.local.model} on {where}; front end at "
           f"http://{config.server.host}:{config.server.port}/v1", file=sys.stderr)
-    asyncio.run(serve_async(config))
+    run_event_loop(serve_async(config))
     return 0
 
 

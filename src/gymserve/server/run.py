@@ -24,6 +24,17 @@ def _server_key(config) -> str | None:
     return key.get_secret_value() if hasattr(key, "get_secret_value") else key
 
 
+def run_event_loop(coro):
+    """Run ``coro`` to completion on uvloop when it is installed (a faster event loop; uvicorn's
+    own ``loop`` setting does not apply when we own the loop), else on asyncio's default loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
 def build_app(config, backend):
     """The FastAPI app for ``config`` (a ``GymserveConfig``) over an already built ``backend``."""
     from gymserve.server.app import create_app
@@ -182,7 +193,7 @@ def start_background_server(config, backend_factory=None, *, startup_timeout: fl
 
     def run():
         try:
-            asyncio.run(main())
+            run_event_loop(main())
         except BaseException as exc:  # noqa: BLE001
             bg._error.append(exc)
             ready.set()
