@@ -1,9 +1,14 @@
 """Shared fixtures: the embedded model's real tokenizer, a tiny random-weight Qwen2 model that
-uses it (fast tests), and the real embedded model (few, short tests)."""
+uses it (fast tests), the real embedded model (few, short tests), and a real ``transformers serve``
+chat server on it (``transformers_serve``)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,3 +59,67 @@ def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
         if (embedded_dir / name).exists():
             shutil.copy(embedded_dir / name, out / name)
     return out
+
+
+# ---------------------------------------------------------------- transformers serve (a real chat server)
+ROOT = Path(__file__).resolve().parents[1]
+PEER = ROOT / ".venv-peer"
+PEER_BIN = PEER / "bin" / "transformers"
+
+
+def _build_peer_venv() -> str | None:
+    """Create .venv-peer if needed; returns None on success or the reason it could not be built."""
+    if PEER_BIN.exists():
+        return None
+    pip = str(PEER / "bin" / "pip")
+    steps = [[sys.executable, "-m", "venv", str(PEER)],
+             [pip, "install", "-q", "torch==2.13.0"],  # first and pinned: a looser torch pulls CUDA wheels
+             [pip, "install", "-q", "transformers[serving]", "accelerate"]]
+    for step in steps:
+        try:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=1800)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{' '.join(step[:3])} failed: {exc}"
+        if done.returncode != 0:
+            return f"{' '.join(step[:3])} failed: {done.stderr.strip()[-300:]}"
+    return None if PEER_BIN.exists() else "transformers CLI missing after install"
+
+
+@pytest.fixture(scope="session")
+def transformers_serve(embedded_dir):
+    """``(base_url, model_name)`` of a running ``transformers serve`` (stopped at session end): the
+    embedded model's safetensors copy served from ``.venv-peer`` (built on first use)."""
+    import httpx
+    from fakes import free_port
+
+    reason = _build_peer_venv()
+    if reason is not None:
+        pytest.skip(f"cannot build .venv-peer for transformers serve: {reason}")
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    log = open(ROOT / ".pytest_cache" / "transformers-serve.log", "w") if (ROOT / ".pytest_cache").is_dir() else subprocess.DEVNULL
+    proc = subprocess.Popen([str(PEER_BIN), "serve", str(embedded_dir), "--port", str(port), "--host", "127.0.0.1"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"transformers serve exited with {proc.returncode} before answering /health")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("transformers serve did not become healthy within 300 s")
+            time.sleep(1)
+        yield url + "/v1", str(embedded_dir)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if log is not subprocess.DEVNULL:
+            log.close()

@@ -136,12 +136,83 @@ def response_obj(text: str, *, model: str) -> dict[str, Any]:
 
 
 def sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
+    """Chat Completions streaming: ``data:`` lines, then ``data: [DONE]``."""
     def gen():
         for c in chunks:
             yield f"data: {json.dumps(c)}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+def sse_events(events: list[dict[str, Any]]) -> StreamingResponse:
+    """Responses streaming as the OpenAI API sends it: ``event: <type>`` + ``data:``, no ``[DONE]``."""
+    def gen():
+        for e in events:
+            yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
+
+    return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+def _pieces(text: str, n: int = 3) -> list[str]:
+    """``text`` cut into about ``n`` non-empty pieces (at least one)."""
+    size = max(1, -(-len(text) // n))
+    return [text[i:i + size] for i in range(0, len(text), size)] or [""]
+
+
+def chat_chunks(comp: dict[str, Any], *, include_usage: bool = False) -> list[dict[str, Any]]:
+    """A ChatCompletion dict streamed as a chat server does: a role chunk, the content in pieces,
+    a finish chunk, then (``stream_options.include_usage``) a ``choices: []`` usage chunk."""
+    head = {"id": comp["id"], "object": "chat.completion.chunk", "created": comp["created"], "model": comp["model"]}
+    choice = comp["choices"][0]
+
+    def chunk(delta, finish=None):
+        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    out += [chunk({"content": p}) for p in _pieces(choice["message"].get("content") or "") if p]
+    out.append(chunk({}, choice["finish_reason"]))
+    if include_usage:
+        out.append({**head, "choices": [], "usage": comp["usage"]})
+    return out
+
+
+def chat_answer(r: Recorded, comp: dict[str, Any]) -> Answer:
+    """``comp`` as JSON, or streamed when the request asks for ``stream: true``."""
+    if r.body.get("stream"):
+        include = bool((r.body.get("stream_options") or {}).get("include_usage"))
+        return sse(chat_chunks(comp, include_usage=include))
+    return 200, comp
+
+
+def response_events(done: dict[str, Any]) -> list[dict[str, Any]]:
+    """The OpenAI API's event stream for a one-message ``Response``: created, in_progress, the
+    message item's lifecycle with the text in deltas, completed; ``sequence_number`` 0, 1, 2…"""
+    events: list[dict[str, Any]] = []
+
+    def ev(kind: str, **fields: Any) -> None:
+        events.append({"type": kind, "sequence_number": len(events), **fields})
+
+    shell = {**done, "status": "in_progress", "output": [], "usage": None}
+    ev("response.created", response=shell)
+    ev("response.in_progress", response=shell)
+    for oi, item in enumerate(done["output"]):
+        ev("response.output_item.added", output_index=oi, item={**item, "status": "in_progress", "content": []})
+        for ci, part in enumerate(item["content"]):
+            where = {"item_id": item["id"], "output_index": oi, "content_index": ci}
+            ev("response.content_part.added", **where, part={**part, "text": ""})
+            for piece in _pieces(part["text"]):
+                ev("response.output_text.delta", **where, delta=piece, logprobs=[])
+            ev("response.output_text.done", **where, text=part["text"], logprobs=[])
+            ev("response.content_part.done", **where, part=part)
+        ev("response.output_item.done", output_index=oi, item=item)
+    ev("response.completed", response=done)
+    return events
+
+
+def responses_answer(r: Recorded, done: dict[str, Any]) -> Answer:
+    """``done`` as JSON, or as its event stream when the request asks for ``stream: true``."""
+    return sse_events(response_events(done)) if r.body.get("stream") else (200, done)
 
 
 # ---------------------------------------------------------------------------------- OpenAI
@@ -157,18 +228,14 @@ def openai_handler(api_key: str, model: str = "gpt-test") -> Callable[[Recorded]
         if r.method == "POST" and r.path == "/v1/chat/completions":
             if r.body.get("model") != model or not isinstance(r.body.get("messages"), list):
                 return 400, {"error": {"message": "bad model or messages", "type": "invalid_request_error"}}
-            return 200, completion("hello from openai", model=model)
+            return chat_answer(r, completion("hello from openai", model=model))
         if r.method == "POST" and r.path == "/v1/responses":
             if r.body.get("model") != model or "input" not in r.body:
                 return 400, {"error": {"message": "bad model or input", "type": "invalid_request_error"}}
             if r.body["input"] == "overflow":
                 return 400, {"error": {"message": "Your input exceeds the context window of this model.",
                                        "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}}
-            done = response_obj("hello from responses", model=model)
-            if r.body.get("stream"):
-                return sse([{"type": "response.created", "sequence_number": 0, "response": {**done, "status": "in_progress", "output": []}},
-                            {"type": "response.completed", "sequence_number": 1, "response": done}])
-            return 200, done
+            return responses_answer(r, response_obj("hello from responses", model=model))
         return 404, {"error": {"message": f"Invalid URL ({r.method} {r.path})", "type": "invalid_request_error",
                                "param": None, "code": None}}
 
@@ -198,12 +265,12 @@ def azure_handler(*, api_key: str, api_version: str, deployment: str, chat_paths
         if r.method == "GET" and r.path.endswith("/models"):
             return 200, {"object": "list", "data": [{"id": "gpt-4o", "object": "model"}]}
         if r.method == "POST" and r.path in chat_paths:
-            return 200, completion("hello from azure chat", model="gpt-4o-2024-08-06")
+            return chat_answer(r, completion("hello from azure chat", model="gpt-4o-2024-08-06"))
         if r.method == "POST" and r.path in responses_paths:
             if r.body.get("model") != deployment:
                 return 404, {"error": {"code": "DeploymentNotFound", "message": "The API deployment for this resource "
                                                                                "does not exist."}}
-            return 200, response_obj("hello from azure responses", model="gpt-4o-2024-08-06")
+            return responses_answer(r, response_obj("hello from azure responses", model="gpt-4o-2024-08-06"))
         return AZ_NOT_FOUND
 
     return handle

@@ -56,7 +56,9 @@ async def test_openai_native_streaming_and_context_overflow(openai_fake):
     b = backend(type="openai", base_url=openai_fake.url + "/v1", api_key=KEY, model="gpt-test", served_model_name="pub")
     events = [e async for e in b.responses_stream({"input": "hi", "stream": True}, CTX)]
     assert openai_fake.requests[-1].body["stream"] is True
-    assert [e["type"] for e in events] == ["response.created", "response.completed"]
+    types = [e["type"] for e in events]
+    assert types[0] == "response.created" and types[-1] == "response.completed" and "response.output_text.delta" in types
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[-1]["response"]["model"] == "pub"
     resp = await b.responses({"input": "overflow"}, CTX)
     assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}

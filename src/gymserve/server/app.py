@@ -75,26 +75,50 @@ def _sse(events: AsyncIterator[dict[str, Any]], *, responses: bool) -> Streaming
     """Server-sent events: ``event:`` lines for the Responses API, ``data: [DONE]`` for chat."""
 
     async def body():
+        seq = -1  # the last sequence_number sent (Responses), so an error event can follow it
         try:
             async for ev in events:
                 data = orjson.dumps(ev)
                 if responses:
+                    if isinstance(ev.get("sequence_number"), int):
+                        seq = ev["sequence_number"]
                     yield b"event: " + ev["type"].encode() + b"\ndata: " + data + b"\n\n"
                 else:
                     yield b"data: " + data + b"\n\n"
         except GymserveError as exc:
             # Headers are gone once streaming started: the error travels as an event.
-            yield b"event: error\ndata: " + orjson.dumps({"type": "error", **exc.to_dict()["error"]}) + b"\n\n"
+            yield _error_event(exc.to_dict()["error"], responses=responses, seq=seq)
         except Exception as exc:  # noqa: BLE001 - a bug mid-stream still ends the stream cleanly
             log.exception("unhandled error while streaming")
-            err = {"type": "error", "message": f"internal error in gymserve ({type(exc).__name__}) while streaming; "
-                   "this is a bug, please report it with the server log", "code": None, "param": None}
-            yield b"event: error\ndata: " + orjson.dumps(err) + b"\n\n"
+            err = {"message": f"internal error in gymserve ({type(exc).__name__}) while streaming; "
+                   "this is a bug, please report it with the server log", "type": "server_error",
+                   "code": None, "param": None}
+            yield _error_event(err, responses=responses, seq=seq)
         if not responses:
             yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _error_event(error: dict[str, Any], *, responses: bool, seq: int) -> bytes:
+    """The last event of a stream that failed after its headers were sent.
+
+    Responses: an ``error`` event with the next ``sequence_number``, carrying the error both as the
+    OpenAI API does (top-level ``code``, ``message``, ``param``: the SDK's ``ResponseErrorEvent``) and
+    as the Open Responses spec does (``error: {type, code, message, param}``); the openai SDK raises
+    the latter as ``APIError``. Chat: ``{"error": {message, type, param, code}}``, the shape OpenAI
+    and vLLM send mid-stream, which the SDK raises as ``APIError`` (a ``{"type": "error", ...}``
+    chunk would reach the client as a chat chunk without choices).
+    """
+    if responses:
+        payload: dict[str, Any] = {"type": "error", "sequence_number": seq + 1, "code": error.get("code"),
+                                   "message": error.get("message"), "param": error.get("param"),
+                                   "error": {"type": error.get("type") or "server_error", "code": error.get("code"),
+                                             "message": error.get("message"), "param": error.get("param")}}
+    else:
+        payload = {"error": error}
+    return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
 def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_key: str | None = None,
