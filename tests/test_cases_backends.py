@@ -149,3 +149,20 @@ async def test_cl01_other_400_is_propagated_as_4xx():
         assert 400 <= info.value.status_code < 500 and "Invalid tool schema" in info.value.message
         assert len(s.chat_requests()) == 1
         await b.close()
+
+
+async def test_cr04_chat_passthrough_returns_string_arguments():
+    """CR-04 on /v1/chat/completions: arguments sent as an object or "" come back as JSON strings."""
+    from spec import load_cases
+
+    case = load_cases("chat_to_responses")["CR-04"]
+    upstream = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "policy",
+                **case["input"]["backend_chat_response"]}
+    with FakeServer(ChatScript(plan=[(200, upstream)])) as s:
+        b = build_backend(validate_config({"backend": {"type": "chat", "base_url": s.url + "/v1"}}))
+        chat = await b.chat({"model": "policy", "messages": [{"role": "user", "content": "x"}]}, CTX)
+        calls = chat["choices"][0]["message"]["tool_calls"]
+        expected = case["expected"]["responses_output"]
+        assert [c["function"]["arguments"] for c in calls] == [e["arguments"] for e in expected]
+        assert json.loads(calls[0]["function"]["arguments"]) == {"location": "New York", "format": "celsius"}
+        await b.close()

@@ -182,3 +182,11 @@ def test_non_canonical_generation_survives_splice(client, tokenizer):
     # Then exactly one end-of-turn, and the template's rendering of the rest.
     rest = tokenizer.decode(p2[len(p) + len(sampled):])
     assert rest == "<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_responses_context_overflow_ends_the_rollout_cleanly(client):
+    """CL-01 over the local backend's Responses endpoint: an empty, incomplete Response (as over
+    every other backend), while /v1/chat/completions keeps its "context length" 400."""
+    r = client.responses.create(model="tiny", input="word " * 600, max_output_tokens=4)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output == [] and r.usage.output_tokens == 0

@@ -206,6 +206,7 @@ class ChatBackend(Backend):
             if isinstance(choice.get("message"), dict):
                 mirror_reasoning(choice["message"])
                 self._apply_parsers(choice, request)
+                normalize_tool_call_arguments(choice["message"])
         if self.config.served_model_name:
             completion["model"] = self.config.served_model_name
         return completion
@@ -376,6 +377,17 @@ def _tool_parser(name: str, model: str | None):
 
         name, _ = infer_tool_call_parser(None, model, None)
     return get_tool_call_parser(name)
+
+
+def normalize_tool_call_arguments(message: dict[str, Any]) -> None:
+    """Make every ``tool_calls[].function.arguments`` a JSON string (case CR-04: some servers send
+    an object or ``""``, which breaks OpenAI clients that ``json.loads`` the field)."""
+    from gymserve.convert.chat_to_responses import normalize_arguments
+
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            function["arguments"] = normalize_arguments(function.get("arguments"))
 
 
 def mirror_reasoning(message: dict[str, Any]) -> None:
