@@ -7,6 +7,7 @@ queues belong to that loop; it is closed when the server stops.
 from __future__ import annotations
 
 import asyncio
+import gc
 import contextlib
 import logging
 import signal
@@ -114,6 +115,10 @@ async def serve_async(config, backend=None) -> None:
     _warn_exposed(config)
     app = build_app(config, backend)
     server = _server_for(config, app)
+    # Start-up objects (model, tokenizer, schemas) never die: freezing them keeps the cyclic GC from
+    # rescanning them on every collection that request churn triggers.
+    gc.collect()
+    gc.freeze()
     try:
         await server.serve()
     finally:
