@@ -71,6 +71,33 @@ async def collect(stream: AsyncIterator[TokenDelta]) -> Generation:
     return gen
 
 
+class RunBasedEngine:
+    """Shared plumbing for engines with one code path ``_run(prompt_ids, sampling, stream=...)``
+    yielding ``TokenDelta``s (the vLLM and TensorRT-LLM adapters)."""
+
+    _closed = False
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
+        """Generate to completion; see ``Engine.generate``."""
+        return await collect(self._run(prompt_ids, sampling, stream=False))
+
+    def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """Yield token deltas; closing the iterator early aborts the request."""
+        return self._run(prompt_ids, sampling, stream=True)
+
+    def _check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """Raises ``EngineError`` when the engine is shut down or the prompt is empty."""
+        from gymserve.errors import EngineError
+
+        if self._closed:
+            raise EngineError("the engine is shut down")
+        if not prompt_ids:
+            raise EngineError("empty prompt")
+
+    def _run(self, prompt_ids: Sequence[int], sampling: SamplingParams, *, stream: bool) -> AsyncIterator[TokenDelta]:
+        raise NotImplementedError
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the local backend needs from an inference engine.

@@ -32,12 +32,12 @@ import asyncio
 import logging
 import math
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gymserve.engine.base import Generation, SamplingParams, TokenDelta, collect
+from gymserve.engine.base import RunBasedEngine, SamplingParams, TokenDelta
 from gymserve.engine.vllm_engine import (RAW_LOGPROBS, accepts, map_finish_reason, parse_positions,
                                          read_model_meta)
 from gymserve.errors import EngineError
@@ -110,7 +110,7 @@ def trtllm_sampling_kwargs(sampling: SamplingParams, *, end_id: int, seed: int |
     return kwargs
 
 
-class TRTLLMEngine:
+class TRTLLMEngine(RunBasedEngine):
     """The ``Engine`` over ``tensorrt_llm.LLM`` (PyTorch backend by default) in this process.
 
     ``model_dir``: a Hugging Face model directory (or a built TensorRT engine directory with the
@@ -150,19 +150,8 @@ class TRTLLMEngine:
             kwargs["logprobs_mode"] = RAW_LOGPROBS
         return self._t.SamplingParams(**kwargs)
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
-        """Generate to completion; see ``Engine.generate``."""
-        return await collect(self._run(prompt_ids, sampling, stream=False))
-
-    def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[TokenDelta]:
-        """Yield token deltas; closing the iterator early aborts the request."""
-        return self._run(prompt_ids, sampling, stream=True)
-
     async def _run(self, prompt_ids: Sequence[int], sampling: SamplingParams, *, stream: bool):
-        if self._closed:
-            raise EngineError("the engine is shut down")
-        if not prompt_ids:
-            raise EngineError("empty prompt")
+        self._check_prompt(prompt_ids)
         params = self.sampling_params(sampling)
         stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids)
         result = self.llm.generate_async({"prompt_token_ids": [int(t) for t in prompt_ids]},

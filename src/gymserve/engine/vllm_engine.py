@@ -36,12 +36,12 @@ import inspect
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gymserve.engine.base import FinishReason, Generation, SamplingParams, TokenDelta, collect
+from gymserve.engine.base import FinishReason, RunBasedEngine, SamplingParams, TokenDelta
 from gymserve.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
     }
 
 
-class VLLMEngine:
+class VLLMEngine(RunBasedEngine):
     """The ``Engine`` over vLLM's ``AsyncLLM`` in this process.
 
     ``model_dir``: a Hugging Face model directory. ``context_window``: passed as ``max_model_len``
@@ -248,19 +248,8 @@ class VLLMEngine:
             kwargs["output_kind"] = kind.DELTA if stream else kind.FINAL_ONLY
         return self._v.SamplingParams(**kwargs)
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
-        """Generate to completion; see ``Engine.generate``."""
-        return await collect(self._run(prompt_ids, sampling, stream=False))
-
-    def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[TokenDelta]:
-        """Yield token deltas; closing the iterator early aborts the vLLM request."""
-        return self._run(prompt_ids, sampling, stream=True)
-
     async def _run(self, prompt_ids: Sequence[int], sampling: SamplingParams, *, stream: bool):
-        if self._closed:
-            raise EngineError("the engine is shut down")
-        if not prompt_ids:
-            raise EngineError("empty prompt")
+        self._check_prompt(prompt_ids)
         params = self.sampling_params(sampling, stream=stream)
         delta_mode = stream and self._v.RequestOutputKind is not None
         request_id = f"gymserve-{uuid.uuid4().hex}"
