@@ -105,3 +105,18 @@ def assert_valid_event(event: dict[str, Any]) -> None:
     assert not errors, (kind, errors)
     if "response" in event:
         assert_valid_response(event["response"])
+
+
+def assert_subset(expected: Any, actual: Any, path: str = "") -> None:
+    """Every key the case names has the case's value (lists: same length, element-wise)."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict), path
+        for key, value in expected.items():
+            assert key in actual, f"{path}.{key} missing"
+            assert_subset(value, actual[key], f"{path}.{key}")
+    elif isinstance(expected, list):
+        assert isinstance(actual, list) and len(actual) == len(expected), (path, actual)
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            assert_subset(e, a, f"{path}[{i}]")
+    else:
+        assert actual == expected, (path, actual, expected)

@@ -8,7 +8,7 @@ from typing import Any
 
 import jinja2
 import pytest
-from spec import assert_valid_chat_completion, assert_valid_event, assert_valid_response, load_cases
+from spec import assert_subset, assert_valid_chat_completion, assert_valid_event, assert_valid_response, load_cases
 
 from gymserve.convert import (
     ConvertOptions,
@@ -25,21 +25,6 @@ CASES = load_cases("responses_to_chat", "chat_to_responses", "context_length", "
 def full_completion(partial: dict[str, Any], model: str = "MODEL") -> dict[str, Any]:
     """A case's abbreviated chat completion, completed with the keys every real one has."""
     return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": model, **partial}
-
-
-def assert_subset(expected: Any, actual: Any, path: str = "") -> None:
-    """Every key the case names has the case's value (lists: same length, element-wise)."""
-    if isinstance(expected, dict):
-        assert isinstance(actual, dict), path
-        for key, value in expected.items():
-            assert key in actual, f"{path}.{key} missing"
-            assert_subset(value, actual[key], f"{path}.{key}")
-    elif isinstance(expected, list):
-        assert isinstance(actual, list) and len(actual) == len(expected), (path, actual)
-        for i, (e, a) in enumerate(zip(expected, actual)):
-            assert_subset(e, a, f"{path}[{i}]")
-    else:
-        assert actual == expected, (path, actual, expected)
 
 
 def test_cases_are_present():

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 import pytest
-from spec import load_cases
+from spec import assert_subset, load_cases
 
 from gymserve.parsers import (
     ParsedOutput,
@@ -43,21 +43,6 @@ def as_output_items(parsed: ParsedOutput) -> list[dict[str, Any]]:
             }
         )
     return items
-
-
-def assert_subset(expected: Any, actual: Any, path: str = "") -> None:
-    """Every key the case names has the case's value (lists: same length, element-wise)."""
-    if isinstance(expected, dict):
-        assert isinstance(actual, dict), path
-        for key, value in expected.items():
-            assert key in actual, f"{path}.{key} missing"
-            assert_subset(value, actual[key], f"{path}.{key}")
-    elif isinstance(expected, list):
-        assert isinstance(actual, list) and len(actual) == len(expected), (path, actual)
-        for i, (e, a) in enumerate(zip(expected, actual)):
-            assert_subset(e, a, f"{path}[{i}]")
-    else:
-        assert actual == expected, (path, actual, expected)
 
 
 def all_texts(items: list[dict[str, Any]]) -> list[str]:
