@@ -112,6 +112,8 @@ def test_standard_logprobs_with_token_ids(client):
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, None),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 5}, "frequency_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"12": 3}}, "logit_bias"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"},
                                  {"role": "assistant", "content": "y", "prompt_token_ids": [1, 2],
                                   "generation_token_ids": [999999999], "generation_log_probs": [-1.0]}]}, None),

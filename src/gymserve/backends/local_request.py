@@ -8,8 +8,8 @@ The rules, and why:
 - ``max_tokens``/``max_completion_tokens`` are clamped to what is left of the context window; a prompt
   that already fills it is a ``ContextLengthExceededError`` (400, "context length", both numbers).
 - What the engine cannot honour is refused explicitly rather than silently weakened: ``n > 1``,
-  stop strings, structured output (``response_format`` json_schema/json_object), ``tool_choice``
-  ``required`` or a named function (no guided decoding here).
+  stop strings, penalties and ``logit_bias``, structured output (``response_format``
+  json_schema/json_object), ``tool_choice`` ``required`` or a named function (no guided decoding).
 """
 
 from __future__ import annotations
@@ -85,6 +85,14 @@ def _check_supported(request: ChatRequest) -> None:
         raise InvalidRequestError(
             "stop strings are not supported by the token-exact local backend (a string can end inside a "
             "token); configure sampling.stop_token_ids instead", param="stop")
+    for key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+        value = request.get(key)
+        if value is not None and value != (1 if key == "repetition_penalty" else 0):
+            raise InvalidRequestError(
+                f"{key}={value!r} is not applied by the local engine (it would change the sampling "
+                "distribution the trainer assumes); omit it", param=key)
+    if request.get("logit_bias"):
+        raise InvalidRequestError("logit_bias is not applied by the local engine; omit it", param="logit_bias")
     fmt = request.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         raise InvalidRequestError(
