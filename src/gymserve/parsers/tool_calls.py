@@ -11,9 +11,16 @@ common and must stay content.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
-from gymserve.parsers.base import ParsedToolCall, ScanItem, ToolCallParser, register, tool_call_parser_names
+from gymserve.parsers.base import (
+    ParsedToolCall,
+    ScanItem,
+    ToolCallParser,
+    register,
+    tool_call_parser_names,
+)
 from gymserve.parsers.json_scan import (
     call_from_obj,
     calls_from_sequence,
@@ -104,20 +111,32 @@ def hermes_scan(text: str, start: int, final: bool) -> tuple[list[ScanItem], int
     A malformed block leaves its ``<tool_call>`` tag as content and scanning resumes right after
     the tag, so the block's text stays in content verbatim.
     """
+    return scan_tagged(text, start, final, HERMES_OPEN, _hermes_block)
+
+
+def scan_tagged(text: str, start: int, final: bool, tag: str,
+                parse_block: Callable[[str, int, bool], tuple[list[ParsedToolCall] | None, int] | None],
+                ) -> tuple[list[ScanItem], int]:
+    """The scan loop of every format whose calls follow a literal ``tag``.
+
+    ``parse_block(text, tag_at, final)`` returns None when more text is needed to decide (the scan
+    stops before the tag), ``(None, _)`` for a malformed block (the tag stays content and scanning
+    resumes after it), or ``(calls, end)``. Returns the items decided and where scanning stopped.
+    """
     items: list[ScanItem] = []
     i = start
     while True:
-        j = text.find(HERMES_OPEN, i)
+        j = text.find(tag, i)
         if j < 0:
-            return items, _plain_tail(text, i, final, HERMES_OPEN, items)
+            return items, _plain_tail(text, i, final, tag, items)
         _content_until(text, i, j, items)
-        block = _hermes_block(text, j, final)
+        block = parse_block(text, j, final)
         if block is None:
             return items, j
         calls, end = block
         if calls is None:
-            items.append(HERMES_OPEN)
-            i = j + len(HERMES_OPEN)
+            items.append(tag)
+            i = j + len(tag)
         else:
             items.extend(calls)
             i = end
@@ -267,23 +286,8 @@ class MistralToolCallParser(ToolCallParser):
     """
 
     def scan(self, text: str, tools: Tools, *, start: int, final: bool) -> tuple[list[ScanItem], int]:
-        items: list[ScanItem] = []
-        i = start
-        while True:
-            j = text.find(MISTRAL_TAG, i)
-            if j < 0:
-                return items, _plain_tail(text, i, final, MISTRAL_TAG, items)
-            _content_until(text, i, j, items)
-            found = _mistral_calls(text, j + len(MISTRAL_TAG), final)
-            if found is None:
-                return items, j
-            calls, end = found
-            if calls is None:
-                items.append(MISTRAL_TAG)
-                i = j + len(MISTRAL_TAG)
-            else:
-                items.extend(calls)
-                i = end
+        return scan_tagged(text, start, final, MISTRAL_TAG,
+                           lambda t, at, fin: _mistral_calls(t, at + len(MISTRAL_TAG), fin))
 
 
 # ------------------------------------------------------------------------------------ inference
