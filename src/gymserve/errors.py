@@ -59,18 +59,6 @@ class SpliceError(InvalidRequestError):
         super().__init__(message, param="messages", code="splice_failed")
 
 
-class AuthenticationError(GymserveError):
-    """The client did not present the server's API key (401)."""
-
-    status_code = 401
-    error_type = "authentication_error"
-
-
-class NotFoundError(GymserveError):
-    """Unknown route or model (404)."""
-
-    status_code = 404
-    error_type = "not_found_error"
 
 
 class OverloadedError(GymserveError):

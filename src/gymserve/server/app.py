@@ -275,10 +275,9 @@ async def _first_then_rest(events: AsyncIterator[dict[str, Any]]) -> AsyncIterat
     """Pull the first event before the response starts, so request errors (bad input, context
     length) still become a plain 4xx JSON error instead of an event inside a 200 stream."""
     it = aiter(events)
-    try:
-        first = await anext(it)
-    except StopAsyncIteration:
-        return _empty()
+    first = await anext(it, None)
+    if first is None:
+        return it  # exhausted: iterating it again yields nothing
 
     async def rest():
         yield first
@@ -286,9 +285,4 @@ async def _first_then_rest(events: AsyncIterator[dict[str, Any]]) -> AsyncIterat
             yield ev
 
     return rest()
-
-
-async def _empty():
-    return
-    yield  # pragma: no cover
 
