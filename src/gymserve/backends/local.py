@@ -148,11 +148,8 @@ class LocalBackend(Backend):
                            tools=call.tools, tool_parser=tool_parser, reasoning_parser=self.reasoning_parser)
         calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                   "function": {"name": c.name, "arguments": c.arguments}} for c in out.tool_calls]
-        if finish_reason == "length" or out.reasoning_incomplete:
-            finish = "length"
-        else:
-            finish = "tool_calls" if calls else "stop"
-        return _Parsed(out.reasoning, out.content, calls, finish)
+        return _Parsed(out.reasoning, out.content, calls,
+                       chat_finish_reason(finish_reason, out.reasoning_incomplete, bool(calls)))
 
     def _completion(self, call: LocalCall, gen: Generation) -> ChatCompletionDict:
         ids, lps, tops = self._trim(gen)
@@ -168,12 +165,10 @@ class LocalBackend(Backend):
         message["generation_log_probs"] = lps
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": parsed.finish_reason,
                                   "logprobs": self._logprobs(call, ids, lps, tops) if call.logprobs else None}
-        n_prompt = len(call.prompt.token_ids)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": self.engine.model_name, "choices": [choice],
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(gen.token_ids),
-                      "total_tokens": n_prompt + len(gen.token_ids)},
+            "usage": usage(len(call.prompt.token_ids), len(gen.token_ids)),
         }
 
     def _token_str(self, call: LocalCall, tid: int) -> str:
@@ -204,3 +199,16 @@ class LocalBackend(Backend):
             finally:
                 await stream.aclose()
 
+
+def chat_finish_reason(engine_finish: str, reasoning_incomplete: bool, has_tool_calls: bool) -> str:
+    """The chat ``finish_reason``: ``length`` when generation stopped at the limit or inside the
+    reasoning span, else ``tool_calls`` when calls were parsed, else ``stop``."""
+    if engine_finish == "length" or reasoning_incomplete:
+        return "length"
+    return "tool_calls" if has_tool_calls else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """Chat ``usage``; ``completion_tokens`` counts every sampled token, the trimmed EOS included."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from gymserve.backends.local import chat_finish_reason, usage
 from gymserve.backends.local_request import LocalCall
 
 
@@ -97,10 +98,7 @@ async def stream_chat(backend, call: LocalCall) -> AsyncIterator[dict[str, Any]]
     deltas = parser.feed(detok.push(tail_ids, final=True)) + parser.finish(finish)
     for c in to_chunks(deltas):
         yield c
-    if finish == "length" or parser.reasoning_incomplete:
-        reason = "length"
-    else:
-        reason = "tool_calls" if call_ids else "stop"
+    reason = chat_finish_reason(finish, parser.reasoning_incomplete, bool(call_ids))
     last = {"prompt_token_ids": call.prompt.token_ids, "generation_token_ids": kept,
             "generation_log_probs": kept_lps}
     final = _chunk(cid, created, model, last, reason)
@@ -108,7 +106,5 @@ async def stream_chat(backend, call: LocalCall) -> AsyncIterator[dict[str, Any]]
         final["choices"][0]["logprobs"] = backend._logprobs(call, kept, kept_lps, kept_tops)
     yield final
     if call.include_usage:
-        n_prompt = len(call.prompt.token_ids)
         yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-               "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(ids),
-                         "total_tokens": n_prompt + len(ids)}}
+               "usage": usage(len(call.prompt.token_ids), len(ids))}
