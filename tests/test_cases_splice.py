@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from templates import QWEN3_LIKE
 
 from gymserve.engine.prompt import build_prompt
 from gymserve.engine.splice import splice_token_ids
@@ -132,32 +133,6 @@ def test_rc05_developer_alone_becomes_system(tokenizer):
     assert "You are Qwen" not in text
 
 
-QWEN3_LIKE = (
-    "{%- set ns = namespace(last_query=-1) -%}"
-    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}{%- endfor -%}"
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if loop.index0 > ns.last_query and m.reasoning_content -%}"
-    "{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' -}}"
-    "{%- endif -%}"
-    "{{- m.content -}}"
-    "{%- for tc in m.tool_calls or [] -%}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' + (tc.function.arguments | tojson) + '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- elif m.role == 'tool' -%}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and not enable_thinking -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- else -%}{{- '<think>\\n' -}}{%- endif -%}"
-    "{%- endif -%}"
-)
 
 
 def test_rc01_reasoning_reaches_a_qwen3_style_template_for_the_current_turn(tokenizer):

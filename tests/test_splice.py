@@ -8,6 +8,7 @@ import unicodedata
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from templates import QWEN3_LIKE
 
 from gymserve.engine.prompt import build_prompt
 from gymserve.engine.template import ChatTemplate
@@ -126,23 +127,6 @@ def test_tool_call_turn_with_content_before_calls(tpl):
     assert res.token_ids[len(p) + len(g)] == IM_END
 
 
-# A Qwen3-style template: reasoning is rendered only for assistant turns after the last user message.
-QWEN3_LIKE = (
-    "{%- set ns = namespace(last_query=-1) -%}"
-    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}{%- endfor -%}"
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if loop.index0 > ns.last_query and m.reasoning_content -%}"
-    "{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' -}}"
-    "{%- endif -%}"
-    "{{- m.content + '<|im_end|>\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}"
-)
 
 
 def test_template_that_strips_reasoning_from_history(tokenizer):
