@@ -55,7 +55,7 @@ def _strip_ids(obj: Any) -> Any:
         return [_strip_ids(x) for x in obj]
     if isinstance(obj, dict):
         return {k: _strip_ids(v) for k, v in obj.items()
-                if k not in ("id", "call_id", "created_at", "created", "parsed", "parsed_arguments")}
+                if k not in ("id", "call_id", "created_at", "completed_at", "created", "parsed", "parsed_arguments")}
     return obj
 
 
