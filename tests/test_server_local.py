@@ -192,3 +192,12 @@ def test_responses_context_overflow_ends_the_rollout_cleanly(client):
     r = client.responses.create(model="tiny", input="word " * 600, max_output_tokens=4)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output == [] and r.usage.output_tokens == 0
+
+
+def test_streamed_responses_context_overflow_ends_the_rollout_cleanly(client):
+    """CL-01 streamed: the same empty, incomplete Response as the non-streamed call, as events."""
+    with client.responses.stream(model="tiny", input="word " * 600, max_output_tokens=4) as stream:
+        events = list(stream)
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.incomplete"]
+    final = events[-1].response
+    assert final.incomplete_details.reason == "max_output_tokens" and final.output == []

@@ -42,11 +42,18 @@ class Backend:
         raise NotImplementedError
 
     async def responses(self, request: ResponsesRequest, ctx: RequestContext) -> ResponseDict:
-        from gymserve.convert import chat_to_response, responses_to_chat
+        """Convert → ``chat`` → convert back. A prompt that fills the context window ends the
+        rollout cleanly on every backend (case CL-01): an empty Response with status
+        ``incomplete``, not an error (the chat endpoint of the local backend keeps its 400)."""
+        from gymserve.convert import chat_to_response, context_exceeded_response, responses_to_chat
+        from gymserve.errors import ContextLengthExceededError
 
         request = self.fill_responses_defaults(request)
         chat_request = responses_to_chat(request, self.convert_options())
-        completion = await self.chat(chat_request, ctx)
+        try:
+            completion = await self.chat(chat_request, ctx)
+        except ContextLengthExceededError:
+            return context_exceeded_response(request)
         return chat_to_response(completion, request)
 
     async def responses_stream(self, request: ResponsesRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
@@ -57,14 +64,18 @@ class Backend:
         """
         from gymserve.convert import responses_to_chat
         from gymserve.convert.stream import ResponseStreamBuilder
-        from gymserve.errors import GymserveError
+        from gymserve.errors import ContextLengthExceededError, GymserveError
 
         request = self.fill_responses_defaults(request)
         chat_request = responses_to_chat(request, self.convert_options())
         chat_request["stream"] = True
         chat_request["stream_options"] = {"include_usage": True}
-        chunks = aiter(self.chat_stream(chat_request, ctx))
-        first = await anext(chunks, None)
+        try:
+            chunks = aiter(self.chat_stream(chat_request, ctx))
+            first = await anext(chunks, None)
+        except ContextLengthExceededError:
+            # As in ``responses``: the stream of an empty, length-terminated completion (CL-01).
+            chunks, first = None, {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
         builder = ResponseStreamBuilder(request)
         for event in builder.start():
             yield event
@@ -72,9 +83,10 @@ class Backend:
             if first is not None:
                 for event in builder.feed(first):
                     yield event
-            async for chunk in chunks:
-                for event in builder.feed(chunk):
-                    yield event
+            if chunks is not None:
+                async for chunk in chunks:
+                    for event in builder.feed(chunk):
+                        yield event
         except GymserveError as exc:
             for event in builder.fail(exc.message):
                 yield event

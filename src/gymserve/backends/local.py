@@ -90,18 +90,6 @@ class LocalBackend(Backend):
             "context_window": self.engine.context_window, "eos_token_ids": list(self.engine.eos_token_ids),
         }
 
-    async def responses(self, request, ctx: RequestContext):
-        """As the base class, except that a prompt that fills the context window ends the rollout
-        cleanly, as over every other backend (case CL-01): an empty, incomplete Response rather
-        than a 400. ``/v1/chat/completions`` keeps the 400 (NeMo Gym maps it to the same ending)."""
-        from gymserve.convert import context_exceeded_response
-        from gymserve.errors import ContextLengthExceededError
-
-        try:
-            return await super().responses(request, ctx)
-        except ContextLengthExceededError:
-            return context_exceeded_response(self.fill_responses_defaults(request))
-
     def fill_responses_defaults(self, request):
         """Echo the pinned sampling params in the Response (the Responses API echoes what ran)."""
         sampling = self.config.sampling
