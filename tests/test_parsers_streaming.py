@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -54,6 +52,18 @@ TEXTS = [
     "   ",
     "</think>",
     "<think>never closed",
+    # commit-rule paths: cut inside arguments, close tag inside them, extra members, other key
+    # orders, arguments as a string, a list in a block, text after bare calls
+    '<tool_call>{"name": "get_time", "arguments": {"a": "cut',
+    '<tool_call>{"name": "get_time", "arguments": {"a": 1</tool_call> after <tool_call>' + TIME,
+    '<tool_call>{"name": "get_time", "arguments": {}, "id": "x}"} </tool_call>',
+    '<tool_call>{"arguments": {"a": 1}, "name": "get_time"}</tool_call>',
+    '<tool_call>{"name": "get_time", "arguments": "{\\"a\\": 1}"}</tool_call>',
+    f"<tool_call>[{TIME}, {WEATHER}]</tool_call>",
+    f"{WEATHER} then some words",
+    f"```json\n{TIME}\n```\nAnd text.",
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"',
+    f"[{TIME}, 3]",
 ]
 
 
@@ -102,8 +112,6 @@ def assert_agrees(text, cuts, finish_reason, tool_name, reasoning_name, prompt_t
     for d in deltas:
         if d.kind == "content" and "<tool_call>" not in (whole.content or ""):
             assert "<tool_call>" not in d.text
-    for call in got.tool_calls:
-        json.loads(call.arguments)
 
 
 parsers = st.sampled_from([None, *tool_call_parser_names()])
@@ -127,6 +135,8 @@ FRAGMENTS = [
     '"name"', '"arguments"', '"parameters"', ":", ",", ";", '"get_time"', '"get_weather"', '"x"',
     "{}", " ", "\n", "a", "```", "json", '"', "\\", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]",
     "get_time", "é", "<", "NaN", "1",
+    # call heads, so random texts often commit to a call and then go wrong
+    '{"name": "get_time", "arguments": ', '{"name": "get_weather", "parameters": ', '"a": ',
     # whole well-formed pieces, so random texts also hold real calls
     f"<tool_call>{TIME}</tool_call>", WEATHER, TIME, f"[{TIME}]", f"```json\n{TIME}\n```", "get_time[ARGS]{}",
 ]
@@ -154,6 +164,46 @@ def test_content_streams_before_the_end_and_holds_partial_tags():
         Delta("tool_call_arguments", "{}", index=0),
     ]
     assert parser.finish("stop") == []
+
+
+ARGS = '{"city": "Paris </tool_call> \\"x\\" é"}'
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("hermes", f"<tool_call>\n{WEATHER}\n</tool_call>"),
+        ("qwen2_5_coder", WEATHER),
+        ("qwen2_5_coder", f"```json\n{WEATHER}\n```"),
+        ("qwen2_5_coder", f"[{WEATHER}]"),
+        ("llama3_json", WEATHER.replace("arguments", "parameters")),
+        ("llama3_json", f"<|python_tag|>{WEATHER}"),
+        ("mistral", f"[TOOL_CALLS][{WEATHER}]"),
+        ("mistral", f"[TOOL_CALLS]get_weather[ARGS]{ARGS}"),
+    ],
+)
+def test_arguments_stream_as_the_model_writes_them(name, text):
+    parser = StreamingParser(get_tool_call_parser(name), None, "", TOOLS)
+    head = text.index('{"city"') + len('{"ci')
+    early = [d for ch in text[:head] for d in parser.feed(ch)]
+    # The call started, and the arguments written so far went out, before the arguments closed.
+    assert early[0] == Delta("tool_call_start", index=0, name="get_weather")
+    assert "".join(d.text for d in early[1:]) == '{"ci'
+    late = [d for ch in text[head:] for d in parser.feed(ch)] + parser.finish("stop")
+    pieces = [d.text for d in early[1:] + late if d.kind == "tool_call_arguments"]
+    assert len(pieces) == len(ARGS) and "".join(pieces) == ARGS  # one delta per character fed
+    assert not [d for d in late if d.kind != "tool_call_arguments"]
+
+
+def test_a_call_is_not_started_before_its_head_decides_it():
+    parser = StreamingParser(get_tool_call_parser("qwen2_5_coder"), None, "", TOOLS)
+    assert parser.feed('{"name": "get_weather", "arguments"') == []  # may still be any JSON
+    assert parser.feed(": {") == [Delta("tool_call_start", index=0, name="get_weather"),
+                                 Delta("tool_call_arguments", "{", index=0)]
+    # An undeclared name is an ordinary JSON answer: content, once the value closes.
+    parser = StreamingParser(get_tool_call_parser("qwen2_5_coder"), None, "", TOOLS)
+    assert parser.feed('{"name": "Alice", "arguments": {"age": 3') == []
+    assert parser.feed("0}}") == [Delta("content", '{"name": "Alice", "arguments": {"age": 30}}')]
 
 
 def test_reasoning_is_emitted_when_think_closes():

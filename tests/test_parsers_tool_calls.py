@@ -61,9 +61,12 @@ def test_hermes_several_calls_and_text_around_them():
     assert content == "Let me check both.\n\n\nThen I answer."
 
 
-def test_hermes_unicode_arguments_are_not_escaped():
-    content, calls = parse("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "S\\u00e3o Paulo"}}</tool_call>')
-    assert calls[0].arguments == '{"city": "São Paulo"}'
+def test_arguments_are_the_models_own_text_not_reserialized():
+    # What was streamed is what is returned: escapes, spacing and number spelling stay as written.
+    raw = '{"city":"S\\u00e3o Paulo",  "days": 1.50}'
+    content, calls = parse("hermes", f'<tool_call>{{"name": "get_weather", "arguments": {raw}}}</tool_call>')
+    assert calls == [ParsedToolCall("get_weather", raw)] and content is None
+    assert json.loads(calls[0].arguments) == {"city": "São Paulo", "days": 1.5}
 
 
 def test_hermes_call_cut_before_close_tag_counts_if_the_json_is_complete():
@@ -83,20 +86,36 @@ def test_hermes_arguments_as_json_string_are_decoded():
 @pytest.mark.parametrize(
     "text",
     [
-        '<tool_call>{"name": "get_time", "arguments": {</tool_call>',  # bad JSON
         '<tool_call>{"arguments": {}}</tool_call>',  # name missing
+        '<tool_call>{"name": "", "arguments": {}}</tool_call>',  # name blank
         '<tool_call>{"name": "get_time", "arguments": [1, 2]}</tool_call>',  # arguments not an object
         '<tool_call>{"name": "get_time", "arguments": "nope"}</tool_call>',  # string, not an object
-        '<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>',  # NaN is not JSON
-        '<tool_call>{"name": "get_time", "arguments": {}} trailing</tool_call>',  # garbage in block
+        '<tool_call>{"arguments": {"x": NaN}, "name": "get_time"}</tool_call>',  # NaN is not JSON
+        '<tool_call>{"name": 1} trailing</tool_call>',  # name not a string
         "<tool_call></tool_call>",  # empty
-        '<tool_call>{"name": "get_time", "arguments": {"a": "never closed',  # cut mid-string
+        '<tool_call>{"arguments": {"a": "never closed',  # cut before a name was written
     ],
 )
 def test_hermes_malformed_call_stays_as_text(text):
     content, calls = parse("hermes", text)
     assert calls == []
     assert content == text.strip()
+
+
+@pytest.mark.parametrize(
+    ("text", "arguments", "content"),
+    [
+        # Once `{"name": "N", "arguments": {` is written the call is committed (its arguments were
+        # already streamed): what follows is the call's arguments as written, never content.
+        ('<tool_call>{"name": "get_time", "arguments": {"a": "never closed', '{"a": "never closed', None),
+        ('<tool_call>{"name": "get_time", "arguments": {"a": 1</tool_call> after', '{"a": 1', "after"),
+        ('<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>', '{"x": NaN}', None),
+        ('<tool_call>{"name": "get_time", "arguments": {}, "id": 7}</tool_call>', "{}", None),
+        ('<tool_call>{"name": "get_time", "arguments": {}} trailing</tool_call>', "{}", "trailing</tool_call>"),
+    ],
+)
+def test_hermes_committed_call_keeps_what_the_model_wrote(text, arguments, content):
+    assert parse("hermes", text) == (content, [ParsedToolCall("get_time", arguments)])
 
 
 def test_hermes_malformed_block_does_not_hide_a_later_good_call():
@@ -198,7 +217,6 @@ def test_qwen2_5_coder_accepts_responses_form_tools():
         '{"name": "send_email", "arguments": {"to": "x"}}',  # undeclared tool name
         '{"name": "Alice", "age": 30}',  # ordinary JSON answer
         f"Here you go:\n{WEATHER}",  # JSON inside an answer, not the whole message
-        f"```json\n{WEATHER}\n```\nThat is the call.",  # text after the fence
         f"```python\n{WEATHER}\n```",  # not a JSON fence
         '[1, 2, 3]',
         "```json\n[]\n```",
@@ -206,6 +224,11 @@ def test_qwen2_5_coder_accepts_responses_form_tools():
 )
 def test_qwen2_5_coder_ordinary_json_stays_content(text):
     assert parse("qwen2_5_coder", text) == (text.strip(), [])
+
+
+def test_qwen2_5_coder_text_after_the_calls_is_content():
+    for text in (f"```json\n{WEATHER}\n```\nThat is the call.", f"{WEATHER}\nThat is the call."):
+        assert parse("qwen2_5_coder", text) == ("That is the call.", [call("get_weather", city="Paris")])
 
 
 def test_qwen2_5_coder_bare_json_needs_declared_tools():

@@ -296,15 +296,37 @@ def test_local_tool_call_streams_argument_deltas(tokenizer):
     assert chunks[-1].usage == cfull.usage
 
 
-@pytest.mark.xfail(strict=True, reason="parsers.streaming emits a tool call's arguments as ONE delta once its JSON "
-                   "closes (a call is streamed only when known well-formed, so the deltas always equal the "
-                   "whole-text parse); the issue asks for argument deltas as they are generated")
-def test_local_tool_call_arguments_arrive_in_several_deltas(tokenizer):
+def test_local_tool_call_arguments_arrive_as_they_are_generated(tokenizer):
+    """Each generated token of the arguments is its own delta, on both endpoints."""
     engine = ScriptedEngine(tokenizer, TOOL_TEXT)
-    with local_server(tokenizer, engine) as srv, \
-            _sdk(srv).responses.stream(model="t", input="Weather in Paris?", tools=RESP_TOOLS) as stream:
-        events = list(stream)
-    assert len([e for e in events if e.type == "response.function_call_arguments.delta"]) > 1
+    args = '{"city": "Paris"}'
+    with local_server(tokenizer, engine) as srv:
+        client = _sdk(srv)
+        with client.responses.stream(model="t", input="Weather in Paris?", tools=RESP_TOOLS) as stream:
+            events = list(stream)
+        _, _, chunks = chat_both(client, model="t", messages=[{"role": "user", "content": "Weather?"}],
+                                 tools=CHAT_TOOLS)
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) == len(tokenizer.encode(args, add_special_tokens=False)) > 1 and "".join(pieces) == args
+    chat_pieces = [tc.function.arguments for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])
+                   if tc.function.arguments]
+    assert chat_pieces == pieces
+
+
+def test_local_tool_call_cut_by_max_tokens_streams_the_same_incomplete_call(tokenizer):
+    """A generation cut inside the arguments: the call keeps what was written, the item and the
+    response are incomplete, and streamed equals non-streamed."""
+    engine = ScriptedEngine(tokenizer, TOOL_TEXT)
+    cut = len(tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city', add_special_tokens=False))
+    with local_server(tokenizer, engine) as srv:
+        full, events, final = responses_both(_sdk(srv), model="t", input="Weather?", tools=RESP_TOOLS,
+                                             max_output_tokens=cut)
+    assert_events_valid(events)
+    assert [e.type for e in events][-1] == "response.incomplete"
+    assert _strip_ids(final) == _strip_ids(full)
+    (item,) = final["output"]
+    assert item["type"] == "function_call" and item["status"] == "incomplete"
+    assert item["arguments"] == '{"city' and final["incomplete_details"] == {"reason": "max_output_tokens"}
 
 
 def test_local_reasoning_streams_before_the_message(tokenizer):

@@ -265,12 +265,11 @@ def _prepare_call(call: Any, i: int, j: int) -> dict[str, Any]:
         if isinstance(args, str):
             try:
                 fn["arguments"] = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                raise InvalidRequestError(
-                    f"{where}.function.arguments is not valid JSON ({e.msg} at position {e.pos}); "
-                    "send the arguments the model produced as a JSON-encoded object",
-                    param=f"{where}.function.arguments",
-                ) from e
+            except json.JSONDecodeError:
+                # Arguments the model wrote as invalid JSON (or cut by max_tokens) come back in the
+                # next turn's history: templates render a string verbatim (Qwen3's checks `is string`),
+                # so the rollout goes on and the model sees what it wrote.
+                pass
         elif args is None:
             fn["arguments"] = {}
         c["function"] = fn

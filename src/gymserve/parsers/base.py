@@ -14,15 +14,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar, Union
+from typing import Any, ClassVar, TypeVar
+
+from gymserve.parsers.call_scan import CallScanner, CallStart, CallSyntax, ScanEvent
+from gymserve.parsers.json_scan import declared_tool_names
 
 
 @dataclass
 class ParsedToolCall:
     """One function call found in generated text.
 
-    ``arguments`` is always a JSON string, ``json.dumps(obj, ensure_ascii=False)`` of the parsed
-    arguments object (so it is canonical, not the model's raw spelling).
+    ``arguments`` is a string: the model's own text of the arguments object (not re-serialized, so
+    what was streamed is what is returned), ``"{}"`` when the call had none. It is valid JSON
+    unless the model wrote invalid JSON after committing to the call, or generation stopped inside
+    it (see :mod:`gymserve.parsers.call_scan`); OpenAI documents the same of its own models'
+    arguments, so callers validate before executing.
     """
 
     name: str
@@ -48,54 +54,66 @@ class ParsedOutput:
     reasoning_incomplete: bool = False
 
 
-ScanItem = Union[str, ParsedToolCall]
-"""One piece of scanned text: a ``str`` is content (verbatim, joined then stripped), or a call."""
+def collect_events(events: Iterable[ScanEvent]) -> tuple[str | None, list[ParsedToolCall]]:
+    """``(content, calls)`` of a scanner's events: content pieces joined and stripped (None when
+    blank); each :class:`CallStart` with the :class:`CallArguments` after it is one call."""
+    content: list[str] = []
+    calls: list[ParsedToolCall] = []
+    for event in events:
+        if isinstance(event, str):
+            content.append(event)
+        elif isinstance(event, CallStart):
+            calls.append(ParsedToolCall(event.name, ""))
+        else:
+            calls[-1].arguments += event.text
+    return "".join(content).strip() or None, calls
 
 
-def join_content(items: Iterable[ScanItem]) -> str | None:
-    """Content of scanned items: the text pieces joined, stripped; None when blank."""
-    text = "".join(item for item in items if isinstance(item, str)).strip()
-    return text or None
+class WholeTextScanner:
+    """The scanner of a parser without a :class:`CallSyntax`: decides nothing until the text is
+    complete, then asks the parser's ``parse_final`` (right for formats that are a property of the
+    whole message; streaming then holds the message to the end)."""
+
+    def __init__(self, parser: ToolCallParser, tools: list[dict[str, Any]] | None) -> None:
+        self.parser, self.tools, self.text = parser, tools, ""
+
+    def feed(self, delta: str) -> list[ScanEvent]:
+        self.text += delta
+        return []
+
+    def finish(self) -> list[ScanEvent]:
+        return self.parser.parse_final(self.text, self.tools)
 
 
 class ToolCallParser:
     """Finds tool calls in the text that follows the reasoning span.
 
-    ``parse(text, tools)`` returns ``(content, calls)``: ``content`` is the text left once the calls
-    are removed, stripped (None when nothing but calls and whitespace), ``tools`` the request's tool
-    list, chat form (``[{"type": "function", "function": {"name", ...}}]``) or Responses form
-    (``[{"type": "function", "name", ...}]``), or None. A malformed call stays in ``content`` as text;
-    parsing never raises on model output.
-
-    Subclasses implement :meth:`scan`; :meth:`parse` is built on it.
+    ``tools`` below is the request's tool list, chat form (``[{"type": "function", "function":
+    {"name", ...}}]``) or Responses form (``[{"type": "function", "name", ...}]``), or None.
+    A subclass either sets ``syntax`` (a :class:`CallSyntax`: the shared incremental scanner then
+    streams its calls, arguments included, as they are generated) or overrides
+    :meth:`parse_final` (decided once the text is complete). Parsing never raises on model output;
+    text that is not a call stays content.
     """
 
     name: ClassVar[str]
+    syntax: ClassVar[CallSyntax | None] = None
+
+    def scanner(self, tools: list[dict[str, Any]] | None) -> CallScanner | WholeTextScanner:
+        """A fresh scanner for one generation: ``feed(delta)`` and ``finish()`` return
+        :data:`ScanEvent` lists whose concatenation does not depend on how the text was split."""
+        if self.syntax is None:
+            return WholeTextScanner(self, tools)
+        return CallScanner(self.syntax, declared_tool_names(tools))
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None) -> tuple[str | None, list[ParsedToolCall]]:
-        items, _ = self.scan(text, tools, start=0, final=True)
-        return join_content(items), [item for item in items if isinstance(item, ParsedToolCall)]
+        """``(content, calls)`` of a complete text: content stripped (None when nothing but calls
+        and whitespace), calls in order."""
+        scanner = self.scanner(tools)
+        return collect_events(scanner.feed(text) + scanner.finish())
 
-    def scan(
-        self, text: str, tools: list[dict[str, Any]] | None, *, start: int, final: bool
-    ) -> tuple[list[ScanItem], int]:
-        """Decide ``text[start:]`` as far as possible: returns ``(items, end)``.
-
-        ``items`` (content strings and calls, in order) cover exactly ``text[start:end]``, and no text
-        appended after ``text`` can change them. ``start`` is an ``end`` an earlier call returned
-        for a prefix of this text (0 at first). With ``final=True`` the text is complete and ``end``
-        is ``len(text)``. Calling it repeatedly on a growing text and concatenating the items gives
-        the same content and calls as one final call from 0.
-
-        The default decides nothing until the text is final (right for formats that are a property
-        of the whole message), and then delegates to :meth:`parse_final`.
-        """
-        if not final:
-            return [], start
-        return self.parse_final(text[start:], tools), len(text)
-
-    def parse_final(self, text: str, tools: list[dict[str, Any]] | None) -> list[ScanItem]:
-        """Items of a complete text (only needed when :meth:`scan` is not overridden)."""
+    def parse_final(self, text: str, tools: list[dict[str, Any]] | None) -> list[ScanEvent]:
+        """Events of a complete text (only needed when ``syntax`` is None)."""
         raise NotImplementedError
 
 

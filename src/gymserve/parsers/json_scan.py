@@ -1,67 +1,167 @@
-"""Finding JSON values inside model text, and turning them into tool calls.
+"""JSON pieces of tool-call parsing: bracket boundaries found incrementally, and the members of a
+call object with the exact text span of each value.
 
-The boundary of a JSON value is found by a balanced-bracket scan that respects JSON strings, so a
-``</tool_call>`` or ``}`` inside an argument string never ends a call early. The scan only finds
-the boundary; ``json.loads`` then decides whether the slice is valid.
+Boundaries come from a bracket count that respects JSON strings, so a ``</tool_call>`` or ``}``
+inside an argument string never ends a call early; the count runs incrementally, so a long
+argument string streamed over thousands of deltas is scanned once. Validity is left to the
+standard library's decoder (``json.JSONDecoder.raw_decode``), which also gives the span of each
+value, so a call's arguments can be returned exactly as the model spelled them.
 """
 
 from __future__ import annotations
 
 import json
+from json.decoder import scanstring
 from typing import Any
-
-from gymserve.parsers.base import ParsedToolCall
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 """Keys that hold a call's arguments: Hermes/Qwen templates say ``arguments``, Llama 3's JSON
 tool format says ``parameters``; models mix them up, so every format accepts both."""
 
+JSON_WS = " \t\n\r"
+"""Whitespace as RFC 8259 defines it (``str.isspace`` accepts more)."""
+
+
+def skip_ws(text: str, pos: int) -> int:
+    """First index at or after ``pos`` that is not JSON whitespace (``len(text)`` if none)."""
+    n = len(text)
+    while pos < n and text[pos] in JSON_WS:
+        pos += 1
+    return pos
+
+
+class Brackets:
+    """Incremental bracket depth over JSON text, respecting strings and escapes.
+
+    ``Brackets(depth)`` starts at ``depth`` open brackets (0 before a value's opening bracket; 1 to
+    continue inside an object). :meth:`advance` scans on from an index and keeps its state, so a
+    growing text is scanned once in total. Mismatched pairs such as ``{]`` still count as a close;
+    the decoder rejects the slice later.
+    """
+
+    __slots__ = ("depth", "in_string", "escape")
+
+    def __init__(self, depth: int = 0) -> None:
+        self.depth = depth
+        self.in_string = False
+        self.escape = False
+
+    def advance(self, text: str, i: int, stop: str | None = None) -> tuple[int, str]:
+        """Scan ``text`` from ``i``: returns ``(j, outcome)``.
+
+        ``"closed"``: ``text[j - 1]`` closed the outermost bracket. ``"stop"``: ``text[j:]``
+        starts with ``stop`` outside a string (an end tag inside unclosed JSON). ``"more"``: the
+        text ran out at ``j`` (``j < len(text)`` when a prefix of ``stop`` starts at ``j``: it is
+        not scanned until the text says whether the tag completes). The next call resumes at ``j``.
+        """
+        n = len(text)
+        while i < n:
+            ch = text[i]
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True  # \" must not end the string
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    return i + 1, "closed"
+            elif stop and ch == stop[0]:
+                if text.startswith(stop, i):
+                    return i, "stop"
+                if stop.startswith(text[i : i + len(stop)]):
+                    return i, "more"
+            i += 1
+        return n, "more"
+
 
 def json_end(text: str, start: int) -> int | None:
-    """Index just past the JSON object/array opening at ``text[start]`` (``{`` or ``[``).
-
-    Counts ``{[`` against ``}]`` outside strings (a mismatched pair such as ``{]`` still closes, and
-    ``json.loads`` rejects the slice later). Returns None when the text ends before the value
-    closes, i.e. more text could still complete it.
-    """
-    depth = 0
-    in_string = False
-    i = start
-    n = len(text)
-    while i < n:
-        ch = text[i]
-        if in_string:
-            if ch == "\\":
-                i += 2  # skip the escaped character, whatever it is (\" must not end the string)
-                continue
-            if ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return None
+    """Index just past the JSON object/array opening at ``text[start]``, or None when the text
+    ends before it closes (more text could still complete it)."""
+    end, outcome = Brackets().advance(text, start)
+    return end if outcome == "closed" else None
 
 
 def _reject_constant(name: str) -> Any:
-    # Python's json accepts NaN/Infinity, which are not JSON: an OpenAI client could not load the
-    # arguments string json.dumps would write for them.
+    # Python's json accepts NaN/Infinity, which are not JSON: an OpenAI client in another language
+    # could not load them.
     raise ValueError(f"{name} is not valid JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
 def loads(text: str) -> Any:
     """``json.loads`` that rejects NaN/Infinity; raises ValueError on anything invalid."""
-    return json.loads(text, parse_constant=_reject_constant)
+    return _DECODER.decode(text)
 
 
-def dumps_arguments(obj: dict[str, Any]) -> str:
-    """The canonical arguments string: ``json.dumps(obj, ensure_ascii=False)``."""
-    return json.dumps(obj, ensure_ascii=False)
+def object_members(text: str) -> dict[str, tuple[Any, int, int]] | None:
+    """Members of the JSON object that is exactly ``text``: ``{key: (value, start, end)}`` with
+    ``text[start:end]`` the value's own spelling; the first of duplicate keys wins. None when
+    ``text`` is not one valid JSON object."""
+    members: dict[str, tuple[Any, int, int]] = {}
+    last = len(text) - 1
+    try:
+        if text[0] != "{":
+            return None
+        i = skip_ws(text, 1)
+        if text[i] == "}":
+            return members if i == last else None
+        while True:
+            if text[i] != '"':
+                return None
+            key, i = scanstring(text, i + 1)
+            i = skip_ws(text, i)
+            if text[i] != ":":
+                return None
+            start = skip_ws(text, i + 1)
+            value, end = _DECODER.raw_decode(text, start)
+            members.setdefault(key, (value, start, end))
+            i = skip_ws(text, end)
+            if text[i] == ",":
+                i = skip_ws(text, i + 1)
+            elif text[i] == "}" and i == last:
+                return members
+            else:
+                return None
+    except (ValueError, IndexError):
+        return None
+
+
+def call_in_object(text: str, declared: set[str] | None = None) -> tuple[str, str] | None:
+    """``(name, arguments)`` of a complete call object ``{"name": str, "arguments"|"parameters":
+    {...}}`` written as ``text``, or None when it is not one.
+
+    ``arguments`` is the model's own text of the arguments object. Missing arguments mean ``"{}"``
+    (no-argument calls are often written that way); arguments given as a JSON *string* holding an
+    object (models imitate the OpenAI wire form) are that string. With ``declared`` given, the name
+    must be one of them.
+    """
+    members = object_members(text)
+    if members is None or "name" not in members:
+        return None
+    name = members["name"][0]
+    if not isinstance(name, str) or not name.strip() or (declared is not None and name not in declared):
+        return None
+    for key in ARGUMENT_KEYS:
+        if key in members:
+            value, start, end = members[key]
+            if isinstance(value, dict):
+                return name, text[start:end]
+            if isinstance(value, str):
+                try:
+                    return (name, value) if isinstance(loads(value), dict) else None
+                except ValueError:
+                    return None
+            return None
+    return name, "{}"
 
 
 def declared_tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
@@ -75,86 +175,6 @@ def declared_tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
         if isinstance(name, str) and name:
             names.add(name)
     return names
-
-
-def call_from_obj(obj: Any, declared: set[str] | None = None) -> ParsedToolCall | None:
-    """A call from ``{"name": str, "arguments"|"parameters": {...}}``, or None when malformed.
-
-    Missing arguments mean ``{}`` (no-argument calls are often written that way). Arguments given
-    as a JSON *string* that decodes to an object are accepted too (models imitate the OpenAI wire
-    form). With ``declared`` given, the name must be one of them.
-    """
-    if not isinstance(obj, dict):
-        return None
-    name = obj.get("name")
-    if not isinstance(name, str) or not name.strip():
-        return None
-    if declared is not None and name not in declared:
-        return None
-    args: Any = {}
-    for key in ARGUMENT_KEYS:
-        if key in obj:
-            args = obj[key]
-            break
-    if isinstance(args, str):
-        try:
-            args = loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ParsedToolCall(name=name, arguments=dumps_arguments(args))
-
-
-def calls_from_value(value: Any, declared: set[str] | None = None) -> list[ParsedToolCall] | None:
-    """Calls from one JSON value: an object is one call, a non-empty list is several; else None."""
-    objs = value if isinstance(value, list) else [value]
-    if not objs:
-        return None
-    calls = []
-    for obj in objs:
-        call = call_from_obj(obj, declared)
-        if call is None:
-            return None
-        calls.append(call)
-    return calls
-
-
-def calls_from_sequence(
-    text: str, declared: set[str] | None = None, separators: str = ""
-) -> list[ParsedToolCall] | None:
-    """Calls when ``text`` is nothing but JSON call values (objects or lists) separated by
-    whitespace and optionally one of ``separators`` (``";"`` for Llama 3); else None."""
-    calls: list[ParsedToolCall] = []
-    i, n = 0, len(text)
-    expect_value = True
-    while True:
-        while i < n and text[i].isspace():
-            i += 1
-        if i == n:
-            return calls if calls and expect_value is False else None
-        if not expect_value:
-            if text[i] in separators:
-                i += 1
-                expect_value = True
-                continue
-            # Another value right after one (no separator): allowed only where none is required.
-            if separators:
-                return None
-        if text[i] not in "{[":
-            return None
-        end = json_end(text, i)
-        if end is None:
-            return None
-        try:
-            found = calls_from_value(loads(text[i:end]), declared)
-        except ValueError:
-            return None
-        if found is None:
-            return None
-        calls.extend(found)
-        i = end
-        expect_value = False
 
 
 def partial_tag_len(text: str, tag: str) -> int:

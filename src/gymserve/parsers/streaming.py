@@ -9,13 +9,14 @@ reasoning, content, calls and arguments), however the text was split. What that 
   emitted as one delta.
 - Content streams as it arrives, except text that may be the start of a tag (``<tool``,
   ``[TOOL_``) and trailing whitespace (content is stripped), which wait for the next text.
-- A tool call is emitted when its JSON closes and the call is known to be well-formed: one
-  ``tool_call_start`` delta (index, name) and one ``tool_call_arguments`` delta holding the whole
-  canonical arguments string. Tag text (``<tool_call>``) never reaches content unless the call is
-  malformed, in which case it is content in the whole-text parse too.
-- Whole-message formats (bare JSON for ``qwen2_5_coder`` and ``llama3_json``): a message whose
-  first non-blank character is ``{``, ``[`` or a backtick is held until the end, since only the
-  end tells a call from an ordinary JSON answer.
+- A tool call starts (``tool_call_start``: index, name) once its head ``{"name": "N",
+  "arguments": {`` is written, and its arguments then stream as the model writes them
+  (``tool_call_arguments`` deltas), by the commit rule of :mod:`gymserve.parsers.call_scan`.
+  Call values that do not begin that way (keys in another order, arguments as a string) are
+  emitted whole when their JSON closes. Tag text (``<tool_call>``) never reaches content unless
+  the block is malformed, in which case it is content in the whole-text parse too.
+- Bare-JSON formats (``qwen2_5_coder``, ``llama3_json``): a message starting with ``{``, ``[`` or a
+  backtick waits only until the call head (or the value's end) decides whether it is a call.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gymserve.parsers.base import ParsedToolCall, ReasoningParser, ToolCallParser
+from gymserve.parsers.base import ReasoningParser, ToolCallParser
+from gymserve.parsers.call_scan import CallStart
 from gymserve.parsers.json_scan import declared_tool_names
 
 DeltaKind = Literal["reasoning", "content", "tool_call_start", "tool_call_arguments"]
@@ -80,14 +82,13 @@ class StreamingParser:
         prompt_tail: str = "",
         tools: list[dict[str, Any]] | None = None,
     ) -> None:
-        self._tool_parser = tool_parser if declared_tool_names(tools) else None
+        self._scanner = tool_parser.scanner(tools) if tool_parser and declared_tool_names(tools) else None
         self._reasoning_parser = reasoning_parser
         self._prompt_tail = prompt_tail
-        self._tools = tools
         self._text = ""
         # Index into _text where the text after the reasoning span starts; None while undecided.
         self._rest_start: int | None = None if reasoning_parser is not None else 0
-        self._consumed = 0  # how much of the rest the tool parser has decided
+        self._fed = 0  # how much of the rest the tool-call scanner has been given
         self._content = _StrippedText()
         self._calls = 0
         self._finished = False
@@ -132,19 +133,21 @@ class StreamingParser:
 
     def _scan(self, final: bool, out: list[Delta]) -> None:
         assert self._rest_start is not None
-        rest = self._text[self._rest_start :]
-        if self._tool_parser is None:
-            items: list[str | ParsedToolCall] = [rest[self._consumed :]]
-            end = len(rest)
+        piece = self._text[self._rest_start + self._fed :]
+        self._fed += len(piece)
+        if self._scanner is None:
+            events = [piece]
         else:
-            items, end = self._tool_parser.scan(rest, self._tools, start=self._consumed, final=final)
-        self._consumed = end
-        for item in items:
-            if isinstance(item, str):
-                text = self._content.push(item)
+            events = self._scanner.feed(piece)
+            if final:
+                events += self._scanner.finish()
+        for event in events:
+            if isinstance(event, str):
+                text = self._content.push(event)
                 if text:
                     out.append(Delta("content", text))
-            else:
-                out.append(Delta("tool_call_start", index=self._calls, name=item.name))
-                out.append(Delta("tool_call_arguments", item.arguments, index=self._calls))
+            elif isinstance(event, CallStart):
+                out.append(Delta("tool_call_start", index=self._calls, name=event.name))
                 self._calls += 1
+            elif event.text:
+                out.append(Delta("tool_call_arguments", event.text, index=self._calls - 1))
