@@ -41,7 +41,8 @@ def test_registry():
         ("Paris.", THINK_TAIL, "stop", (None, "Paris.", False)),
         ("Thinking about Par", THINK_TAIL, "length", ("Thinking about Par", "", True)),
         ("<think>\nPar", PLAIN_TAIL, "length", ("Par", "", True)),
-        ("<think>\nParis.", PLAIN_TAIL, "stop", (None, "Paris.", False)),
+        # opened by the model itself: reasoning however it ends (so it can stream as generated)
+        ("<think>\nParis.", PLAIN_TAIL, "stop", ("Paris.", "", False)),
         # an empty span is no reasoning
         ("<think>\n\n</think>\n\nHi", PLAIN_TAIL, "stop", (None, "Hi", False)),
         ("</think>Hi", THINK_TAIL, "stop", (None, "Hi", False)),

@@ -217,6 +217,15 @@ def test_reasoning_is_emitted_when_think_closes():
     assert parser.finish("stop") == []
 
 
+def test_reasoning_the_model_opened_streams_as_generated():
+    parser = StreamingParser(None, get_reasoning_parser("qwen3"), PLAIN_TAIL, None)
+    assert parser.feed("<thi") == []  # may be a tag or text
+    assert parser.feed("nk>\nI think ") == [Delta("reasoning", "I think")]
+    assert parser.feed("it is 4.\n</thi") == [Delta("reasoning", " it is 4.")]  # </thi held back
+    assert parser.feed("nk>\n\nThe answer") == [Delta("content", "The answer")]
+    assert parser.finish("stop") == [] and not parser.reasoning_incomplete
+
+
 def test_unclosed_reasoning_decided_by_finish_reason():
     for finish, expected in [("stop", [Delta("content", "Paris.")]), ("length", [Delta("reasoning", "Paris.")])]:
         parser = StreamingParser(None, get_reasoning_parser("qwen3"), "<|assistant|><think>", None)

@@ -339,7 +339,7 @@ def test_local_reasoning_streams_before_the_message(tokenizer):
     types = [e.type for e in events]
     reasoning = [e for e in events if e.type == "response.reasoning_text.delta"]
     text = [e for e in events if e.type == "response.output_text.delta"]
-    assert reasoning and len(text) > 1  # reasoning is held until </think> (parsers.streaming)
+    assert len(reasoning) > 1 and len(text) > 1  # the model opened <think> itself: it streams too
     assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")
     assert {e.output_index for e in reasoning} == {0} and {e.output_index for e in text} == {1}
     assert "".join(e.delta for e in reasoning) == "The user greets me; I greet back."

@@ -132,6 +132,15 @@ class ReasoningParser:
     def split(self, text: str, prompt_tail: str, finish_reason: str) -> tuple[str | None, str, bool]:
         raise NotImplementedError
 
+    close_tag: ClassVar[str] = ""
+    """The literal that ends the span (held back while streaming when a suffix may start it)."""
+
+    def open_body(self, text: str, prompt_tail: str) -> int | None:
+        """Index where reasoning text starts when ``text`` has an open span whose text is reasoning
+        whatever follows, so it can stream before the span closes; None otherwise (the default:
+        reasoning is held until :meth:`split_partial` decides)."""
+        return None
+
     def split_partial(self, text: str, prompt_tail: str) -> tuple[str | None, str] | None:
         """``(reasoning, rest)`` once the span's end is decided by ``text`` alone, else None.
 

@@ -39,12 +39,14 @@ class ThinkReasoningParser(ReasoningParser):
        ending in ``</think>`` (Qwen3 with thinking disabled) does not open one.
     2. The span ends at the first ``</think>``: reasoning is the text before it, the rest is the
        text after it; tags and the whitespace next to them are stripped; empty reasoning is None.
-    3. A span that never closes depends on ``finish_reason``: ``"length"`` means generation was cut
-       mid-thought, so the text is reasoning and ``incomplete`` is True; any other reason (``"stop"``:
-       the model emitted EOS) means the model skipped thinking and answered, so the text is content
-       (case RP-04). vLLM's ``qwen3`` parser differs: it returns an unclosed span as reasoning
-       whatever the finish reason, which turns a complete short answer into reasoning and leaves
-       the content empty.
+    3. A span that never closes: if the model opened it itself, it is reasoning (``incomplete``
+       when ``finish_reason`` is ``"length"``) — the model said it was thinking, and this is what
+       lets that reasoning stream as it is generated. If the prompt pre-filled it, the finish
+       reason decides: ``"length"`` means generation was cut mid-thought, so the text is reasoning
+       and ``incomplete`` is True; any other reason (``"stop"``: the model emitted EOS) means the
+       model skipped thinking and answered, so the text is content (case RP-04). vLLM's ``qwen3``
+       parser differs: it returns an unclosed pre-filled span as reasoning whatever the finish
+       reason, which turns a complete short answer into reasoning and leaves the content empty.
     4. No span: reasoning is None and the whole text is the rest.
 
     Tags elsewhere (a second ``<think>`` block, a ``<think>`` inside reasoning) stay verbatim.
@@ -80,10 +82,18 @@ class ThinkReasoningParser(ReasoningParser):
         if span.body is None:
             return None, text, False
         if span.close is None:
-            if finish_reason == "length":
-                return text[span.body :].strip() or None, "", True
+            if finish_reason == "length" or span.body > 0:  # cut mid-thought, or opened by the model
+                return text[span.body :].strip() or None, "", finish_reason == "length"
             return None, text[span.body :].lstrip(), False
         return text[span.body : span.close].strip() or None, text[span.rest :].lstrip(), False
+
+    def open_body(self, text: str, prompt_tail: str) -> int | None:
+        """Where the reasoning starts while a span the model opened itself is still open (its text
+        is reasoning however the generation ends), else None."""
+        span = self._locate(text, prompt_tail, final=False)
+        if span is None or span.body is None or span.close is not None or span.body == 0:
+            return None
+        return span.body
 
     def split_partial(self, text: str, prompt_tail: str) -> tuple[str | None, str] | None:
         """``(reasoning, rest)`` once ``text`` decides the span (it has no span, or ``</think>``

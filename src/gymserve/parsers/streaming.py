@@ -4,9 +4,11 @@ The one rule: a delta is emitted only once no later text can change it, so conca
 of a stream gives exactly what :func:`gymserve.parsers.parse_output` gives for the whole text (same
 reasoning, content, calls and arguments), however the text was split. What that costs in latency:
 
-- Reasoning is held until ``</think>`` closes the span (or the stream finishes): until then an
-  unclosed span may still turn out to be content (finish reason ``"stop"``, case RP-04). It is then
-  emitted as one delta.
+- Reasoning in a span the model opened itself (it wrote ``<think>``) streams as it is generated,
+  holding back only a suffix that may start ``</think>`` and trailing whitespace. A span the
+  prompt pre-filled is held until ``</think>`` closes it (or the stream finishes): until then it
+  may still turn out to be content (finish reason ``"stop"``, case RP-04); it is then emitted as
+  one delta.
 - Content streams as it arrives, except text that may be the start of a tag (``<tool``,
   ``[TOOL_``) and trailing whitespace (content is stripped), which wait for the next text.
 - A tool call starts (``tool_call_start``: index, name) once its head ``{"name": "N",
@@ -26,7 +28,7 @@ from typing import Any, Literal
 
 from gymserve.parsers.base import ReasoningParser, ToolCallParser
 from gymserve.parsers.call_scan import CallStart
-from gymserve.parsers.json_scan import declared_tool_names
+from gymserve.parsers.json_scan import declared_tool_names, partial_tag_len
 
 DeltaKind = Literal["reasoning", "content", "tool_call_start", "tool_call_arguments"]
 
@@ -53,6 +55,7 @@ class _StrippedText:
     def __init__(self) -> None:
         self.started = False
         self.held = ""
+        self.sent = 0  # characters emitted so far
 
     def push(self, piece: str) -> str:
         if not self.started:
@@ -63,6 +66,7 @@ class _StrippedText:
         combined = self.held + piece
         body = combined.rstrip()
         self.held = combined[len(body) :]
+        self.sent += len(body)
         return body
 
 
@@ -90,6 +94,8 @@ class StreamingParser:
         self._rest_start: int | None = None if reasoning_parser is not None else 0
         self._fed = 0  # how much of the rest the tool-call scanner has been given
         self._content = _StrippedText()
+        self._reasoning = _StrippedText()
+        self._reasoning_fed = -1  # index into _text up to which reasoning has streamed (-1: none)
         self._calls = 0
         self._finished = False
         self.reasoning_incomplete = False
@@ -104,6 +110,7 @@ class StreamingParser:
             assert self._reasoning_parser is not None
             decided = self._reasoning_parser.split_partial(self._text, self._prompt_tail)
             if decided is None:
+                self._stream_reasoning(out)
                 return out
             reasoning, rest = decided
             self._start_rest(reasoning, rest, out)
@@ -126,9 +133,26 @@ class StreamingParser:
         self._scan(final=True, out=out)
         return out
 
+    def _stream_reasoning(self, out: list[Delta]) -> None:
+        """Stream an open span that is reasoning however it ends, holding back a suffix that may
+        start its close tag."""
+        assert self._reasoning_parser is not None
+        text = self._text
+        body = self._reasoning_parser.open_body(text, self._prompt_tail)
+        if body is None:
+            return
+        start = max(body, self._reasoning_fed)
+        close = self._reasoning_parser.close_tag
+        end = len(text) - partial_tag_len(text[max(start, len(text) - len(close) + 1) :], close)
+        piece = self._reasoning.push(text[start:end])
+        self._reasoning_fed = max(end, start)
+        if piece:
+            out.append(Delta("reasoning", piece))
+
     def _start_rest(self, reasoning: str | None, rest: str, out: list[Delta]) -> None:
-        if reasoning:
-            out.append(Delta("reasoning", reasoning))
+        # Whatever streamed already is a prefix of the decided reasoning (the same text, stripped).
+        if reasoning and len(reasoning) > self._reasoning.sent:
+            out.append(Delta("reasoning", reasoning[self._reasoning.sent :]))
         self._rest_start = len(self._text) - len(rest)
 
     def _scan(self, final: bool, out: list[Delta]) -> None:
