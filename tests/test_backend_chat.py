@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 import pytest
-from fakes import ChatScript, FakeServer, completion, sse, vllm_error
+from fakes import ChatScript, FakeServer, chat_chunks, completion, sse, vllm_error
 
 from gymserve.backends import RequestContext, build_backend
 from gymserve.backends.chat import ChatBackend
@@ -255,6 +255,66 @@ async def test_client_side_parsers_for_raw_text_servers(servers):
     assert choice["finish_reason"] == "tool_calls"
     with pytest.raises(ConfigError, match="tool_parser|tool-call parser"):
         make([s.url + "/v1"], tool_parser="no-such-parser")
+    await b.close()
+
+
+def _fine_chunks(comp, size=3):
+    """``comp`` streamed in ``size``-character content pieces (finer than fakes.chat_chunks)."""
+    text = comp["choices"][0]["message"]["content"]
+    chunks = chat_chunks(comp)
+    head, tail = chunks[0], chunks[-1]
+    body = [{**head, "choices": [{"index": 0, "delta": {"content": text[i:i + size]}, "finish_reason": None}]}
+            for i in range(0, len(text), size)]
+    return [head, *body, tail]
+
+
+def _fold(chunks):
+    """Content, reasoning, calls [(name, arguments, number of argument pieces)] and finish reason."""
+    content = reasoning = ""
+    calls: dict[int, list] = {}
+    finish = None
+    for c in chunks:
+        for ch in c["choices"]:
+            d = ch["delta"]
+            content += d.get("content") or ""
+            reasoning += d.get("reasoning_content") or ""
+            for tc in d.get("tool_calls") or []:
+                entry = calls.setdefault(tc["index"], [tc.get("function", {}).get("name"), "", 0])
+                piece = tc.get("function", {}).get("arguments")
+                if piece:
+                    entry[1] += piece
+                    entry[2] += 1
+            finish = ch.get("finish_reason") or finish
+    return content or None, reasoning or None, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+async def test_client_side_parsers_parse_a_stream_as_it_arrives(servers):
+    raw = ('<think>user wants weather</think>\nChecking.\n<tool_call>\n'
+           '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>')
+    comp = completion(raw)
+    s = servers(ChatScript(default=lambda r: sse(_fine_chunks(comp)) if r.body.get("stream") else (200, comp)))
+    b = make([s.url + "/v1"], tool_parser="hermes", reasoning_parser="qwen3")
+    whole = (await b.chat({"messages": MSG, "tools": TOOLS}, RequestContext()))["choices"][0]
+    chunks = [c async for c in b.chat_stream({"messages": MSG, "tools": TOOLS, "stream": True}, RequestContext())]
+    content, reasoning, calls, finish = _fold(chunks)
+    args = '{"city": "Paris", "unit": "celsius"}'
+    assert (content, reasoning, finish) == ("Checking.", "user wants weather", "tool_calls")
+    assert calls[0][:2] == ("get_weather", args) and calls[0][2] > 5  # arguments streamed piece by piece
+    assert (whole["message"]["content"], whole["message"]["reasoning_content"], whole["finish_reason"]) == \
+        (content, reasoning, finish)
+    assert [(t["function"]["name"], t["function"]["arguments"]) for t in whole["message"]["tool_calls"]] == \
+        [c[:2] for c in calls]
+    assert not any("<tool_call>" in (ch["delta"].get("content") or "") for c in chunks for ch in c["choices"])
+    # The Responses stream over it: same final response as the non-streamed call.
+    body = {"model": "policy", "input": "x", "tools": [{"type": "function", "name": "get_weather",
+                                                       "parameters": {"type": "object"}}]}
+    events = [e async for e in b.responses_stream({**body, "stream": True}, RequestContext())]
+    full = await b.responses(body, RequestContext())
+    final = events[-1]["response"]
+    assert [e["type"] for e in events].count("response.function_call_arguments.delta") > 5
+    assert [(i["type"], i.get("arguments")) for i in final["output"]] == \
+        [(i["type"], i.get("arguments")) for i in full["output"]] == \
+        [("reasoning", None), ("message", None), ("function_call", args)]
     await b.close()
 
 

@@ -64,6 +64,10 @@ TEXTS = [
     f"```json\n{TIME}\n```\nAnd text.",
     '[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"',
     f"[{TIME}, 3]",
+    '{"name": "get_time", "arguments": {}\nI called it.',
+    '<tool_call>{"name": "get_time", "arguments": {} junk }</tool_call>x',
+    '<tool_call>{"name": "get_time", "arguments": {}, "id": 12, "n": [1, "]"]}</tool_call>',
+    "x</think>\x0b\u2028" + TIME,
 ]
 
 
@@ -150,6 +154,16 @@ FRAGMENTS = [
 def test_stream_equals_whole_parse_for_random_texts(text, data, tool_name, reasoning_name, tail, finish, tools):
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
     assert_agrees(text, cuts, finish, tool_name, reasoning_name, tail, tools)
+
+
+@pytest.mark.parametrize("space", ["\x0b", "\xa0", "\u2028", "\u3000", "\x85"])
+@pytest.mark.parametrize("tool_name", ["qwen2_5_coder", "llama3_json"])
+def test_unicode_whitespace_after_think_agrees_however_it_is_cut(space, tool_name):
+    # str.strip (the reasoning split) strips more than JSON whitespace; a cut right after </think>
+    # hands that whitespace to the bare-JSON scanner, which must skip it the same way.
+    text = f"x</think>{space}{TIME}"
+    for cut in range(len(text) + 1):
+        assert_agrees(text, [cut, text.index(space)], "stop", tool_name, "qwen3", THINK_TAIL, TOOLS)
 
 
 def test_content_streams_before_the_end_and_holds_partial_tags():

@@ -231,6 +231,33 @@ def test_qwen2_5_coder_text_after_the_calls_is_content():
         assert parse("qwen2_5_coder", text) == ("That is the call.", [call("get_weather", city="Paris")])
 
 
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "names"),
+    [
+        # a committed call whose object never closes: the text after its arguments is content
+        ("llama3_json", '{"name": "get_time", "parameters": {}\nI called the clock.', "I called the clock.", ["get_time"]),
+        ("qwen2_5_coder", f'{WEATHER[:-1]}\n\nLet me know.', "Let me know.", ["get_weather"]),
+        ("hermes", '<tool_call>{"name": "get_time", "arguments": {} I will call it }</tool_call>Bye',
+         "I will call it }</tool_call>Bye", ["get_time"]),
+        ("llama3_json", '{"name": "get_time", "parameters": {}; {"name": "get_weather", "parameters": {}}',
+         None, ["get_time", "get_weather"]),
+        # extra members of a call object are call syntax, skipped whatever their value
+        ("hermes", '<tool_call>{"name": "get_time", "arguments": {}, "id": 1, "x": [{"}": "]"}], "y": null}</tool_call>',
+         None, ["get_time"]),
+    ],
+)
+def test_text_after_a_committed_call_is_never_lost(parser, text, content, names):
+    got_content, calls = parse(parser, text)
+    assert got_content == content and [c.name for c in calls] == names
+
+
+def test_a_name_that_is_not_valid_unicode_is_not_a_call():
+    # "\ud800" decodes to a lone surrogate: a response holding it could not be encoded as UTF-8.
+    for text in ('<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+                 '<tool_call>{"arguments": {}, "name": "\\ud800"}</tool_call>'):
+        assert parse("hermes", text) == (text, [])
+
+
 def test_qwen2_5_coder_bare_json_needs_declared_tools():
     assert parse("qwen2_5_coder", WEATHER, None) == (WEATHER, [])
     assert parse("qwen2_5_coder", WEATHER, []) == (WEATHER, [])
@@ -243,8 +270,14 @@ def test_parse_output_without_tools_finds_no_calls():
         assert parsed.tool_calls == [] and parsed.content == text
 
 
+DEEP = "[" * 3000 + "]" * 3000  # deeper than the stdlib decoder's recursion limit
+
+
 def test_parsing_never_raises_on_junk():
-    junk = ["{", "[", "```", '{"name": ', "<tool_call>{", "[TOOL_CALLS]{", "<|python_tag|>[", "\\", '"', "}{][", "\x00"]
+    junk = ["{", "[", "```", '{"name": ', "<tool_call>{", "[TOOL_CALLS]{", "<|python_tag|>[", "\\", '"', "}{][", "\x00",
+            f'<tool_call>{{"x": {DEEP}}}</tool_call>', f'{{"x": {DEEP}}}', f'[TOOL_CALLS][{{"x": {DEEP}}}]',
+            f'<|python_tag|>{{"parameters": {DEEP}, "name": "get_time"}}',
+            f'<tool_call>{{"name": "get_time", "arguments": "{DEEP}"}}</tool_call>']
     for name in tool_call_parser_names():
         for text in junk:
             content, calls = parse(name, text)

@@ -30,12 +30,12 @@ import contextlib
 import copy
 import functools
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.pool import Limiter, Replica, ReplicaPool, backoff_delay
+from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
 from gymserve.backends.upstream_errors import (
     UpstreamContextLengthError, is_connection_failure, is_retryable, redact_url, translate_error,
 )
@@ -205,7 +205,7 @@ class ChatBackend(Backend):
         for choice in choices:
             if isinstance(choice.get("message"), dict):
                 mirror_reasoning(choice["message"])
-                self._apply_parsers(choice, request)
+                apply_parsers(choice, request.get("tools"), self._tool_parser, self._reasoning_parser)
                 normalize_tool_call_arguments(choice["message"])
         if self.config.served_model_name:
             completion["model"] = self.config.served_model_name
@@ -223,13 +223,17 @@ class ChatBackend(Backend):
             return context_exceeded_chat_completion(request, self.config.served_model_name or request.get("model") or "")
 
     async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
-        """Upstream chunks passed through (reasoning field mirrored). When gymserve must see the
-        whole answer (token IDs, client-side parsers), the completion is fetched whole and sent as
-        chunks; an overflow gives the chunks of the empty length-terminated completion."""
-        if self._tool_parser or self._reasoning_parser or getattr(self.config, "return_token_id_information", False):
+        """Upstream chunks passed through (reasoning field mirrored), their raw text parsed as it
+        arrives when ``tool_parser`` / ``reasoning_parser`` are set (``raw_text``). When gymserve
+        must see the whole answer (token IDs), the completion is fetched whole and sent as chunks;
+        an overflow gives the chunks of the empty length-terminated completion."""
+        if getattr(self.config, "return_token_id_information", False):
             for chunk in completion_to_chunks(await self.chat(request, ctx)):
                 yield chunk
             return
+        parsed = None
+        if self._tool_parser or self._reasoning_parser:
+            parsed = ParsedChunkStream(request.get("tools"), self._tool_parser, self._reasoning_parser)
         body = {**self._chat_body(request), "stream": True}
         if request.get("stream_options"):
             body["stream_options"] = request["stream_options"]
@@ -252,6 +256,10 @@ class ChatBackend(Backend):
                                 mirror_reasoning(choice["delta"])
                         if self.config.served_model_name:
                             chunk["model"] = self.config.served_model_name
+                        if parsed is not None:
+                            for piece in parsed.process(chunk):
+                                yield piece
+                            continue
                     yield chunk
                 if not got_chunk:
                     where = redact_url(self._url(replica, "chat"))
@@ -299,28 +307,6 @@ class ChatBackend(Backend):
                 await client.close()
 
     # ------------------------------------------------------------------ post-processing
-    def _apply_parsers(self, choice: dict[str, Any], request: ChatRequest) -> None:
-        """Parse raw text on gymserve's side: tool calls only when the request offered tools and
-        the server found none; reasoning only when the server sent no reasoning field."""
-        msg = choice["message"]
-        text = msg.get("content")
-        tool_parser = self._tool_parser if request.get("tools") and not msg.get("tool_calls") else None
-        reasoning_parser = self._reasoning_parser if not (msg.get("reasoning_content") or msg.get("reasoning")) else None
-        if not isinstance(text, str) or not text or (tool_parser is None and reasoning_parser is None):
-            return
-        from gymserve.parsers import parse_output
-
-        parsed = parse_output(text, prompt_tail="", finish_reason=choice.get("finish_reason") or "stop",
-                              tools=request.get("tools"), tool_parser=tool_parser, reasoning_parser=reasoning_parser)
-        msg["content"] = parsed.content
-        if parsed.reasoning is not None:
-            msg["reasoning_content"] = msg["reasoning"] = parsed.reasoning
-        if parsed.tool_calls:
-            msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.tool_calls]
-            if choice.get("finish_reason") == "stop":
-                choice["finish_reason"] = "tool_calls"
-
     async def _attach_token_info(self, completion: dict[str, Any], request: ChatRequest, body: dict[str, Any],
                                  replica: Replica, ctx: RequestContext) -> None:
         where = redact_url(self._url(replica, "chat"))

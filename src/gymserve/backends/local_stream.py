@@ -46,35 +46,19 @@ def _chunk(cid: str, created: int, model: str, delta: dict[str, Any], finish: st
 
 async def stream_chat(backend, call: LocalCall) -> AsyncIterator[dict[str, Any]]:
     """Yield chat chunks for one prepared local call (see module docstring)."""
-    from gymserve.parsers.streaming import StreamingParser
+    from gymserve.parsers.streaming import ChatDeltas, StreamingParser
 
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), backend.engine.model_name
-    parser = StreamingParser(backend.tool_parser if call.parse_tools else None, backend.reasoning_parser,
-                             call.prompt.text_tail, call.tools)
+    parser = ChatDeltas(StreamingParser(backend.tool_parser if call.parse_tools else None, backend.reasoning_parser,
+                                        call.prompt.text_tail, call.tools), (backend.config.reasoning_field,))
     detok = IncrementalDetokenizer(backend.tokenizer)
     ids: list[int] = []
     lps: list[float] = []
     tops: list = []
-    call_ids: list[str] = []
-    field = backend.config.reasoning_field
     yield _chunk(cid, created, model, {"role": "assistant", "content": ""})
 
-    def to_chunks(deltas) -> list[dict[str, Any]]:
-        out = []
-        for d in deltas:
-            if d.kind == "reasoning":
-                out.append(_chunk(cid, created, model, {field: d.text}))
-            elif d.kind == "content":
-                out.append(_chunk(cid, created, model, {"content": d.text}))
-            elif d.kind == "tool_call_start":
-                call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
-                out.append(_chunk(cid, created, model, {"tool_calls": [{
-                    "index": d.index, "id": call_ids[d.index], "type": "function",
-                    "function": {"name": d.name, "arguments": ""}}]}))
-            else:
-                out.append(_chunk(cid, created, model, {"tool_calls": [{
-                    "index": d.index, "function": {"arguments": d.text}}]}))
-        return out
+    def to_chunks(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [_chunk(cid, created, model, delta) for delta in deltas]
 
     finish = "length"
     stream = backend.engine.stream(call.prompt.token_ids, call.sampling)
@@ -98,7 +82,7 @@ async def stream_chat(backend, call: LocalCall) -> AsyncIterator[dict[str, Any]]
     deltas = parser.feed(detok.push(tail_ids, final=True)) + parser.finish(finish)
     for c in to_chunks(deltas):
         yield c
-    reason = chat_finish_reason(finish, parser.reasoning_incomplete, bool(call_ids))
+    reason = chat_finish_reason(finish, parser.reasoning_incomplete, bool(parser.call_ids))
     last = {"prompt_token_ids": call.prompt.token_ids, "generation_token_ids": kept,
             "generation_log_probs": kept_lps}
     final = _chunk(cid, created, model, last, reason)

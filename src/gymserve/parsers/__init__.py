@@ -22,10 +22,11 @@ from gymserve.parsers.base import (
 )
 from gymserve.parsers.json_scan import declared_tool_names
 from gymserve.parsers.reasoning import ThinkReasoningParser
-from gymserve.parsers.streaming import Delta, StreamingParser
+from gymserve.parsers.streaming import ChatDeltas, Delta, StreamingParser
 from gymserve.parsers.tool_calls import infer_tool_call_parser
 
 __all__ = [
+    "ChatDeltas",
     "Delta",
     "ParsedOutput",
     "ParsedToolCall",

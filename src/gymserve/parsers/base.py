@@ -135,18 +135,21 @@ class ReasoningParser:
     close_tag: ClassVar[str] = ""
     """The literal that ends the span (held back while streaming when a suffix may start it)."""
 
-    def open_body(self, text: str, prompt_tail: str) -> int | None:
+    def open_body(self, text: str, prompt_tail: str, search_from: int = 0) -> int | None:
         """Index where reasoning text starts when ``text`` has an open span whose text is reasoning
         whatever follows, so it can stream before the span closes; None otherwise (the default:
-        reasoning is held until :meth:`split_partial` decides)."""
+        reasoning is held until :meth:`split_partial` decides). ``search_from`` as for
+        :meth:`split_partial`."""
         return None
 
-    def split_partial(self, text: str, prompt_tail: str) -> tuple[str | None, str] | None:
+    def split_partial(self, text: str, prompt_tail: str, search_from: int = 0) -> tuple[str | None, str] | None:
         """``(reasoning, rest)`` once the span's end is decided by ``text`` alone, else None.
 
         When it returns a pair, ``split(text + anything, ...)`` gives the same reasoning and a rest
-        that starts with this ``rest`` (up to leading whitespace). The default never decides early,
-        so streaming holds all text until the end.
+        that starts with this ``rest`` (up to leading whitespace). ``search_from``: the caller
+        knows the close tag does not start before this index (streaming passes it so a long span
+        is not searched again on every delta). The default never decides early, so streaming holds
+        all text until the end.
         """
         return None
 

@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass
 from typing import Union
 
-from gymserve.parsers.json_scan import Brackets, call_in_object, partial_tag_len, skip_ws
+from gymserve.parsers.json_scan import Brackets, call_in_object, encodable, partial_tag_len, skip_ws
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,10 @@ _HEAD = re.compile(r'\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\\x00-\x1f]
 _FENCE_HEAD = re.compile(r"```[ \t]*(?:json)?[ \t]*\n?", re.I)
 _FENCE_PARTIAL = re.compile(r"`{0,3}|```[ \t]*(?:j(?:s(?:o(?:n)?)?)?)?[ \t]*\n?", re.I)
 _FENCE = "```"
-_NAME_ARGS = re.compile(r"([A-Za-z0-9_.\-]+)\[ARGS\]")
-_NAME_ARGS_PARTIAL = re.compile(r"[A-Za-z0-9_.\-]*(?:\[(?:A(?:R(?:G(?:S)?)?)?)?)?")
+# Names are bounded so that waiting on a partial one costs O(1) per delta, not O(name).
+_NAME_ARGS = re.compile(r"([A-Za-z0-9_.\-]{1,256})\[ARGS\]")
+_NAME_ARGS_PARTIAL = re.compile(r"[A-Za-z0-9_.\-]{0,256}(?:\[(?:A(?:R(?:G(?:S)?)?)?)?)?")
+_SCALAR = re.compile(r"[-+0-9.eEa-zA-Z]+")
 
 
 @dataclass
@@ -118,8 +120,12 @@ class CallScanner:
         self.list_expect = ""  # "element" or "comma"
         self.obj_start = 0
         self.brackets = Brackets()
+        self.head_tried = False  # the head is matched once, when the object first nests
         self.args_emitted = 0  # arguments text before it has been emitted
         self.object_tail = True  # after the arguments, the rest of the call object follows
+        self.tail_expect = ""  # after the arguments: "end", "key", "in_key", "colon", "value", "in_value"
+        self.tail_ok = 0  # end of the last complete piece of the object's tail
+        self._skipped = (-1, -1)  # (from, to) of the last whitespace skip, so waiting never rescans
         self._out: list[ScanEvent] = []
         self._final = False
 
@@ -147,10 +153,24 @@ class CallScanner:
         if text:
             self._out.append(text)
 
+    def _skip(self, start: int, any_space: bool = False) -> int:
+        """Index of the first non-whitespace character at or after ``start``, resuming an earlier
+        skip from the same ``start`` (the text only grows). ``any_space``: skip what ``str.strip``
+        strips (the reasoning split and content stripping use it), not only JSON whitespace."""
+        j = self._skipped[1] if self._skipped[0] == start else start
+        t, n = self.text, len(self.text)
+        if any_space:
+            while j < n and t[j].isspace():
+                j += 1
+        else:
+            j = skip_ws(t, j)
+        self._skipped = (start, j)
+        return j
+
     def _start(self) -> bool:
         """Message start of a bare-JSON format: is the message a region of calls?"""
         t, n = self.text, len(self.text)
-        j = skip_ws(t, 0)
+        j = self._skip(0, any_space=True)
         if j == n and not self._final:
             return False
         self.mode = "content"
@@ -161,7 +181,7 @@ class CallScanner:
                 self.mode = "start"
                 return False
             head = _FENCE_HEAD.match(t, j)
-            value_at = skip_ws(t, head.end()) if head else n
+            value_at = self._skip(head.end(), any_space=True) if head else n
             if value_at == n and not self._final and head:
                 self.mode = "start"
                 return False
@@ -211,7 +231,7 @@ class CallScanner:
         region = self.region
         assert region is not None
         t, n = self.text, len(self.text)
-        j = skip_ws(t, self.pos)
+        j = self._skip(self.pos)
         close = region.close
         if j == n:
             return self._close_region(n) if self._final else False
@@ -250,7 +270,7 @@ class CallScanner:
 
     def _list(self) -> bool:
         t, n = self.text, len(self.text)
-        j = skip_ws(t, self.cur)
+        j = self._skip(self.cur)
         if j == n:
             return self._fail() if self._final else False
         if self.list_expect == "comma":
@@ -269,23 +289,30 @@ class CallScanner:
 
     def _open_object(self, at: int) -> bool:
         self.obj_start, self.cur, self.brackets, self.mode = at, at, Brackets(), "head"
+        self.head_tried = False
         return True
 
     def _head(self) -> bool:
-        """A call object before its head is known: commit on the head, or judge the whole value."""
+        """A call object before its head is known: commit on the head, or judge the whole value.
+
+        The head ``{"name": "N", "arguments": {`` ends where the object first nests, so the
+        head pattern is tried once, there (a long name is not rescanned on every delta)."""
         region = self.region
         assert region is not None
         t = self.text
-        head = _HEAD.match(t, self.obj_start)
-        if head is not None:
-            try:
-                name = json.loads(head.group(1))
-            except ValueError:
-                name = ""
-            if name.strip() and (region.declared is None or name in region.declared):
-                return self._commit(name, head.end(), object_tail=True)
-        end, outcome = self.brackets.advance(t, self.cur, region.close)
+        end, outcome = self.brackets.advance(t, self.cur, region.close, 0 if self.head_tried else 2)
         self.cur = end
+        if outcome == "deeper":
+            self.head_tried = True
+            head = _HEAD.match(t, self.obj_start)
+            if head is not None and head.end() == end - 1:
+                try:
+                    name = json.loads(head.group(1))
+                except ValueError:
+                    name = ""
+                if name.strip() and encodable(name) and (region.declared is None or name in region.declared):
+                    return self._commit(name, end - 1, object_tail=True)
+            return True
         if outcome == "closed":
             call = call_in_object(t[self.obj_start : end], region.declared)
             if call is None:
@@ -319,7 +346,7 @@ class CallScanner:
         if outcome == "closed":
             if not self.object_tail:
                 return self._value_done(end)
-            self.brackets, self.mode = Brackets(1), "tail"
+            self.tail_expect, self.tail_ok, self.mode = "end", end, "tail"
             return True
         if outcome == "stop" or self._final:
             # Cut inside the arguments: the call keeps what was written; the region's close (if
@@ -329,16 +356,47 @@ class CallScanner:
         return False
 
     def _tail(self) -> bool:
-        """After a committed call's arguments: the rest of its object (extra members are skipped)."""
+        """After a committed call's arguments: the rest of its object — ``}``, or more members
+        (``, "key": value``, skipped as call syntax). Anything else ends the call where its valid
+        part ends, and the region goes on from there (so that text is content, never lost)."""
         assert self.region is not None
-        end, outcome = self.brackets.advance(self.text, self.cur, self.region.close)
-        self.cur = end
-        if outcome == "closed":
-            return self._value_done(end)
-        if outcome == "stop" or self._final:
-            self.in_list = False
-            return self._value_done(end)
-        return False
+        t, n, expect = self.text, len(self.text), self.tail_expect
+        if expect in ("in_key", "in_value"):
+            end, outcome = self.brackets.advance(t, self.cur, self.region.close)
+            self.cur = end
+            if outcome == "closed":
+                self.tail_expect = "colon" if expect == "in_key" else "end"
+                if expect == "in_value":
+                    self.tail_ok = end
+                return True
+            if outcome == "stop" or self._final:
+                return self._value_done(self.tail_ok)
+            return False
+        j = self._skip(self.cur)
+        if j == n:
+            return self._value_done(self.tail_ok) if self._final else False
+        ch = t[j]
+        if expect == "end" and ch in ",}":
+            if ch == "}":
+                return self._value_done(j + 1)
+            self.cur, self.tail_expect = j + 1, "key"
+            return True
+        if (expect == "key" and ch == '"') or (expect == "value" and ch in '{["'):
+            self.cur, self.brackets = j, Brackets()
+            self.tail_expect = "in_key" if expect == "key" else "in_value"
+            return True
+        if expect == "colon" and ch == ":":
+            self.cur, self.tail_expect = j + 1, "value"
+            return True
+        if expect == "value":
+            scalar = _SCALAR.match(t, j)
+            if scalar is not None and scalar.end() == n and not self._final:
+                return False  # the number or literal may go on
+            if scalar is not None:
+                self.cur = self.tail_ok = scalar.end()
+                self.tail_expect = "end"
+                return True
+        return self._value_done(self.tail_ok)
 
     def _name_args(self, at: int) -> bool:
         """Mistral v11+ ``name[ARGS]{...}``: committed once ``{`` follows ``[ARGS]``."""
@@ -348,7 +406,7 @@ class CallScanner:
             if not self._final and _NAME_ARGS_PARTIAL.fullmatch(t, at):
                 return False
             return self._fail()
-        args_at = skip_ws(t, match.end())
+        args_at = self._skip(match.end())
         if args_at == n:
             return self._fail() if self._final else False
         if t[args_at] != "{":

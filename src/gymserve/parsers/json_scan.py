@@ -46,13 +46,15 @@ class Brackets:
         self.in_string = False
         self.escape = False
 
-    def advance(self, text: str, i: int, stop: str | None = None) -> tuple[int, str]:
+    def advance(self, text: str, i: int, stop: str | None = None, pause_depth: int = 0) -> tuple[int, str]:
         """Scan ``text`` from ``i``: returns ``(j, outcome)``.
 
-        ``"closed"``: ``text[j - 1]`` closed the outermost bracket. ``"stop"``: ``text[j:]``
-        starts with ``stop`` outside a string (an end tag inside unclosed JSON). ``"more"``: the
-        text ran out at ``j`` (``j < len(text)`` when a prefix of ``stop`` starts at ``j``: it is
-        not scanned until the text says whether the tag completes). The next call resumes at ``j``.
+        ``"closed"``: ``text[j - 1]`` closed the outermost bracket, or the string a scan at depth
+        0 started in. ``"deeper"``: ``text[j - 1]`` opened a bracket that made the depth
+        ``pause_depth`` (only when it is given). ``"stop"``: ``text[j:]`` starts with ``stop``
+        outside a string (an end tag inside unclosed JSON). ``"more"``: the text ran out at ``j``
+        (``j < len(text)`` when a prefix of ``stop`` starts at ``j``: it is not scanned until the
+        text says whether the tag completes). The next call resumes at ``j``.
         """
         n = len(text)
         while i < n:
@@ -64,10 +66,14 @@ class Brackets:
                     self.escape = True  # \" must not end the string
                 elif ch == '"':
                     self.in_string = False
+                    if self.depth <= 0:
+                        return i + 1, "closed"
             elif ch == '"':
                 self.in_string = True
             elif ch in "{[":
                 self.depth += 1
+                if self.depth == pause_depth:
+                    return i + 1, "deeper"
             elif ch in "}]":
                 self.depth -= 1
                 if self.depth <= 0:
@@ -131,8 +137,18 @@ def object_members(text: str) -> dict[str, tuple[Any, int, int]] | None:
                 return members
             else:
                 return None
-    except (ValueError, IndexError):
+    except (ValueError, IndexError, RecursionError):  # the decoder recurses: deep nesting is model output too
         return None
+
+
+def encodable(text: str) -> bool:
+    """Whether ``text`` can be sent as UTF-8: a JSON escape such as ``\\ud800`` decodes to a lone
+    surrogate, which would make the response unserializable."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def call_in_object(text: str, declared: set[str] | None = None) -> tuple[str, str] | None:
@@ -148,7 +164,9 @@ def call_in_object(text: str, declared: set[str] | None = None) -> tuple[str, st
     if members is None or "name" not in members:
         return None
     name = members["name"][0]
-    if not isinstance(name, str) or not name.strip() or (declared is not None and name not in declared):
+    if not isinstance(name, str) or not name.strip() or not encodable(name):
+        return None
+    if declared is not None and name not in declared:
         return None
     for key in ARGUMENT_KEYS:
         if key in members:
@@ -157,8 +175,8 @@ def call_in_object(text: str, declared: set[str] | None = None) -> tuple[str, st
                 return name, text[start:end]
             if isinstance(value, str):
                 try:
-                    return (name, value) if isinstance(loads(value), dict) else None
-                except ValueError:
+                    return (name, value) if isinstance(loads(value), dict) and encodable(value) else None
+                except (ValueError, RecursionError):
                     return None
             return None
     return name, "{}"

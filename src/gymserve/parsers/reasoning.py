@@ -58,8 +58,9 @@ class ThinkReasoningParser(ReasoningParser):
     def _opens_in_prompt(self, prompt_tail: str | None) -> bool:
         return not prompt_tail or prompt_tail.rstrip().endswith(self.open_tag)
 
-    def _locate(self, text: str, prompt_tail: str | None, final: bool) -> _Span | None:
-        """The span, or None while a prefix of ``<think>`` could still open it."""
+    def _locate(self, text: str, prompt_tail: str | None, final: bool, search_from: int = 0) -> _Span | None:
+        """The span, or None while a prefix of ``<think>`` could still open it. ``search_from``:
+        the caller knows ``</think>`` does not start before it (streaming: no rescans)."""
         # No lstrip(): streaming calls this on every delta of a long text, so avoid copying it.
         lead = _LEADING_SPACE.match(text).end()  # type: ignore[union-attr]
         if text.startswith(self.open_tag, lead):
@@ -70,7 +71,7 @@ class ThinkReasoningParser(ReasoningParser):
             body = 0
         else:
             return _Span(body=None)
-        close = text.find(self.close_tag, body)
+        close = text.find(self.close_tag, max(body, search_from))
         if close < 0:
             return _Span(body=body)
         return _Span(body=body, close=close, rest=close + len(self.close_tag))
@@ -87,18 +88,18 @@ class ThinkReasoningParser(ReasoningParser):
             return None, text[span.body :].lstrip(), False
         return text[span.body : span.close].strip() or None, text[span.rest :].lstrip(), False
 
-    def open_body(self, text: str, prompt_tail: str) -> int | None:
+    def open_body(self, text: str, prompt_tail: str, search_from: int = 0) -> int | None:
         """Where the reasoning starts while a span the model opened itself is still open (its text
         is reasoning however the generation ends), else None."""
-        span = self._locate(text, prompt_tail, final=False)
+        span = self._locate(text, prompt_tail, final=False, search_from=search_from)
         if span is None or span.body is None or span.close is not None or span.body == 0:
             return None
         return span.body
 
-    def split_partial(self, text: str, prompt_tail: str) -> tuple[str | None, str] | None:
+    def split_partial(self, text: str, prompt_tail: str, search_from: int = 0) -> tuple[str | None, str] | None:
         """``(reasoning, rest)`` once ``text`` decides the span (it has no span, or ``</think>``
         closed it), else None: an unclosed span waits for the finish reason."""
-        span = self._locate(text, prompt_tail, final=False)
+        span = self._locate(text, prompt_tail, final=False, search_from=search_from)
         if span is None:
             return None
         if span.body is None:

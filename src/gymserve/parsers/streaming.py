@@ -23,6 +23,7 @@ reasoning, content, calls and arguments), however the text was split. What that 
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -63,6 +64,9 @@ class _StrippedText:
             if not piece:
                 return ""
             self.started = True
+        if not piece.strip():
+            self.held += piece  # a long run of whitespace must not be re-stripped on every delta
+            return ""
         combined = self.held + piece
         body = combined.rstrip()
         self.held = combined[len(body) :]
@@ -96,6 +100,7 @@ class StreamingParser:
         self._content = _StrippedText()
         self._reasoning = _StrippedText()
         self._reasoning_fed = -1  # index into _text up to which reasoning has streamed (-1: none)
+        self._close_absent_before = 0  # the reasoning close tag does not start before this index
         self._calls = 0
         self._finished = False
         self.reasoning_incomplete = False
@@ -108,9 +113,11 @@ class StreamingParser:
         out: list[Delta] = []
         if self._rest_start is None:
             assert self._reasoning_parser is not None
-            decided = self._reasoning_parser.split_partial(self._text, self._prompt_tail)
+            rp, search_from = self._reasoning_parser, self._close_absent_before
+            decided = rp.split_partial(self._text, self._prompt_tail, search_from)
             if decided is None:
                 self._stream_reasoning(out)
+                self._close_absent_before = max(0, len(self._text) - len(rp.close_tag) + 1) if rp.close_tag else 0
                 return out
             reasoning, rest = decided
             self._start_rest(reasoning, rest, out)
@@ -138,7 +145,7 @@ class StreamingParser:
         start its close tag."""
         assert self._reasoning_parser is not None
         text = self._text
-        body = self._reasoning_parser.open_body(text, self._prompt_tail)
+        body = self._reasoning_parser.open_body(text, self._prompt_tail, self._close_absent_before)
         if body is None:
             return
         start = max(body, self._reasoning_fed)
@@ -175,3 +182,41 @@ class StreamingParser:
                 self._calls += 1
             elif event.text:
                 out.append(Delta("tool_call_arguments", event.text, index=self._calls - 1))
+
+
+class ChatDeltas:
+    """A :class:`StreamingParser` whose output is Chat Completions ``delta`` objects.
+
+    ``ChatDeltas(parser, reasoning_fields)``: ``feed(text)`` / ``finish(reason)`` return a list of
+    ``delta`` dicts in the OpenAI chunk format — ``{"content": ...}``; the reasoning text under
+    each name in ``reasoning_fields`` (``reasoning_content`` and/or ``reasoning``, as vLLM spells
+    them); a call's first delta ``{"tool_calls": [{"index", "id", "type", "function": {"name",
+    "arguments": ""}}]}`` and then ``{"tool_calls": [{"index", "function": {"arguments": piece}}]}``.
+    ``call_ids`` lists the ids given, in call order.
+    """
+
+    def __init__(self, parser: StreamingParser, reasoning_fields: tuple[str, ...]) -> None:
+        self.parser = parser
+        self.reasoning_fields = reasoning_fields
+        self.call_ids: list[str] = []
+
+    @property
+    def reasoning_incomplete(self) -> bool:
+        return self.parser.reasoning_incomplete
+
+    def feed(self, text_delta: str) -> list[dict[str, Any]]:
+        return [self._chat(d) for d in self.parser.feed(text_delta)]
+
+    def finish(self, finish_reason: str | None = "stop") -> list[dict[str, Any]]:
+        return [self._chat(d) for d in self.parser.finish(finish_reason)]
+
+    def _chat(self, d: Delta) -> dict[str, Any]:
+        if d.kind == "content":
+            return {"content": d.text}
+        if d.kind == "reasoning":
+            return dict.fromkeys(self.reasoning_fields, d.text)
+        if d.kind == "tool_call_start":
+            self.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+            return {"tool_calls": [{"index": d.index, "id": self.call_ids[-1], "type": "function",
+                                    "function": {"name": d.name, "arguments": ""}}]}
+        return {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}

@@ -1,0 +1,81 @@
+"""Streaming parser cost against generation length: it must stay linear.
+
+A streamed generation is fed to ``StreamingParser`` one character at a time (the worst case; a
+token is ~4 characters) for texts of N and 2N characters. Each case stretches one part of the
+text: a tool call's arguments in every format, plain content, a bare JSON answer that is not a
+call, whitespace the scanner waits on, a long call name, reasoning before ``</think>``. Printed:
+seconds at N and 2N and their ratio — about 2 for linear cost, about 4 for quadratic (the
+target: every ratio below 3).
+
+Usage: ``python bench/parsers.py [--n 20000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from gymserve.parsers import StreamingParser, get_reasoning_parser, get_tool_call_parser  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CALL = '{"name": "get_weather", "arguments": {}}'
+
+
+def cases(n: int) -> dict[str, tuple[str, str | None, str]]:
+    """name -> (tool-call parser, reasoning parser, text of about ``n`` characters)."""
+    words = ("lorem ipsum dolor " * (n // 18 + 1))[:n]
+    args = '{"city": "' + words + '"}'
+    call = '{"name": "get_weather", "arguments": ' + args + "}"
+    return {
+        "hermes arguments": ("hermes", None, f"<tool_call>\n{call}\n</tool_call>"),
+        "qwen2_5_coder bare arguments": ("qwen2_5_coder", None, call),
+        "qwen2_5_coder fenced arguments": ("qwen2_5_coder", None, f"```json\n{call}\n```"),
+        "llama3_json arguments": ("llama3_json", None, "<|python_tag|>" + call.replace("arguments", "parameters")),
+        "mistral list arguments": ("mistral", None, f"[TOOL_CALLS][{call}]"),
+        "mistral name[ARGS]": ("mistral", None, f"[TOOL_CALLS]get_weather[ARGS]{args}"),
+        "arguments as a string": ("hermes", None, '<tool_call>{"name": "get_weather", "arguments": "' + words + '"}'),
+        "plain content": ("hermes", None, words),
+        "bare JSON answer": ("qwen2_5_coder", None, '{"answer": "' + words + '"}'),
+        "extra member after arguments": ("hermes", None, '<tool_call>{"name": "get_weather", "arguments": {}, "x": "'
+                                         + words + '"}</tool_call>'),
+        "whitespace before a close tag": ("hermes", None, f"<tool_call>{CALL}" + "\n" * n + "</tool_call>"),
+        "whitespace before bare JSON": ("qwen2_5_coder", None, "\n" * n + CALL),
+        "long call name": ("qwen2_5_coder", None, '{"name": "' + words + '", "arguments": {}}'),
+        "reasoning (pre-filled <think>)": ("hermes", "qwen3", words + "</think>ok"),
+        "reasoning (model's <think>)": ("hermes", "qwen3", "<think>" + words + "</think>ok"),
+    }
+
+
+def feed_seconds(tool: str, reasoning: str | None, text: str) -> float:
+    parser = StreamingParser(get_tool_call_parser(tool), get_reasoning_parser(reasoning) if reasoning else None,
+                             "<|im_start|>assistant\n" if reasoning is None else "", TOOLS)
+    t0 = time.perf_counter()
+    for ch in text:
+        parser.feed(ch)
+    parser.finish("stop")
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=20000, help="characters of the shorter text")
+    args = ap.parse_args()
+    small, large = cases(args.n), cases(2 * args.n)
+    rows, worst = [], 0.0
+    for name in small:
+        a, b = feed_seconds(*small[name]), feed_seconds(*large[name])
+        worst = max(worst, b / a)
+        rows.append([name, f"{a:.3f}", f"{b:.3f}", f"{b / a:.2f}"])
+    print(common.machine_line(n=args.n))
+    print(common.table(["case", f"{args.n} chars s", f"{2 * args.n} chars s", "ratio"], rows,
+                       title="StreamingParser, fed one character at a time"))
+    print(f"\nworst ratio {worst:.2f} (target < 3): {common.verdict(worst < 3)}")
+
+
+if __name__ == "__main__":
+    main()
