@@ -208,6 +208,77 @@ async def test_token_ids_requested_in_vllm_forms_and_moved_to_the_message(server
     await b.close()
 
 
+def vllm_stream(pieces, *, prompt=(1, 2, 3), finish="stop"):
+    """vLLM's streamed answer with return_token_ids + logprobs/return_tokens_as_token_ids:
+    prompt_token_ids on the first chunk, token_ids and logprobs on each piece's chunk."""
+    head = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy"}
+    first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}]}
+    if prompt is not None:
+        first["prompt_token_ids"] = list(prompt)
+    chunks = [first]
+    for text, tid, lp in pieces:
+        chunks.append({**head, "choices": [{"index": 0, "delta": {"content": text}, "token_ids": [tid],
+                                            "logprobs": {"content": [{"token": f"token_id:{tid}", "logprob": lp}]}}]})
+    if finish:
+        chunks.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish, "token_ids": []}]})
+    return chunks
+
+
+PIECES = [("Hel", 11, -0.5), ("lo", 12, -0.25), ("!", 13, -0.125)]
+
+
+def streaming_vllm(r):
+    if r.body.get("stream"):
+        return sse(vllm_stream(PIECES))
+    c = completion("Hello!", extra={"prompt_token_ids": [1, 2, 3]})
+    c["choices"][0].update(token_ids=[11, 12, 13], logprobs={"content": [
+        {"token": f"token_id:{t}", "logprob": lp} for _, t, lp in PIECES]})
+    return 200, c
+
+
+async def test_token_ids_streamed_by_vllm_ride_on_the_finish_chunk(servers):
+    s = servers(ChatScript(default=streaming_vllm))
+    b = make([s.url + "/v1"], return_token_id_information=True)
+    whole = (await b.chat({"messages": MSG}, RequestContext()))["choices"][0]["message"]
+    chunks = [c async for c in b.chat_stream({"messages": MSG, "stream": True}, RequestContext())]
+    assert s.requests[-1].body["stream"] is True and s.requests[-1].body["return_token_ids"] is True
+    # Streamed as it came (one chunk per piece), not fetched whole.
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:4]] == ["Hel", "lo", "!"]
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "stop"
+    fields = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+    assert [last["delta"][f] for f in fields] == [whole[f] for f in fields] == [[1, 2, 3], [11, 12, 13], [-0.5, -0.25, -0.125]]
+    # vLLM's own fields are not forwarded, nor the log-probs the client did not ask for.
+    assert not any("token_ids" in ch or ch.get("logprobs") for c in chunks for ch in c["choices"])
+    assert not any("prompt_token_ids" in c for c in chunks)
+    kept = [c async for c in b.chat_stream({"messages": MSG, "stream": True, "logprobs": True}, RequestContext())]
+    assert [e["logprob"] for c in kept for ch in c["choices"] for e in (ch.get("logprobs") or {}).get("content", [])] \
+        == [-0.5, -0.25, -0.125]
+    # The Responses stream over it carries the same fields on its last item.
+    events = [e async for e in b.responses_stream({"model": "policy", "input": "x", "stream": True}, RequestContext())]
+    item = events[-1]["response"]["output"][-1]
+    assert [item[f] for f in fields] == [whole[f] for f in fields]
+    await b.close()
+
+
+async def test_streamed_token_ids_use_tokenize_for_a_missing_prompt_and_fail_on_a_cut_stream(servers):
+    s = servers(ChatScript(default=lambda r: sse(vllm_stream(PIECES, prompt=None)),
+                           tokenize=lambda r: (200, {"count": 2, "tokens": [5, 6]})))
+    b = make([s.url + "/v1"], return_token_id_information=True)
+    chunks = [c async for c in b.chat_stream({"messages": MSG, "stream": True}, RequestContext())]
+    assert chunks[-1]["choices"][0]["delta"]["prompt_token_ids"] == [5, 6]
+    s.handler.default = lambda r: sse(vllm_stream(PIECES, finish=None))
+    with pytest.raises(UpstreamError, match="without a finish_reason") as info:
+        [c async for c in b.chat_stream({"messages": MSG, "stream": True}, RequestContext())]
+    assert info.value.code == "upstream_token_ids"
+    s.handler.default = lambda r: sse([{k: v for k, v in c.items() if k != "prompt_token_ids"} | {
+        "choices": [{**ch, "logprobs": None} for ch in c["choices"]]} for c in vllm_stream(PIECES)])
+    s.handler.tokenize = lambda r: (200, {"tokens": [5]})
+    with pytest.raises(UpstreamError, match="no log-probs in the answer"):
+        [c async for c in b.chat_stream({"messages": MSG, "stream": True}, RequestContext())]
+    await b.close()
+
+
 async def test_prompt_ids_from_tokenize_fallback_and_message_level_fields(servers):
     def logprobs_only(r):
         c = completion("a")

@@ -36,6 +36,7 @@ from typing import Any
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.pool import Limiter, Replica, ReplicaPool, backoff_delay
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
+from gymserve.backends.token_stream import StreamedTokens
 from gymserve.backends.upstream_errors import (
     UpstreamContextLengthError, is_connection_failure, is_retryable, redact_url, translate_error,
 )
@@ -177,6 +178,10 @@ class ChatBackend(Backend):
             return result, rep
 
     # ------------------------------------------------------------------ chat
+    @property
+    def _wants_token_ids(self) -> bool:
+        return bool(getattr(self.config, "return_token_id_information", False))
+
     def _chat_body(self, request: ChatRequest) -> dict[str, Any]:
         cfg = self.config
         body = {**copy.deepcopy(cfg.extra_body), **request}
@@ -224,19 +229,19 @@ class ChatBackend(Backend):
 
     async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         """Upstream chunks passed through (reasoning field mirrored), their raw text parsed as it
-        arrives when ``tool_parser`` / ``reasoning_parser`` are set (``raw_text``). When gymserve
-        must see the whole answer (token IDs), the completion is fetched whole and sent as chunks;
-        an overflow gives the chunks of the empty length-terminated completion."""
-        if getattr(self.config, "return_token_id_information", False):
-            for chunk in completion_to_chunks(await self.chat(request, ctx)):
-                yield chunk
-            return
+        arrives when ``tool_parser`` / ``reasoning_parser`` are set (``raw_text``). With
+        ``return_token_id_information`` the token metadata vLLM streams (``prompt_token_ids`` on
+        the first chunk, ``token_ids`` and ``logprobs`` on each) is collected and the training
+        fields ride on the finish chunk's delta, as on the local engine's stream; an overflow gives
+        the chunks of the empty length-terminated completion."""
+        tokens = StreamedTokens(bool(request.get("logprobs"))) if self._wants_token_ids else None
         parsed = None
         if self._tool_parser or self._reasoning_parser:
             parsed = ParsedChunkStream(request.get("tools"), self._tool_parser, self._reasoning_parser)
         body = {**self._chat_body(request), "stream": True}
         if request.get("stream_options"):
             body["stream_options"] = request["stream_options"]
+        plain_body = self._chat_body(request)  # what /tokenize renders, if the prompt IDs are missing
         async with self.limiter.slot():
             try:
                 stream, replica = await self._call("chat", body, ctx, stream=True)
@@ -256,16 +261,25 @@ class ChatBackend(Backend):
                                 mirror_reasoning(choice["delta"])
                         if self.config.served_model_name:
                             chunk["model"] = self.config.served_model_name
-                        if parsed is not None:
-                            for piece in parsed.process(chunk):
-                                yield piece
-                            continue
+                        if tokens is not None:
+                            tokens.take(chunk)
+                        for piece in parsed.process(chunk) if parsed is not None else [chunk]:
+                            if tokens is not None and tokens.is_finish(piece):
+                                await self._attach_token_info(tokens.completion(piece), request, plain_body,
+                                                              replica, ctx)
+                            yield piece
+                        continue
                     yield chunk
                 if not got_chunk:
                     where = redact_url(self._url(replica, "chat"))
                     raise UpstreamError(f"{where} answered a streaming request without any events (not "
                                         "server-sent events, or an empty stream); does the server support stream=true?",
                                         url=where, code="upstream_bad_response")
+                if tokens is not None and not tokens.finished:
+                    where = redact_url(self._url(replica, "chat"))
+                    raise UpstreamError(f"{where} ended the stream without a finish_reason, so the token IDs of "
+                                        "the generation are incomplete; is the server cutting streams short?",
+                                        url=where, code="upstream_token_ids")
             except Exception as exc:
                 raise self._translate(exc, self._url(replica, "chat"), "chat") from None
             finally:

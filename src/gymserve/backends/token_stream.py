@@ -1,0 +1,72 @@
+"""Token metadata that a chat server streams, gathered for the training fields.
+
+vLLM (≥ 0.10.2, ``return_token_ids: true``) puts ``prompt_token_ids`` on the first chunk and
+``token_ids`` on each choice delta's chunk; with ``logprobs: true`` and
+``return_tokens_as_token_ids: true`` each chunk's ``choices[i].logprobs.content`` scores (and
+names, as ``token_id:N``) the tokens of that chunk. :class:`StreamedTokens` collects them for
+choice 0 — the choice the training fields describe, as on a whole completion — and hands the
+chat backend a completion-shaped view of them, so one validation (``vllm_token_fields``) and one
+``/tokenize`` fallback serve both paths.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class StreamedTokens:
+    """Collects choice 0's streamed token metadata.
+
+    ``StreamedTokens(keep_logprobs)``: ``keep_logprobs`` False removes the ``logprobs`` that
+    gymserve asked for on the client's behalf from the chunks it forwards. Call :meth:`take` on each
+    upstream chunk before forwarding it (it removes vLLM's ``prompt_token_ids`` / ``token_ids``),
+    :meth:`is_finish` to find the chunk that ends choice 0, and :meth:`completion` to get a
+    ``ChatCompletion``-shaped dict whose ``choices[0]["message"]`` *is* that chunk's delta (the
+    training fields set on it land in the chunk).
+    """
+
+    def __init__(self, keep_logprobs: bool) -> None:
+        self.keep_logprobs = keep_logprobs
+        self.prompt: list[int] | None = None
+        self.ids: list[int] = []
+        self.saw_ids = False
+        self.entries: list[Any] = []
+        self.saw_logprobs = False
+        self.finished = False
+
+    def take(self, chunk: dict[str, Any]) -> None:
+        prompt = chunk.pop("prompt_token_ids", None)
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            choice_prompt = choice.pop("prompt_token_ids", None)
+            ids = choice.pop("token_ids", None)
+            logprobs = choice.get("logprobs")
+            if not self.keep_logprobs:
+                choice["logprobs"] = None
+            if choice.get("index", 0) != 0:
+                continue
+            prompt = prompt if prompt is not None else choice_prompt
+            if isinstance(ids, list):
+                self.ids += ids
+                self.saw_ids = True
+            content = logprobs.get("content") if isinstance(logprobs, dict) else None
+            if isinstance(content, list):
+                self.entries += content
+                self.saw_logprobs = True
+        if prompt is not None and self.prompt is None:
+            self.prompt = prompt
+
+    @staticmethod
+    def is_finish(chunk: dict[str, Any]) -> bool:
+        choices = chunk.get("choices") or []
+        return bool(choices) and choices[0].get("index", 0) == 0 and bool(choices[0].get("finish_reason"))
+
+    def completion(self, finish_chunk: dict[str, Any]) -> dict[str, Any]:
+        self.finished = True
+        choice: dict[str, Any] = {"message": finish_chunk["choices"][0].setdefault("delta", {})}
+        if self.saw_ids:
+            choice["token_ids"] = self.ids
+        if self.saw_logprobs:
+            choice["logprobs"] = {"content": self.entries}
+        return {"prompt_token_ids": self.prompt, "choices": [choice]}
