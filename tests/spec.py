@@ -84,6 +84,8 @@ _EVENT_SCHEMAS = {
     "response.reasoning.done": "ResponseReasoningDoneStreamingEvent",
     "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaStreamingEvent",
     "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneStreamingEvent",
+    "response.refusal.delta": "ResponseRefusalDeltaStreamingEvent",
+    "response.refusal.done": "ResponseRefusalDoneStreamingEvent",
 }
 
 _sdk_event = TypeAdapter(ResponseStreamEvent)

@@ -38,14 +38,24 @@ def check_invariants(events, builder, request, validate=True):
     final = events[-1]["response"]
     assert events[-1]["type"] == ("response.completed" if final["status"] == "completed" else "response.incomplete")
     # The completed response IS the non-streamed conversion of the accumulated chunks.
+    # When the model wrote text after a tool call, the output keeps generation order (turns).
+    turns = ([p.message(builder.accumulator) for p in builder._phases] if len(builder._phases) > 1 else None)
     expected = chat_to_response(builder.accumulator.completion(), request, response_id=final["id"],
-                                created_at=final["created_at"], item_ids=[i["id"] for i in final["output"]])
+                                created_at=final["created_at"], item_ids=[i["id"] for i in final["output"]],
+                                turns=turns)
     expected["completed_at"] = final["completed_at"]
     assert final == expected
     added = [e for e in events if e["type"] == "response.output_item.added"]
     done = [e for e in events if e["type"] == "response.output_item.done"]
     assert [e["output_index"] for e in added] == list(range(len(final["output"])))
-    assert sorted(e["output_index"] for e in done) == list(range(len(final["output"])))
+    # Each item is done before the next one is added (the OpenAI API never interleaves items), but
+    # for function calls whose arguments a server interleaves: those stay open together.
+    lifecycle = [(e["type"], e["output_index"]) for e in events if e["type"].startswith("response.output_item.")]
+    for index, item in enumerate(final["output"]):
+        opened = lifecycle.index(("response.output_item.added", index))
+        closed = lifecycle.index(("response.output_item.done", index))
+        between = {i for _, i in lifecycle[opened + 1:closed]}
+        assert all(final["output"][i]["type"] == "function_call" for i in between | {index}) or not between
     for e in done:
         assert e["item"] == final["output"][e["output_index"]]
     for index, item in enumerate(final["output"]):
@@ -57,13 +67,17 @@ def check_invariants(events, builder, request, validate=True):
         if item["type"] == "function_call":
             assert deltas == item["arguments"]
             assert [e["type"] for e in mine][-2] == "response.function_call_arguments.done"
-        else:
+        elif item["content"] and "text" in item["content"][0] and len(item["content"]) == 1:
             text = item["content"][0]["text"]
             assert deltas == text
             kinds = [e["type"] for e in mine]
             assert kinds[1] == "response.content_part.added" and kinds[-2] == "response.content_part.done"
             assert mine[1]["part"]["text"] == ""
             assert mine[-3]["text"] == text and mine[-2]["part"]["text"] == text
+        else:  # parts other than one text part (a refusal): each announced, then done with its value
+            for k, part in enumerate(item["content"]):
+                assert [e["part"] for e in mine if e["type"] == "response.content_part.done"
+                        and e["content_index"] == k] == [part]
     return final
 
 
@@ -216,3 +230,53 @@ def test_any_chunking_streams_exactly_the_final_response(pieces, reasoning, cuts
     chunks += [chunk({"content": content[a:b]}) for a, b in zip(bounds, bounds[1:])]
     chunks.append(chunk({}, finish))
     run(chunks, validate=False)
+
+
+_event = st.one_of(
+    st.tuples(st.just("content"), st.sampled_from(["a", " b", "\n", "<think>", "x</think>", "Hé ", "  "])),
+    st.tuples(st.just("reasoning_content"), st.sampled_from(["r", " s", "\n"])),
+    st.tuples(st.just("refusal"), st.sampled_from(["no", " way"])),
+    st.tuples(st.just("call"), st.integers(0, 2)),
+    st.tuples(st.just("args"), st.sampled_from(['{"a"', ": 1}", "{}"])),
+)
+
+
+@given(script=st.lists(_event, max_size=20), finish=st.sampled_from(["stop", "length", "tool_calls"]))
+@settings(max_examples=400, deadline=None)
+def test_any_mix_of_text_reasoning_calls_and_refusal_streams_a_consistent_response(script, finish):
+    """Text after tool calls, reasoning after text, refusals: the events always validate, items are
+    added and done in order, and every done item is the final response's item."""
+    chunks, started, current = [], set(), None
+    for kind, value in script:
+        if kind == "call":
+            if value not in started:
+                started.add(value)
+                current = value
+                chunks.append(chunk({"tool_calls": [{"index": value, "id": f"call_{value}", "type": "function",
+                                                     "function": {"name": f"f{value}", "arguments": ""}}]}))
+        elif kind == "args":
+            if current is not None:
+                chunks.append(chunk({"tool_calls": [{"index": current, "function": {"arguments": value}}]}))
+        else:
+            chunks.append(chunk({kind: value}))
+    chunks.append(chunk({}, finish))
+    run(chunks)
+
+
+def test_text_after_a_tool_call_is_a_new_message_after_it():
+    events = run([chunk({"content": "Let me look."}),
+                  chunk({"tool_calls": [{"index": 0, "id": "c0", "type": "function",
+                                         "function": {"name": "f", "arguments": "{}"}}]}),
+                  chunk({"content": "\nDone"}), chunk({"content": " now."}), chunk({}, "tool_calls")])
+    output = events[-1]["response"]["output"]
+    assert [(i["type"], i.get("arguments") or i["content"][0]["text"]) for i in output] == \
+        [("message", "Let me look."), ("function_call", "{}"), ("message", "Done now.")]
+
+
+def test_refusal_streams_as_a_refusal_part():
+    events = run([chunk({"content": "Hm."}), chunk({"refusal": "I can't"}), chunk({"refusal": " help."}),
+                  chunk({}, "stop")])
+    (item,) = events[-1]["response"]["output"]
+    assert item["content"] == [{"type": "output_text", "text": "Hm.", "annotations": [], "logprobs": []},
+                               {"type": "refusal", "refusal": "I can't help."}]
+    assert [e["refusal"] for e in events if e["type"] == "response.refusal.done"] == ["I can't help."]

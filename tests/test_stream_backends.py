@@ -249,8 +249,8 @@ CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in RESP_TOOLS[0].i
 
 @contextlib.contextmanager
 def local_server(tokenizer, engine: ScriptedEngine, **options):
-    config = LocalBackendConfig(model="scripted", tool_parser="hermes", sampling=SamplingConfig(temperature=0.0),
-                                **options)
+    options.setdefault("tool_parser", "hermes")
+    config = LocalBackendConfig(model="scripted", sampling=SamplingConfig(temperature=0.0), **options)
     cfg = validate_config({"server": {"port": 0}, "backend": config.model_dump()})
     with start_background_server(cfg, backend_factory=lambda: LocalBackend(config, engine, tokenizer)) as srv:
         yield srv
@@ -327,6 +327,69 @@ def test_local_tool_call_cut_by_max_tokens_streams_the_same_incomplete_call(toke
     (item,) = final["output"]
     assert item["type"] == "function_call" and item["status"] == "incomplete"
     assert item["arguments"] == '{"city' and final["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def assert_items_match_final(events) -> None:
+    """Items are added at output_index 0, 1, 2… in order, each done before the next is added,
+    and every output_item.done is exactly the final response's item at its index."""
+    final = events[-1].response.model_dump(exclude_none=False, warnings=False)["output"]
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert added == list(range(len(final))) == [e.output_index for e in done]
+    order = [(e.type, e.output_index) for e in events if e.type.startswith("response.output_item.")]
+    assert order == [(t, i) for i in range(len(final)) for t in ("response.output_item.added", "response.output_item.done")]
+    def plain(obj):  # without the fields the SDK's stream helper adds to the final response
+        if isinstance(obj, list):
+            return [plain(x) for x in obj]
+        if isinstance(obj, dict):
+            return {k: plain(v) for k, v in obj.items() if k not in ("parsed", "parsed_arguments")}
+        return obj
+
+    for e in done:
+        assert plain(e.item.model_dump(exclude_none=False, warnings=False)) == plain(final[e.output_index])
+
+
+TOOL2 = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(("text", "parser", "items"), [
+    # text after the call: a message after the function_call, as generated
+    (TOOL_TEXT + "\nI checked the weather.", "hermes", [("function_call", '{"city": "Paris"}'),
+                                                         ("message", "I checked the weather.")]),
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}\nDone.', "qwen2_5_coder",
+     [("function_call", '{"city": "Paris"}'), ("message", "Done.")]),
+    # text before, between and after two calls
+    ("A first.\n" + TOOL_TEXT + "\nmiddle\n" + TOOL2 + "\nlast", "hermes",
+     [("message", "A first."), ("function_call", '{"city": "Paris"}'), ("message", "middle"),
+      ("function_call", '{"city": "Rome"}'), ("message", "last")]),
+])
+def test_local_text_after_tool_calls_streams_in_generation_order(tokenizer, text, parser, items):
+    engine = ScriptedEngine(tokenizer, text)
+    with local_server(tokenizer, engine, tool_parser=parser) as srv:
+        full, events, final = responses_both(_sdk(srv), model="t", input="Weather?", tools=RESP_TOOLS)
+    assert_events_valid(events)
+    assert_items_match_final(events)
+    got = [(it["type"], it.get("arguments") or it["content"][0]["text"] if it["type"] == "message"
+            else it.get("arguments")) for it in final["output"]]
+    assert got == items
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == "".join(t for k, t in items if k == "message")  # every word streamed as a delta
+    assert _strip_ids(final) == _strip_ids(full)
+
+
+def test_local_stream_is_valid_wherever_max_output_tokens_cuts_it(tokenizer):
+    """Cut at every length: the SDK accepts the stream, items match the final, and the final
+    equals the non-streamed answer (tool calls cut mid-arguments, text after calls, lists)."""
+    text = "Sure.\n" + TOOL_TEXT + "\nThen " + '[{"name": "get_weather", "arguments": {}}, 1]'
+    engine = ScriptedEngine(tokenizer, text)
+    n = len(tokenizer.encode(text, add_special_tokens=False))
+    with local_server(tokenizer, engine) as srv:
+        client = _sdk(srv)
+        for cut in range(1, n + 2):
+            full, events, final = responses_both(client, model="t", input="Weather?", tools=RESP_TOOLS,
+                                                 max_output_tokens=cut)
+            assert_items_match_final(events)
+            assert _strip_ids(final) == _strip_ids(full), cut
 
 
 def test_local_reasoning_streams_before_the_message(tokenizer):

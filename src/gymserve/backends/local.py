@@ -174,6 +174,32 @@ class LocalBackend(Backend):
             content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": alts})
         return {"content": content, "refusal": None}
 
+    async def responses(self, request, ctx: RequestContext):
+        """The Response built by the streaming builder from the chunks of the finished generation
+        (``local_stream.generation_chunks``), so it is the streamed Response for the same tokens:
+        items in the order the model wrote them, the same ids' places, the same final values. A
+        prompt that fills the context window gives the empty incomplete Response (case CL-01)."""
+        from gymserve.backends.local_stream import generation_chunks
+        from gymserve.convert import context_exceeded_response, responses_to_chat
+        from gymserve.convert.stream import ResponseStreamBuilder
+        from gymserve.errors import ContextLengthExceededError
+
+        request = self.fill_responses_defaults(request)
+        chat_request = {**responses_to_chat(request, self.convert_options()), "stream": True,
+                        "stream_options": {"include_usage": True}}
+        try:
+            call = self._prepare(chat_request)
+        except ContextLengthExceededError:
+            return context_exceeded_response(request)
+        async with self.limiter.slot():
+            gen = await self.engine.generate(call.prompt.token_ids, call.sampling)
+        builder = ResponseStreamBuilder(request)
+        for chunk in generation_chunks(self, call, gen):
+            builder.feed(chunk)
+        builder.finish()
+        assert builder.response is not None
+        return builder.response
+
     async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         """Chunks of one streamed call; the call holds an engine slot until the stream ends."""
         from gymserve.backends.local_stream import stream_chat

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from gymserve.errors import UpstreamError
@@ -251,7 +251,8 @@ def _token_info(completion: dict[str, Any], choice: dict[str, Any], message: dic
 
 def chat_to_response(completion: ChatCompletionDict, request: ResponsesRequest, *,
                      response_id: str | None = None, created_at: float | None = None,
-                     item_ids: Sequence[str] | None = None) -> ResponseDict:
+                     item_ids: Sequence[str] | None = None,
+                     turns: Sequence[dict[str, Any]] | None = None) -> ResponseDict:
     """Translate a ``ChatCompletion`` dict into a ``Response`` dict for ``request``.
 
     Output items, in order: one reasoning item per reasoning source (``reasoning_content`` or
@@ -264,8 +265,12 @@ def chat_to_response(completion: ChatCompletionDict, request: ResponsesRequest, 
     empty message item to carry them.
 
     ``item_ids`` fixes the ids of the output items in order (the streaming builder passes the ids
-    it already announced); missing ones are generated. Raises ``UpstreamError`` when the
-    completion has no choices and ``InvalidRequestError`` for inconsistent training fields.
+    it already announced); missing ones are generated. ``turns``: pieces of the assistant message
+    in generation order (``content``, reasoning, ``refusal``, ``tool_calls`` each), whose items are
+    concatenated instead of the message's own — the streaming builder passes them when the model
+    wrote text after a tool call, so the output follows what was streamed; everything else (finish
+    reason, training fields, usage) still comes from ``completion``. Raises ``UpstreamError`` when
+    the completion has no choices and ``InvalidRequestError`` for inconsistent training fields.
     """
     choice = _first_choice(completion)
     message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
@@ -275,6 +280,30 @@ def chat_to_response(completion: ChatCompletionDict, request: ResponsesRequest, 
     def next_id(prefix: str) -> str:
         return next(given, None) or new_id(prefix)
 
+    output: list[dict[str, Any]] = []
+    for turn in turns if turns is not None else [message]:
+        output += message_items(turn, next_id)
+    if status == "incomplete" and output and output[-1]["type"] in ("message", "function_call"):
+        output[-1]["status"] = "incomplete"
+
+    tokens = _token_info(completion, choice, message)
+    if tokens is not None:
+        if not output:
+            # A model call that produced no visible text (only EOS, or whitespace) is still a turn
+            # the policy took: an empty message item carries its token fields so the agent passes
+            # it back and the next prompt stays token-contiguous.
+            output.append(message_item(next_id("msg"), "", "incomplete" if status == "incomplete" else "completed"))
+        # On the last item, which the next turn's input carries back unchanged.
+        output[-1].update(tokens)
+    response = response_envelope(
+        request, model=completion.get("model"), status=status, output=output, incomplete_details=details,
+        usage=convert_usage(completion.get("usage")), response_id=response_id, created_at=created_at)
+    return response
+
+
+def message_items(message: dict[str, Any], next_id: Callable[[str], str]) -> list[dict[str, Any]]:
+    """The output items of one chat assistant message: reasoning items, the message item (with any
+    refusal as a second part), then function_call items; ``next_id(prefix)`` names each."""
     output: list[dict[str, Any]] = []
     for kind, text in message_segments(message):
         if kind == "reasoning":
@@ -293,22 +322,7 @@ def chat_to_response(completion: ChatCompletionDict, request: ResponsesRequest, 
         output.append(function_call_item(
             next_id("fc"), tc.get("id") or new_id("call"), function.get("name") or "",
             normalize_arguments(function.get("arguments")), "completed"))
-    if status == "incomplete" and output and output[-1]["type"] in ("message", "function_call"):
-        output[-1]["status"] = "incomplete"
-
-    tokens = _token_info(completion, choice, message)
-    if tokens is not None:
-        if not output:
-            # A model call that produced no visible text (only EOS, or whitespace) is still a turn
-            # the policy took: an empty message item carries its token fields so the agent passes
-            # it back and the next prompt stays token-contiguous.
-            output.append(message_item(next_id("msg"), "", "incomplete" if status == "incomplete" else "completed"))
-        # On the last item, which the next turn's input carries back unchanged.
-        output[-1].update(tokens)
-    response = response_envelope(
-        request, model=completion.get("model"), status=status, output=output, incomplete_details=details,
-        usage=convert_usage(completion.get("usage")), response_id=response_id, created_at=created_at)
-    return response
+    return output
 
 
 def context_exceeded_response(request: ResponsesRequest) -> ResponseDict:
