@@ -208,3 +208,23 @@ def test_request_is_not_mutated():
     before = copy.deepcopy(body)
     responses_to_chat(body, OPTS)
     assert body == before
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [
+    ({"max_output_tokens": 0}, "max_output_tokens", "positive integer"),
+    ({"max_output_tokens": -1}, "max_output_tokens", "positive integer"),
+    ({"include": "x"}, "include", "list of strings"),
+    ({"include": ["message.output_text.logprobs"]}, "include[0]", "generation_log_probs"),
+    ({"include": ["reasoning.encrypted_content", "nope"]}, "include[1]", "not a known include value"),
+    ({"background": True}, "background", "stores no responses"),
+])
+def test_responses_fields_gymserve_cannot_honour_are_named(extra, param, words):
+    with pytest.raises(InvalidRequestError, match=words) as info:
+        responses_to_chat({"model": "m", "input": "hi", **extra})
+    assert info.value.param == param
+
+
+def test_include_values_that_add_nothing_are_accepted():
+    chat = responses_to_chat({"model": "m", "input": "hi", "include": ["reasoning.encrypted_content"],
+                              "background": False})
+    assert chat["messages"] == [{"role": "user", "content": "hi"}] and "include" not in chat

@@ -183,10 +183,15 @@ def test_open_responses_event_names():
 
 def test_fail():
     builder = ResponseStreamBuilder(REQUEST)
-    events = builder.start() + builder.feed(chunk({"content": "a"}))
+    events = builder.start() + builder.feed(chunk({"content": "Let me check"}))
+    events += builder.feed(chunk({"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "arguments": '{"a'}}]}))
     events += builder.fail("backend went away")
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"] == {"code": "server_error", "message": "backend went away"}
+    # What the client was shown is kept, marked incomplete.
+    assert [(i["type"], i["status"], i.get("arguments") or i["content"][0]["text"])
+            for i in events[-1]["response"]["output"]] == [("message", "incomplete", "Let me check"),
+                                                            ("function_call", "incomplete", '{"a')]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     for event in events:
         assert_valid_event(event)

@@ -377,3 +377,64 @@ def test_server_streams_an_error_event_when_upstream_stalls_mid_stream(raw):
         assert "response.failed" in r.text or "event: error" in r.text
 
 
+
+
+def _sse_lines(*events: str):
+    """A chat stream body of raw ``data:`` lines (what a broken server sends, verbatim)."""
+    from starlette.responses import StreamingResponse
+
+    def gen():
+        for e in events:
+            yield f"data: {e}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+HEAD = '{"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy", "choices": '
+HI = HEAD + '[{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "finish_reason": null}]}'
+
+
+@pytest.mark.parametrize(("bad", "words", "code"), [
+    ('{"object": "error", "message": "vllm boom", "type": "InternalServerError", "code": 500}', "vllm boom",
+     "upstream_error"),
+    ("[1, 2]", "not a JSON object", "upstream_bad_response"),
+])
+def test_a_stream_broken_mid_way_ends_with_an_error_on_both_routes(bad, words, code, caplog):
+    """An error object, or a data line that is not a chunk, after the stream began: the chat
+    stream ends with an error the SDK raises, the Responses stream with response.failed — never a
+    success holding the partial text, never a 500 'this is a bug'."""
+    import openai
+
+    from gymserve.server.run import start_background_server
+
+    with FakeServer(ChatScript(default=lambda r: _sse_lines(HI, bad))) as s:
+        cfg = validate_config({"server": {"port": 0}, "backend": {
+            "type": "chat", "base_urls": [s.url + "/v1"], "model": "policy", "max_retries": 0}})
+        with start_background_server(cfg) as srv:
+            client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=10)
+            with pytest.raises(openai.APIError, match=words):
+                list(client.chat.completions.create(model="policy", messages=MSG, stream=True))
+            events = list(client.responses.create(model="policy", input="hi", stream=True))
+    assert events[-1].type == "response.failed" and words in events[-1].response.error.message
+    assert "this is a bug" not in caplog.text and code in (events[-1].response.error.code, code)
+
+
+def test_streamed_tool_calls_without_index_get_one():
+    """Some servers leave ``index`` out of streamed tool calls; the OpenAI format (and the SDK's
+    chat stream helper) requires it, so the chat route adds it."""
+    import openai
+
+    from gymserve.server.run import start_background_server
+
+    call = HEAD + ('[{"index": 0, "delta": {"tool_calls": [{"id": "call_1", "type": "function", '
+                   '"function": {"name": "f", "arguments": "{}"}}]}, "finish_reason": "tool_calls"}]}')
+    with FakeServer(ChatScript(default=lambda r: _sse_lines(HI, call))) as s:
+        cfg = validate_config({"server": {"port": 0}, "backend": {
+            "type": "chat", "base_urls": [s.url + "/v1"], "model": "policy", "max_retries": 0}})
+        with start_background_server(cfg) as srv:
+            client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=10)
+            with client.chat.completions.stream(model="policy", messages=MSG) as stream:
+                final = stream.get_final_completion()
+    assert [(t.id, t.function.name, t.function.arguments) for t in final.choices[0].message.tool_calls] == \
+        [("call_1", "f", "{}")]

@@ -255,21 +255,15 @@ class ChatBackend(Backend):
             try:
                 async for chunk in stream:
                     got_chunk = True
-                    if isinstance(chunk, dict):
-                        for choice in chunk.get("choices") or []:
-                            if isinstance(choice.get("delta"), dict):
-                                mirror_reasoning(choice["delta"])
-                        if self.config.served_model_name:
-                            chunk["model"] = self.config.served_model_name
-                        if tokens is not None:
-                            tokens.take(chunk)
-                        for piece in parsed.process(chunk) if parsed is not None else [chunk]:
-                            if tokens is not None and tokens.is_finish(piece):
-                                await self._attach_token_info(tokens.completion(piece), request, plain_body,
-                                                              replica, ctx)
-                            yield piece
-                        continue
-                    yield chunk
+                    chunk = checked_chunk(chunk, redact_url(self._url(replica, "chat")))
+                    if self.config.served_model_name:
+                        chunk["model"] = self.config.served_model_name
+                    if tokens is not None:
+                        tokens.take(chunk)
+                    for piece in parsed.process(chunk) if parsed is not None else [chunk]:
+                        if tokens is not None and tokens.is_finish(piece):
+                            await self._attach_token_info(tokens.completion(piece), request, plain_body, replica, ctx)
+                        yield piece
                 if not got_chunk:
                     where = redact_url(self._url(replica, "chat"))
                     raise UpstreamError(f"{where} answered a streaming request without any events (not "
@@ -388,6 +382,30 @@ def normalize_tool_call_arguments(message: dict[str, Any]) -> None:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
             function["arguments"] = normalize_arguments(function.get("arguments"))
+
+
+def checked_chunk(chunk: Any, where: str) -> dict[str, Any]:
+    """One upstream stream event as a chunk dict, ready to forward: reasoning mirrored into both
+    field names (CR-01), each streamed tool call given the ``index`` the OpenAI format requires
+    (its position when a server leaves it out, as the accumulator reads it). An error object sent
+    mid-stream (vLLM's ``{"object": "error", …}``; the SDK already raises on ``{"error": …}``) or
+    an event that is not a JSON object raises ``UpstreamError`` naming ``where``."""
+    if not isinstance(chunk, dict):
+        raise UpstreamError(f"{where} sent a stream event that is not a JSON object: {str(chunk)[:200]}",
+                            url=where, code="upstream_bad_response")
+    if chunk.get("object") == "error" or (isinstance(chunk.get("error"), dict) and "choices" not in chunk):
+        error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
+        raise UpstreamError(f"{where} failed mid-stream: {error.get('message') or error}", url=where,
+                            code="upstream_error")
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict):
+            continue
+        mirror_reasoning(delta)
+        for pos, tc in enumerate(delta.get("tool_calls") or []):
+            if isinstance(tc, dict) and not isinstance(tc.get("index"), int):
+                tc["index"] = pos
+    return chunk
 
 
 def mirror_reasoning(message: dict[str, Any]) -> None:

@@ -45,6 +45,11 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
     if request.get("conversation") is not None:
         raise InvalidRequestError("conversation is not supported; send the whole conversation in input",
                                   param="conversation")
+    if request.get("background"):
+        raise InvalidRequestError("background is not supported: a background response is stored and polled, and "
+                                  "gymserve stores no responses; leave background out (or false)",
+                                  param="background")
+    _check_include(request.get("include"))
 
     builder = _MessageBuilder(options)
     instructions = request.get("instructions")
@@ -343,6 +348,30 @@ def _check(request: dict[str, Any], key: str, types: tuple[type, ...], what: str
     return value
 
 
+# Include values that ask for nothing gymserve could add: results of hosted tools (rejected on
+# their own) and encrypted reasoning (it has none to give). Token log-probs have a better home.
+_INCLUDE_NOTHING = {"file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                    "message.input_image.image_url", "computer_call_output.output.image_url",
+                    "code_interpreter_call.outputs", "reasoning.encrypted_content"}
+
+
+def _check_include(include: Any) -> None:
+    """``include`` (OpenAI Responses API values): a list of strings; values that would add nothing
+    here are accepted, ``message.output_text.logprobs`` and unknown values are a 400."""
+    if include is None:
+        return
+    if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+        raise InvalidRequestError("include must be a list of strings", param="include")
+    for i, value in enumerate(include):
+        if value == "message.output_text.logprobs":
+            raise InvalidRequestError(
+                "include message.output_text.logprobs is not supported; per-token log-probs come as "
+                "generation_log_probs on the last output item (local engine; chat backends with "
+                "return_token_id_information), or use /v1/chat/completions with logprobs", param=f"include[{i}]")
+        if value not in _INCLUDE_NOTHING:
+            raise InvalidRequestError(f"include[{i}] {value!r} is not a known include value", param=f"include[{i}]")
+
+
 _NUMBER = (int, float)
 # Responses fields that mean the same in Chat Completions: (name, accepted types, what to say).
 _CARRIED = (
@@ -358,7 +387,9 @@ def _copy_sampling(request: dict[str, Any], chat: ChatRequest, options: ConvertO
     for key, types, what in _CARRIED:
         if _check(request, key, types, what) is not None:
             chat[key] = request[key]
-    if _check(request, "max_output_tokens", (int,), "an integer") is not None:
+    if _check(request, "max_output_tokens", (int,), "a positive integer") is not None:
+        if request["max_output_tokens"] < 1:
+            raise InvalidRequestError("max_output_tokens must be a positive integer", param="max_output_tokens")
         chat[options.max_tokens_field] = request["max_output_tokens"]
     if _check(request, "top_logprobs", (int,), "an integer") is not None:
         chat["logprobs"] = True

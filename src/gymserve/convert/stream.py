@@ -280,8 +280,18 @@ class ResponseStreamBuilder:
         return events
 
     def fail(self, message: str) -> list[Event]:
-        """response.failed with ``error: {"code": "server_error", "message": message}``."""
-        response = self._envelope("failed", error={"code": "server_error", "message": message})
+        """response.failed with ``error: {"code": "server_error", "message": message}``; its output
+        holds the items streamed so far as they were sent (status ``incomplete``), so a client
+        keeps what it was shown."""
+        output = []
+        for item in self._items:
+            if item.kind == "function_call":
+                output.append(function_call_item(item.id, item.call_id, item.name, item.emitted, "incomplete"))
+            elif item.kind == "reasoning":
+                output.append(reasoning_item(item.id, item.emitted))
+            else:
+                output.append(message_item(item.id, item.emitted, "incomplete"))
+        response = self._envelope("failed", error={"code": "server_error", "message": message}, output=output)
         self.response = response
         return [self._event("response.failed", response=response)]
 
