@@ -7,7 +7,7 @@ call, whitespace the scanner waits on, a long call name, reasoning before ``</th
 seconds at N and 2N and their ratio — about 2 for linear cost, about 4 for quadratic (the
 target: every ratio below 3).
 
-Usage: ``python bench/parsers.py [--n 20000]``.
+Usage: ``python bench/parsers.py [--quick] [--n 20000]``.
 """
 
 from __future__ import annotations
@@ -61,21 +61,38 @@ def feed_seconds(tool: str, reasoning: str | None, text: str) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=20000, help="characters of the shorter text")
-    args = ap.parse_args()
-    small, large = cases(args.n), cases(2 * args.n)
-    rows, worst = [], 0.0
+def run(n: int, quick: bool) -> dict:
+    small, large = cases(n), cases(2 * n)
+    rows = []
     for name in small:
         a, b = feed_seconds(*small[name]), feed_seconds(*large[name])
-        worst = max(worst, b / a)
-        rows.append([name, f"{a:.3f}", f"{b:.3f}", f"{b / a:.2f}"])
-    print(common.machine_line(n=args.n))
-    print(common.table(["case", f"{args.n} chars s", f"{2 * args.n} chars s", "ratio"], rows,
-                       title="StreamingParser, fed one character at a time"))
-    print(f"\nworst ratio {worst:.2f} (target < 3): {common.verdict(worst < 3)}")
+        rows.append({"case": name, "small_s": a, "large_s": b, "ratio": b / a})
+    return {"machine": common.machine(), "quick": quick, "n": n, "rows": rows}
+
+
+def report(res: dict) -> str:
+    n = res["n"]
+    rows = [[r["case"], f"{r['small_s']:.3f}", f"{r['large_s']:.3f}", f"{r['ratio']:.2f}"] for r in res["rows"]]
+    worst = max(r["ratio"] for r in res["rows"])
+    return "\n".join([
+        common.machine_line(res["machine"], n=n, mode="quick" if res["quick"] else "full"),
+        common.table(["case", f"{n} chars s", f"{2 * n} chars s", "ratio"], rows,
+                     "StreamingParser, fed one character at a time"),
+        "\nTargets",
+        f"  {common.verdict(worst < 3)}  worst 2N/N ratio {worst:.2f} (below 3: linear, not quadratic)",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=None, help="characters of the shorter text (20,000; 5,000 quick)")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    res = run(args.n or (5000 if args.quick else 20000), args.quick)
+    common.save_results("parsers-quick" if args.quick else "parsers", res)
+    print(report(res))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,8 @@
 """Regenerate everything on the performance page: run the benchmarks, plot, write the docs.
 
-Runs ``bench/growth.py``, ``bench/gateway.py`` and ``bench/engine.py`` (each in its own process, one
-after another, so they never compete for the cores), then ``bench/plot.py``, then rewrites
+Runs ``bench/growth.py``, ``bench/gateway.py``, ``bench/engine.py``, ``bench/parsers.py`` and
+``bench/ttft.py`` (each in its own process, one after another, so they never compete for the
+cores), then ``bench/plot.py``, then rewrites
 ``docs/performance.md`` from the JSON results under ``docs/assets/perf/``. ``make bench`` calls this.
 
 Usage: ``python bench/run_all.py [--quick] [--only growth,gateway,engine] [--docs-only] [--no-peer]``.
@@ -22,7 +23,7 @@ import plot  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 DOC = common.ROOT / "docs" / "performance.md"
-ORDER = ("growth", "gateway", "engine")
+ORDER = ("growth", "gateway", "engine", "parsers", "ttft")
 
 
 def run_benchmarks(names: list[str], quick: bool, no_peer: bool) -> list[str]:
@@ -39,7 +40,7 @@ def run_benchmarks(names: list[str], quick: bool, no_peer: bool) -> list[str]:
     return failed
 
 
-def _section(name: str, title: str, intro: str, prefer_quick: bool) -> str:
+def _section(name: str, title: str, intro: str, prefer_quick: bool, plot_image: bool = True) -> str:
     import importlib
 
     res = plot.load(name, prefer_quick)
@@ -61,8 +62,8 @@ def _section(name: str, title: str, intro: str, prefer_quick: bool) -> str:
         "\n  FAIL", "\n- FAIL").replace("\n  n/a", "\n- n/a")
     mode = ("quick mode on a shared, busy machine: indicative only; `make bench` reruns the full version"
             if res.get("quick") else "full mode")
-    return (f"## {title}\n\n{intro}\n\n*Machine: {machine}.* ({mode})\n\n{body}\n\n"
-            f"![{title}](assets/perf/{name}.png)\n")
+    image = f"![{title}](assets/perf/{name}.png)\n" if plot_image else ""
+    return f"## {title}\n\n{intro}\n\n*Machine: {machine}.* ({mode})\n\n{body}\n\n{image}"
 
 
 def write_docs(prefer_quick: bool = False) -> Path:
@@ -94,6 +95,18 @@ def write_docs(prefer_quick: bool = False) -> Path:
                  "request itself grows quadratically with the turns, because every earlier turn carries its "
                  "whole prompt's token IDs. Script: `bench/growth.py`.",
                  prefer_quick),
+        _section("ttft", "Streaming latency (local engine)",
+                 "Time to the first event and to the first generated output of a streamed `/v1/responses` "
+                 "call on the embedded model (greedy), as a fraction of the same request's non-streamed "
+                 "total, for a text answer and for a tool call (whose first argument delta can only come "
+                 "after the model has written the call's head). Script: `bench/ttft.py`.",
+                 prefer_quick, plot_image=False),
+        _section("parsers", "Streaming parser cost",
+                 "The tool-call and reasoning parsers fed a generation one character at a time, for texts of "
+                 "N and 2N characters, each case stretching one part (arguments in every format, plain "
+                 "content, whitespace, long names, reasoning): the 2N/N ratio is ~2 when the cost is linear, "
+                 "~4 when quadratic. Script: `bench/parsers.py`.",
+                 prefer_quick, plot_image=False),
     ]
     DOC.write_text("\n".join(parts))
     return DOC

@@ -14,7 +14,7 @@ and its arguments stream) — it measures, in interleaved rounds so machine load
 Printed: medians in seconds and the ratios to ``total`` from the same run (lower is better; the
 token stream is the point: first output should come well before the non-streamed answer).
 
-Usage: ``python bench/ttft.py [--reps 5] [--max-tokens 48] [--model DIR]``.
+Usage: ``python bench/ttft.py [--quick] [--reps 5] [--max-tokens 48] [--model DIR]``.
 """
 
 from __future__ import annotations
@@ -68,41 +68,65 @@ def one_round(client, body: dict, max_tokens: int) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--model", type=Path, default=None, help="model directory (default: the embedded model)")
-    args = ap.parse_args()
+def run(reps: int, max_tokens: int, model: Path | None, quick: bool) -> dict:
     from openai import OpenAI
 
     from gymserve.engine.model_store import embedded_model_dir
 
-    child = start(args.model or embedded_model_dir())
+    child = start(model or embedded_model_dir())
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{child.port}/v1", api_key="unused", timeout=600)
         one_round(client, REQUESTS["text"], 4)  # warm-up: first-call allocations, template compile
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name in REQUESTS}
-        for _ in range(args.reps):
+        runs: dict[str, list[dict]] = {name: [] for name in REQUESTS}
+        for _ in range(reps):
             for name, body in REQUESTS.items():
-                runs[name].append(one_round(client, body, args.max_tokens))
+                runs[name].append(one_round(client, body, max_tokens))
     finally:
         child.stop()
     rows = []
     for name, rounds in runs.items():
-        kinds = {r.get("first output kind") for r in rounds}
         med = {k: statistics.median(r[k] for r in rounds if k in r)
                for k in ("total", "first event", "first output", "stream total") if any(k in r for r in rounds)}
-        rows.append([name, common.fmt(med["total"]), common.fmt(med["first event"], 3),
-                     common.fmt(med["first event"] / med["total"], 3),
-                     common.fmt(med.get("first output", float("nan"))),
-                     common.fmt(med.get("first output", float("nan")) / med["total"]),
-                     common.fmt(med["stream total"] / med["total"]), ", ".join(sorted(k for k in kinds if k))])
-    print(common.machine_line(reps=args.reps, max_tokens=args.max_tokens))
-    print(common.table(["request", "total s", "first event s", "ratio", "first output s", "ratio",
-                        "stream/total", "first output event"], rows,
-                       title="Local engine streaming latency (medians; ratios to the non-streamed total)"))
+        rows.append({"request": name, **med, "first output kind": sorted({r.get("first output kind") or "-"
+                                                                           for r in rounds})})
+    return {"machine": common.machine(), "quick": quick, "reps": reps, "max_tokens": max_tokens, "rows": rows}
+
+
+def report(res: dict) -> str:
+    rows = []
+    for r in res["rows"]:
+        first = r.get("first output", float("nan"))
+        rows.append([r["request"], common.fmt(r["total"]), common.fmt(r["first event"], 3),
+                     common.fmt(r["first event"] / r["total"], 3), common.fmt(first),
+                     common.fmt(first / r["total"]), common.fmt(r["stream total"] / r["total"]),
+                     ", ".join(r["first output kind"])])
+    text = next(r for r in res["rows"] if r["request"] == "text")
+    ok = text["first event"] / text["total"] < 0.1 and text.get("first output", 1e9) / text["total"] < 0.5
+    return "\n".join([
+        common.machine_line(res["machine"], reps=res["reps"], max_tokens=res["max_tokens"],
+                            mode="quick" if res["quick"] else "full"),
+        common.table(["request", "total s", "first event s", "ratio", "first output s", "ratio", "stream/total",
+                      "first output event"], rows,
+                     "Local engine streaming latency (medians; ratios to the non-streamed total)"),
+        "\nTargets",
+        f"  {common.verdict(ok)}  text: first event before 0.1 and first text delta before 0.5 of the "
+        "non-streamed total",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=None, help="rounds (5; 2 quick)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (48; 24 quick)")
+    ap.add_argument("--model", type=Path, default=None, help="model directory (default: the embedded model)")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    res = run(args.reps or (2 if args.quick else 5), args.max_tokens or (24 if args.quick else 48), args.model,
+              args.quick)
+    common.save_results("ttft-quick" if args.quick else "ttft", res)
+    print(report(res))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
