@@ -188,9 +188,10 @@ def test_fail():
     events += builder.fail("backend went away")
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"] == {"code": "server_error", "message": "backend went away"}
-    # What the client was shown is kept, marked incomplete.
+    # What the client was shown is kept: the message as its done event said, the open call as far
+    # as it got, marked incomplete.
     assert [(i["type"], i["status"], i.get("arguments") or i["content"][0]["text"])
-            for i in events[-1]["response"]["output"]] == [("message", "incomplete", "Let me check"),
+            for i in events[-1]["response"]["output"]] == [("message", "completed", "Let me check"),
                                                             ("function_call", "incomplete", '{"a')]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     for event in events:
@@ -285,3 +286,28 @@ def test_refusal_streams_as_a_refusal_part():
     assert item["content"] == [{"type": "output_text", "text": "Hm.", "annotations": [], "logprobs": []},
                                {"type": "refusal", "refusal": "I can't help."}]
     assert [e["refusal"] for e in events if e["type"] == "response.refusal.done"] == ["I can't help."]
+
+
+def test_accumulator_reads_choice_0_only_and_keeps_call_ids_unique():
+    acc = ChunkAccumulator()
+    for c in [{"choices": [{"index": 1, "delta": {"content": "other"}}, {"index": 0, "delta": {"content": "mine"}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [
+                  {"index": 0, "id": "call_0", "function": {"name": "f", "arguments": "{}"}},
+                  {"index": 1, "id": "call_0", "function": {"name": "g", "arguments": "{}"}}]}}]},
+              {"choices": [{"index": 1, "delta": {}, "finish_reason": "length"},
+                           {"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}]:
+        acc.add(c)
+    message = acc.completion()["choices"][0]["message"]
+    assert message["content"] == "mine" and acc.finish_reason == "tool_calls"
+    ids = [tc["id"] for tc in message["tool_calls"]]
+    assert ids[0] == "call_0" and ids[1] != "call_0" and ids[1].startswith("call_")
+
+
+def test_a_servers_own_prompt_token_ids_are_not_a_training_record():
+    """vLLM's return_token_ids (asked for by extra_body, not by gymserve) puts prompt_token_ids at
+    the top level: without generation fields it is the server's metadata, not half a record."""
+    events = run([chunk({"content": "hi"}, prompt_token_ids=[1, 2]), chunk({}, "stop")])
+    assert "prompt_token_ids" not in events[-1]["response"]["output"][-1]
+    completion = {"prompt_token_ids": [1, 2], "choices": [{"index": 0, "finish_reason": "stop", "token_ids": [5],
+                                                            "message": {"role": "assistant", "content": "hi"}}]}
+    assert "prompt_token_ids" not in chat_to_response(completion, REQUEST)["output"][-1]

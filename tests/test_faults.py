@@ -428,13 +428,17 @@ def test_streamed_tool_calls_without_index_get_one():
     from gymserve.server.run import start_background_server
 
     call = HEAD + ('[{"index": 0, "delta": {"tool_calls": [{"id": "call_1", "type": "function", '
-                   '"function": {"name": "f", "arguments": "{}"}}]}, "finish_reason": "tool_calls"}]}')
-    with FakeServer(ChatScript(default=lambda r: _sse_lines(HI, call))) as s:
+                   '"function": {"name": "f", "arguments": "{\\"a\\""}}]}, "finish_reason": null}]}')
+    more = HEAD + '[{"index": 0, "delta": {"tool_calls": [{"function": {"arguments": ": 1}"}}]}, "finish_reason": null}]}'
+    call2 = HEAD + ('[{"index": 0, "delta": {"tool_calls": [{"id": "call_2", "type": "function", '
+                    '"function": {"name": "g", "arguments": "{}"}}]}, "finish_reason": "tool_calls"}]}')
+    with FakeServer(ChatScript(default=lambda r: _sse_lines(HI, call, more, call2))) as s:
         cfg = validate_config({"server": {"port": 0}, "backend": {
             "type": "chat", "base_urls": [s.url + "/v1"], "model": "policy", "max_retries": 0}})
         with start_background_server(cfg) as srv:
             client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=10)
             with client.chat.completions.stream(model="policy", messages=MSG) as stream:
                 final = stream.get_final_completion()
+    # A new id is a new call; a piece without one continues the last call.
     assert [(t.id, t.function.name, t.function.arguments) for t in final.choices[0].message.tool_calls] == \
-        [("call_1", "f", "{}")]
+        [("call_1", "f", '{"a": 1}'), ("call_2", "g", "{}")]

@@ -74,8 +74,10 @@ class Backend:
             chunks = aiter(self.chat_stream(chat_request, ctx))
             first = await anext(chunks, None)
         except ContextLengthExceededError:
-            # As in ``responses``: the stream of an empty, length-terminated completion (CL-01).
-            chunks, first = None, {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+            # As in ``responses``: the stream of an empty, length-terminated completion (CL-01),
+            # zero usage included, so streamed and non-streamed answers agree.
+            chunks, first = None, {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                                   "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
         builder = ResponseStreamBuilder(request)
         for event in builder.start():
             yield event
@@ -87,11 +89,12 @@ class Backend:
                 async for chunk in chunks:
                     for event in builder.feed(chunk):
                         yield event
+            events = builder.finish()  # may find the upstream's token fields unusable
         except GymserveError as exc:
             for event in builder.fail(exc.message):
                 yield event
             return
-        for event in builder.finish():
+        for event in events:
             yield event
 
     def fill_responses_defaults(self, request: ResponsesRequest) -> ResponsesRequest:

@@ -253,9 +253,10 @@ class ChatBackend(Backend):
                 return
             got_chunk = False
             try:
+                call_index: dict[tuple[int, str], int] = {}  # (choice, call id) -> index, for servers that omit it
                 async for chunk in stream:
                     got_chunk = True
-                    chunk = checked_chunk(chunk, redact_url(self._url(replica, "chat")))
+                    chunk = checked_chunk(chunk, redact_url(self._url(replica, "chat")), call_index)
                     if self.config.served_model_name:
                         chunk["model"] = self.config.served_model_name
                     if tokens is not None:
@@ -384,10 +385,11 @@ def normalize_tool_call_arguments(message: dict[str, Any]) -> None:
             function["arguments"] = normalize_arguments(function.get("arguments"))
 
 
-def checked_chunk(chunk: Any, where: str) -> dict[str, Any]:
+def checked_chunk(chunk: Any, where: str, call_index: dict[tuple[int, str], int] | None = None) -> dict[str, Any]:
     """One upstream stream event as a chunk dict, ready to forward: reasoning mirrored into both
     field names (CR-01), each streamed tool call given the ``index`` the OpenAI format requires
-    (its position when a server leaves it out, as the accumulator reads it). An error object sent
+    when a server leaves it out — a new ``id`` is a new call, a piece without one continues the
+    last call (``call_index`` carries the ids seen between chunks). An error object sent
     mid-stream (vLLM's ``{"object": "error", …}``; the SDK already raises on ``{"error": …}``) or
     an event that is not a JSON object raises ``UpstreamError`` naming ``where``."""
     if not isinstance(chunk, dict):
@@ -397,14 +399,22 @@ def checked_chunk(chunk: Any, where: str) -> dict[str, Any]:
         error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
         raise UpstreamError(f"{where} failed mid-stream: {error.get('message') or error}", url=where,
                             code="upstream_error")
+    seen = call_index if call_index is not None else {}
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") if isinstance(choice, dict) else None
         if not isinstance(delta, dict):
             continue
         mirror_reasoning(delta)
-        for pos, tc in enumerate(delta.get("tool_calls") or []):
-            if isinstance(tc, dict) and not isinstance(tc.get("index"), int):
-                tc["index"] = pos
+        n = choice.get("index", 0) if isinstance(choice.get("index", 0), int) else 0
+        for tc in delta.get("tool_calls") or []:
+            if not isinstance(tc, dict) or isinstance(tc.get("index"), int):
+                continue
+            ids = [i for (c, _), i in seen.items() if c == n]
+            call_id = tc.get("id")
+            if isinstance(call_id, str) and call_id and (n, call_id) not in seen:
+                seen[(n, call_id)] = len(ids)
+                ids.append(len(ids))
+            tc["index"] = seen.get((n, call_id), max(ids, default=0)) if call_id else max(ids, default=0)
     return chunk
 
 

@@ -244,7 +244,10 @@ def _first_choice(completion: Any) -> dict[str, Any]:
 
 def _token_info(completion: dict[str, Any], choice: dict[str, Any], message: dict[str, Any]):
     for source in (message, choice, completion):
-        if any(source.get(f) is not None for f in TRAINING_FIELDS):
+        present = [f for f in TRAINING_FIELDS if source.get(f) is not None]
+        if present and (source is message or present != ["prompt_token_ids"]):
+            # A bare prompt_token_ids beside the message is a server's own metadata (vLLM's
+            # return_token_ids without gymserve asking), not a training record.
             return get_token_info(source)
     return None
 

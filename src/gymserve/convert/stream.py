@@ -65,8 +65,8 @@ class ChunkAccumulator:
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         self._take_tokens(chunk)
-        choices = chunk.get("choices") or []
-        choice = choices[0] if choices and isinstance(choices[0], dict) else {}
+        # Choice 0 only, by its index (a server streaming n > 1 interleaves the choices).
+        choice = next((c for c in chunk.get("choices") or [] if isinstance(c, dict) and c.get("index", 0) == 0), {})
         self._take_tokens(choice)
         if choice.get("finish_reason"):
             self.finish_reason = choice["finish_reason"]
@@ -92,8 +92,10 @@ class ChunkAccumulator:
         function = tc.get("function") if isinstance(tc.get("function"), dict) else {}
         is_new = key not in self.tool_calls
         if is_new:
-            self.tool_calls[key] = {"id": tc.get("id") or new_id("call"), "type": "function",
-                                    "function": {"name": "", "arguments": ""}}
+            call_id = tc.get("id")
+            if not isinstance(call_id, str) or not call_id or any(c["id"] == call_id for c in self.tool_calls.values()):
+                call_id = new_id("call")  # each call needs its own id (the SDK keys function calls by it)
+            self.tool_calls[key] = {"id": call_id, "type": "function", "function": {"name": "", "arguments": ""}}
         entry = self.tool_calls[key]["function"]
         if function.get("name") and not entry["name"]:
             entry["name"] = function["name"]
@@ -128,7 +130,9 @@ class ChunkAccumulator:
             message["refusal"] = "".join(self.refusal)
         if self.tool_calls:
             message["tool_calls"] = list(self.tool_calls.values())
-        message.update(self.tokens)
+        if any(k != "prompt_token_ids" for k in self.tokens):
+            # prompt_token_ids alone is a server's own metadata (vLLM's return_token_ids), not a record.
+            message.update(self.tokens)
         return {
             "id": self.id or new_id("chatcmpl"),
             "object": "chat.completion",
@@ -148,6 +152,7 @@ class _Item:
     emitted: str = ""
     closed: bool = False
     parts: int = 0  # content parts announced (content_part.added)
+    final: dict[str, Any] | None = None  # what its output_item.done said
     key: Any = None  # tool-call index for function_call items
     call_id: str = ""
     name: str = ""
@@ -189,7 +194,9 @@ class ResponseStreamBuilder:
     content_part.done → output_item.done; function calls get function_call_arguments.delta/.done.
     ``sequence_number`` counts 0, 1, 2…; ``output_index`` is the item's index in the final output.
 
-    Items are announced in generation order and each is done before the next is added. The
+    Items are announced in generation order and each is done before the next is added, except
+    the function calls of one batch, which stay open until it ends (servers may interleave their
+    arguments). The
     final response is ``chat_to_response`` of the accumulated completion with the streamed ids;
     when the model wrote text after a tool call (or reasoning after answer text) its output keeps
     that order too (``turns``), so it always matches the streamed items, and a non-streamed
@@ -281,11 +288,13 @@ class ResponseStreamBuilder:
 
     def fail(self, message: str) -> list[Event]:
         """response.failed with ``error: {"code": "server_error", "message": message}``; its output
-        holds the items streamed so far as they were sent (status ``incomplete``), so a client
-        keeps what it was shown."""
+        holds the items streamed so far as they were sent — done ones as done, open ones with what
+        they had (status ``incomplete``) — so a client keeps what it was shown."""
         output = []
         for item in self._items:
-            if item.kind == "function_call":
+            if item.final is not None:  # done already: as it was sent
+                output.append(item.final)
+            elif item.kind == "function_call":
                 output.append(function_call_item(item.id, item.call_id, item.name, item.emitted, "incomplete"))
             elif item.kind == "reasoning":
                 output.append(reasoning_item(item.id, item.emitted))
@@ -430,7 +439,7 @@ class ResponseStreamBuilder:
 
     def _close(self, item: _Item, final: dict[str, Any]) -> list[Event]:
         """Remaining delta (what was withheld), the done events, output_item.done with ``final``."""
-        item.closed = True
+        item.closed, item.final = True, final
         where = {"item_id": item.id, "output_index": item.output_index}
         if final.get("type") == "function_call":
             args = final["arguments"]
