@@ -337,7 +337,7 @@ def test_worked_examples(name):
     if "chat-request" in ex:
         assert responses_to_chat(request) == ex["chat-request"]
     if "chat-completion" in ex:
-        from gymserve.backends.chat import mirror_reasoning
+        from gymserve.backends.chat_wire import mirror_reasoning
 
         completion = json.loads(json.dumps(ex["chat-completion"]))
         mirror_reasoning(completion["choices"][0]["message"])  # what the chat backend does first
@@ -401,7 +401,8 @@ def test_python_block(block, request, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------- errors
-ERROR_MODULES = ("errors.py", "config.py", "backends/__init__.py", "backends/upstream_errors.py", "backends/chat.py", "backends/azure.py",
+ERROR_MODULES = ("errors.py", "config.py", "backends/__init__.py", "backends/upstream_errors.py", "backends/chat.py",
+                 "backends/chat_wire.py", "backends/token_stream.py", "backends/azure.py",
                  "backends/pool.py", "backends/openai_backend.py", "backends/local_request.py",
                  "engine/splice.py", "server/app.py", "server/auth.py", "server/errors.py")
 HINT_FUNCTIONS = ("_not_found_hint", "_connection_hint")

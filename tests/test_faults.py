@@ -21,7 +21,7 @@ import pytest
 from fakes import ChatScript, FakeServer, completion
 
 from gymserve.backends import RequestContext, build_backend
-from gymserve.backends.chat import completion_to_chunks
+from gymserve.backends.chat_wire import completion_to_chunks
 from gymserve.config import validate_config
 from gymserve.errors import GymserveError, OverloadedError, UpstreamConnectionError, UpstreamError
 

@@ -41,7 +41,7 @@ ROUTES = ("/v1/chat/completions", "/v1/responses")
 
 def _upstream_answer(r):
     """A fast vLLM stand-in: a completion, or its chunks when asked to stream."""
-    from gymserve.backends.chat import completion_to_chunks
+    from gymserve.backends.chat_wire import completion_to_chunks
 
     done = completion("fuzzed", model=str(r.body.get("model")) if isinstance(r.body, dict) else "m")
     if isinstance(r.body, dict) and r.body.get("stream"):

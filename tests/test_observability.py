@@ -34,7 +34,7 @@ def _value(samples, name, **labels) -> float:
 
 def streaming_script(name: str) -> ChatScript:
     """A chat server that streams when asked (``ChatScript`` alone answers JSON)."""
-    from gymserve.backends.chat import completion_to_chunks
+    from gymserve.backends.chat_wire import completion_to_chunks
 
     def answer(r):
         done = completion(f"from {name}")
@@ -91,7 +91,7 @@ def test_metrics_per_backend_and_replica(two_replicas, tmp_path):
 def test_capture_records_every_call_redacted(two_replicas, tmp_path):
     a, b = two_replicas
     path = tmp_path / "calls.jsonl"
-    from gymserve.backends.chat import completion_to_chunks
+    from gymserve.backends.chat_wire import completion_to_chunks
 
     def echo(r):
         done = completion(f"echo {r.headers['authorization']}")

@@ -34,14 +34,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
+from gymserve.backends.chat_wire import checked_chunk, completion_to_chunks, mirror_reasoning, normalize_tool_call_arguments
 from gymserve.backends.pool import Limiter, Replica, ReplicaPool, backoff_delay
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
-from gymserve.backends.token_stream import StreamedTokens
+from gymserve.backends.token_stream import StreamedTokens, vllm_token_fields
 from gymserve.backends.upstream_errors import (
     UpstreamContextLengthError, is_connection_failure, is_retryable, redact_url, translate_error,
 )
 from gymserve.errors import GymserveError, InvalidRequestError, UpstreamError
-from gymserve.protocol import TRAINING_FIELDS, ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest, get_token_info
+from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest, get_token_info
 
 log = logging.getLogger("gymserve.backends")
 
@@ -372,104 +373,3 @@ def _tool_parser(name: str, model: str | None):
 
         name, _ = infer_tool_call_parser(None, model, None)
     return get_tool_call_parser(name)
-
-
-def normalize_tool_call_arguments(message: dict[str, Any]) -> None:
-    """Make every ``tool_calls[].function.arguments`` a JSON string (case CR-04: some servers send
-    an object or ``""``, which breaks OpenAI clients that ``json.loads`` the field)."""
-    from gymserve.convert.chat_to_responses import normalize_arguments
-
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict):
-            function["arguments"] = normalize_arguments(function.get("arguments"))
-
-
-def checked_chunk(chunk: Any, where: str, call_index: dict[tuple[int, str], int] | None = None) -> dict[str, Any]:
-    """One upstream stream event as a chunk dict, ready to forward: reasoning mirrored into both
-    field names (CR-01), each streamed tool call given the ``index`` the OpenAI format requires
-    when a server leaves it out — a new ``id`` is a new call, a piece without one continues the
-    last call (``call_index`` carries the ids seen between chunks). An error object sent
-    mid-stream (vLLM's ``{"object": "error", …}``; the SDK already raises on ``{"error": …}``) or
-    an event that is not a JSON object raises ``UpstreamError`` naming ``where``."""
-    if not isinstance(chunk, dict):
-        raise UpstreamError(f"{where} sent a stream event that is not a JSON object: {str(chunk)[:200]}",
-                            url=where, code="upstream_bad_response")
-    if chunk.get("object") == "error" or (isinstance(chunk.get("error"), dict) and "choices" not in chunk):
-        error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
-        raise UpstreamError(f"{where} failed mid-stream: {error.get('message') or error}", url=where,
-                            code="upstream_error")
-    seen = call_index if call_index is not None else {}
-    for choice in chunk.get("choices") or []:
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        if not isinstance(delta, dict):
-            continue
-        mirror_reasoning(delta)
-        n = choice.get("index", 0) if isinstance(choice.get("index", 0), int) else 0
-        for tc in delta.get("tool_calls") or []:
-            if not isinstance(tc, dict) or isinstance(tc.get("index"), int):
-                continue
-            ids = [i for (c, _), i in seen.items() if c == n]
-            call_id = tc.get("id")
-            if isinstance(call_id, str) and call_id and (n, call_id) not in seen:
-                seen[(n, call_id)] = len(ids)
-                ids.append(len(ids))
-            tc["index"] = seen.get((n, call_id), max(ids, default=0)) if call_id else max(ids, default=0)
-    return chunk
-
-
-def mirror_reasoning(message: dict[str, Any]) -> None:
-    """Copy ``reasoning`` ⇄ ``reasoning_content`` so both names carry the text (CR-01)."""
-    text = message.get("reasoning_content") or message.get("reasoning")
-    if isinstance(text, str) and text:
-        for key in ("reasoning_content", "reasoning"):
-            if not message.get(key):
-                message[key] = text
-
-
-def vllm_token_fields(completion: dict[str, Any], choice: dict[str, Any]) -> tuple[list | None, list | None, list | None]:
-    """``(prompt_ids, generation_ids, logprobs)`` from vLLM's answer shapes (None where absent).
-
-    Raises ``InvalidRequestError`` when ``token_ids`` and the ``token_id:N`` log-prob tokens
-    disagree, or when log-prob entries lack numbers."""
-    prompt = completion.get("prompt_token_ids") or choice.get("prompt_token_ids")
-    gen = choice.get("token_ids")
-    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
-    logprobs = None
-    if isinstance(content, list):
-        if not all(isinstance(e, dict) and isinstance(e.get("logprob"), (int, float)) for e in content):
-            raise InvalidRequestError("logprobs.content has entries without a numeric logprob")
-        logprobs = [float(e["logprob"]) for e in content]
-        tokens = [e.get("token") for e in content]
-        if all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
-            ids = [int(t.split(":", 1)[1]) for t in tokens]
-            if gen is None:
-                gen = ids
-            elif list(gen) != ids:
-                raise InvalidRequestError("choices[0].token_ids and the token_id:N tokens of logprobs.content disagree")
-    return prompt, gen, logprobs
-
-
-def completion_to_chunks(completion: ChatCompletionDict) -> list[dict[str, Any]]:
-    """A whole ``ChatCompletion`` as two ``ChatCompletionChunk`` dicts: the full delta, then the
-    finish reason with usage (training fields ride on the first delta)."""
-    head = {"id": completion.get("id"), "object": "chat.completion.chunk", "created": completion.get("created"),
-            "model": completion.get("model")}
-    choice = completion["choices"][0]
-    delta = {k: v for k, v in (choice.get("message") or {}).items() if v is not None}
-    if delta.get("tool_calls"):
-        delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(delta["tool_calls"])]
-    return [
-        {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice.get("logprobs")}]},
-        {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason")}],
-         "usage": completion.get("usage")},
-    ]
-
-
-def strip_training_fields(obj: Any) -> Any:
-    """A copy of a request without gymserve's training fields on messages/items (clouds reject them)."""
-    if isinstance(obj, list):
-        return [strip_training_fields(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: strip_training_fields(v) for k, v in obj.items() if k not in TRAINING_FIELDS}
-    return obj

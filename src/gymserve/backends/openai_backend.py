@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gymserve.backends.base import RequestContext
-from gymserve.backends.chat import ChatBackend, completion_to_chunks, secret_value, strip_training_fields
+from gymserve.backends.chat import ChatBackend, secret_value
+from gymserve.backends.chat_wire import completion_to_chunks, strip_training_fields
 from gymserve.backends.upstream_errors import UpstreamContextLengthError
 from gymserve.protocol import ChatRequest, ResponseDict, ResponsesRequest
 

@@ -1,4 +1,4 @@
-"""Token metadata that a chat server streams, gathered for the training fields.
+"""Token metadata a chat server returns (vLLM's forms), read whole or gathered from a stream.
 
 vLLM (≥ 0.10.2, ``return_token_ids: true``) puts ``prompt_token_ids`` on the first chunk and
 ``token_ids`` on each choice delta's chunk; with ``logprobs: true`` and
@@ -12,6 +12,8 @@ chat backend a completion-shaped view of them, so one validation (``vllm_token_f
 from __future__ import annotations
 
 from typing import Any
+
+from gymserve.errors import InvalidRequestError
 
 
 class StreamedTokens:
@@ -70,3 +72,26 @@ class StreamedTokens:
         if self.saw_logprobs:
             choice["logprobs"] = {"content": self.entries}
         return {"prompt_token_ids": self.prompt, "choices": [choice]}
+
+
+def vllm_token_fields(completion: dict[str, Any], choice: dict[str, Any]) -> tuple[list | None, list | None, list | None]:
+    """``(prompt_ids, generation_ids, logprobs)`` from vLLM's answer shapes (None where absent).
+
+    Raises ``InvalidRequestError`` when ``token_ids`` and the ``token_id:N`` log-prob tokens
+    disagree, or when log-prob entries lack numbers."""
+    prompt = completion.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    gen = choice.get("token_ids")
+    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    logprobs = None
+    if isinstance(content, list):
+        if not all(isinstance(e, dict) and isinstance(e.get("logprob"), (int, float)) for e in content):
+            raise InvalidRequestError("logprobs.content has entries without a numeric logprob")
+        logprobs = [float(e["logprob"]) for e in content]
+        tokens = [e.get("token") for e in content]
+        if all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+            ids = [int(t.split(":", 1)[1]) for t in tokens]
+            if gen is None:
+                gen = ids
+            elif list(gen) != ids:
+                raise InvalidRequestError("choices[0].token_ids and the token_id:N tokens of logprobs.content disagree")
+    return prompt, gen, logprobs

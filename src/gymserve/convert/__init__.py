@@ -18,7 +18,8 @@ from gymserve.convert.chat_to_responses import (
 )
 from gymserve.convert.options import ConvertOptions
 from gymserve.convert.responses_to_chat import responses_to_chat
-from gymserve.convert.stream import ChunkAccumulator, ResponseStreamBuilder
+from gymserve.convert.chunks import ChunkAccumulator
+from gymserve.convert.stream import ResponseStreamBuilder
 
 __all__ = [
     "ChunkAccumulator",
