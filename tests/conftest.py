@@ -123,3 +123,22 @@ def transformers_serve(embedded_dir):
             proc.kill()
         if log is not subprocess.DEVNULL:
             log.close()
+
+
+@pytest.fixture
+def openai_fake():
+    """A fake OpenAI API on 127.0.0.1 (``fakes.openai_handler``), key ``fakes.CLOUD_KEY``, model ``gpt-test``."""
+    from fakes import CLOUD_KEY, FakeServer, openai_handler
+
+    with FakeServer(openai_handler(CLOUD_KEY, model="gpt-test")) as s:
+        yield s
+
+
+@pytest.fixture
+def azure_fake():
+    """A fake Azure OpenAI resource on 127.0.0.1 (``fakes.azure_handler``), key ``fakes.CLOUD_KEY``,
+    ``api-version`` ``fakes.AZURE_VERSION``, deployment ``dep``."""
+    from fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, azure_handler
+
+    with FakeServer(azure_handler(api_key=CLOUD_KEY, api_version=AZURE_VERSION, deployment="dep")) as s:
+        yield s

@@ -216,6 +216,12 @@ def responses_answer(r: Recorded, done: dict[str, Any]) -> Answer:
 
 
 # ---------------------------------------------------------------------------------- OpenAI
+CLOUD_KEY = "cloud-KEY-0123456789abcdef"
+"""The API key the fake OpenAI / Azure servers of the ``openai_fake`` / ``azure_fake`` fixtures accept."""
+AZURE_VERSION = "2025-04-01-preview"
+"""The ``api-version`` the ``azure_fake`` fixture's server accepts."""
+
+
 def openai_handler(api_key: str, model: str = "gpt-test") -> Callable[[Recorded], Answer]:
     """Like api.openai.com: Bearer auth, /v1/chat/completions, /v1/responses, /v1/models."""
 

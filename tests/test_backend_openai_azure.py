@@ -7,29 +7,16 @@ import io
 import logging
 
 import pytest
-from fakes import FakeServer, azure_handler, openai_handler
+from fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, azure_handler
 
 from gymserve.backends import RequestContext, build_backend
 from gymserve.check import main_check, run_check
 from gymserve.config import validate_config
 from gymserve.errors import UpstreamError
 
-KEY = "azure-or-openai-KEY-0123456789abcdef"
-VERSION = "2025-04-01-preview"
+KEY, VERSION = CLOUD_KEY, AZURE_VERSION
 MSG = [{"role": "user", "content": "hi"}]
 CTX = RequestContext()
-
-
-@pytest.fixture
-def openai_fake():
-    with FakeServer(openai_handler(KEY, model="gpt-test")) as s:
-        yield s
-
-
-@pytest.fixture
-def azure_fake():
-    with FakeServer(azure_handler(api_key=KEY, api_version=VERSION, deployment="dep")) as s:
-        yield s
 
 
 def backend(**options):

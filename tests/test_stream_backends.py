@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from fakes import FakeServer, azure_handler, openai_handler, response_events, response_obj
+from fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, response_events, response_obj
 
 from gymserve.backends.local import LocalBackend
 from gymserve.config import LocalBackendConfig, SamplingConfig, validate_config
@@ -34,8 +34,7 @@ from gymserve.engine.base import SamplingParams, TokenDelta, collect
 from gymserve.server.run import start_background_server
 from spec import assert_valid_event
 
-KEY = "stream-KEY-0123456789abcdef"
-VERSION = "2025-04-01-preview"
+KEY, VERSION = CLOUD_KEY, AZURE_VERSION
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 WAIT = 10.0  # the longest any single wait in this file may take
 
@@ -90,18 +89,6 @@ def assert_events_valid(events) -> None:
 
 
 # ======================================================================== fake clouds
-@pytest.fixture
-def openai_fake():
-    with FakeServer(openai_handler(KEY, model="gpt-test")) as s:
-        yield s
-
-
-@pytest.fixture
-def azure_fake():
-    with FakeServer(azure_handler(api_key=KEY, api_version=VERSION, deployment="dep")) as s:
-        yield s
-
-
 def _cloud(kind: str, openai_fake, azure_fake) -> tuple[FakeServer, dict[str, Any]]:
     if kind == "openai":
         return openai_fake, {"type": "openai", "base_url": openai_fake.url + "/v1", "api_key": KEY, "model": "gpt-test"}
