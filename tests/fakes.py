@@ -25,6 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from gymserve.backends.chat_wire import completion_to_chunks
+
 
 @dataclass
 class Recorded:
@@ -313,3 +315,127 @@ class ChatScript:
 def vllm_error(message: str, status: int = 400) -> tuple[int, dict[str, Any]]:
     """vLLM's error body (``{"object": "error", "message", "type", "code"}``)."""
     return status, {"object": "error", "type": "BadRequestError", "code": status, "message": message}
+
+
+class RawServer:
+    """A TCP server on 127.0.0.1 that misbehaves at the HTTP level, one ``mode`` for all connections.
+
+    Modes: ``reset`` (RST right after the request), ``close`` (close without answering), ``hang``
+    (never answer), ``malformed`` (200 + invalid JSON), ``truncated`` (Content-Length larger than
+    what is sent, then close), ``stall_body`` (headers and half a body, then nothing), ``trickle``
+    (a valid body, one byte every 0.1 s), ``stream_stall`` (SSE headers and one chunk, then nothing),
+    ``stream_drop`` (SSE headers and two events — chat chunks, or ``response.created`` and
+    ``.in_progress`` for a ``/responses`` URL — then the connection is shut, no ``[DONE]``).
+    Every wait is bounded by ``stop()``.
+    """
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.requests = 0
+        self._stop = threading.Event()
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self._sock.settimeout(0.1)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._threads: list[threading.Thread] = []
+        self._accept = threading.Thread(target=self._loop, daemon=True)
+        self._accept.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                continue
+            t = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _read_request(self, conn: socket.socket) -> bool:
+        conn.settimeout(5)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return False
+            data += chunk
+        head, _, rest = data.partition(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        while len(rest) < length:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return False
+            rest += chunk
+        self.requests += 1
+        self.last_path = data.split(b" ", 2)[1].split(b"?")[0].decode()
+        return True
+
+    def _wait(self, seconds: float = 30) -> None:
+        self._stop.wait(seconds)
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            if not self._read_request(conn):
+                return
+            body = json.dumps(completion("fine")).encode()
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            if self.mode == "reset":
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            elif self.mode == "close":
+                pass
+            elif self.mode == "hang":
+                self._wait()
+            elif self.mode == "malformed":
+                bad = b'{"choices": [ {"message": oops'
+                conn.sendall(head + b"content-length: %d\r\n\r\n" % len(bad) + bad)
+                self._wait(1)
+            elif self.mode == "truncated":
+                conn.sendall(head + b"content-length: %d\r\n\r\n" % len(body) + body[: len(body) // 2])
+            elif self.mode == "stall_body":
+                conn.sendall(head + b"content-length: %d\r\n\r\n" % len(body) + body[: len(body) // 2])
+                self._wait()
+            elif self.mode == "trickle":
+                conn.sendall(head + b"content-length: %d\r\n\r\n" % len(body))
+                for i in range(len(body)):
+                    if self._stop.wait(0.1):
+                        return
+                    conn.sendall(body[i:i + 1])
+            elif self.mode == "stream_stall":
+                chunk = json.dumps(completion_to_chunks(completion("partial"))[0]).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                event = b"data: " + chunk + b"\n\n"
+                conn.sendall(b"%x\r\n" % len(event) + event + b"\r\n")
+                self._wait()
+            elif self.mode == "stream_drop":
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                if self.last_path.endswith("/responses"):
+                    events = response_events(response_obj("partial answer", model="policy"))[:2]
+                    payloads = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events]
+                else:
+                    head = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy"}
+                    chunks = [{**head, "choices": [{"index": 0, "finish_reason": None,
+                                                    "delta": {"role": "assistant", "content": piece}}]}
+                              for piece in ("partial ", "answer")]
+                    payloads = [f"data: {json.dumps(c)}\n\n" for c in chunks]
+                for payload in payloads:
+                    raw = payload.encode()
+                    conn.sendall(b"%x\r\n" % len(raw) + raw + b"\r\n")
+                time.sleep(0.05)
+                conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._accept.join(5)
+        self._sock.close()
+        for t in self._threads:
+            t.join(5)

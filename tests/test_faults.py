@@ -11,129 +11,19 @@ another replica, or fails with an error naming the replica and why.
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 
 import httpx
 import psutil
 import pytest
-from fakes import ChatScript, FakeServer, completion
+from fakes import ChatScript, FakeServer, RawServer
 
 from gymserve.backends import RequestContext, build_backend
-from gymserve.backends.chat_wire import completion_to_chunks
 from gymserve.config import validate_config
 from gymserve.errors import GymserveError, OverloadedError, UpstreamConnectionError, UpstreamError
 
 MSG = [{"role": "user", "content": "hi"}]
 TIMEOUT = 0.6  # the backend's timeout in these tests
-
-
-class RawServer:
-    """A TCP server on 127.0.0.1 that misbehaves at the HTTP level, one ``mode`` for all connections.
-
-    Modes: ``reset`` (RST right after the request), ``close`` (close without answering), ``hang``
-    (never answer), ``malformed`` (200 + invalid JSON), ``truncated`` (Content-Length larger than
-    what is sent, then close), ``stall_body`` (headers and half a body, then nothing), ``trickle``
-    (a valid body, one byte every 0.1 s), ``stream_stall`` (SSE headers and one chunk, then nothing).
-    Every wait is bounded by ``stop()``.
-    """
-
-    def __init__(self, mode: str):
-        self.mode = mode
-        self.requests = 0
-        self._stop = threading.Event()
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
-        self._sock.settimeout(0.1)
-        self.port = self._sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._threads: list[threading.Thread] = []
-        self._accept = threading.Thread(target=self._loop, daemon=True)
-        self._accept.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                continue
-            t = threading.Thread(target=self._handle, args=(conn,), daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _read_request(self, conn: socket.socket) -> bool:
-        conn.settimeout(5)
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return False
-            data += chunk
-        head, _, rest = data.partition(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":", 1)[1])
-        while len(rest) < length:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return False
-            rest += chunk
-        self.requests += 1
-        return True
-
-    def _wait(self, seconds: float = 30) -> None:
-        self._stop.wait(seconds)
-
-    def _handle(self, conn: socket.socket) -> None:
-        import json
-
-        try:
-            if not self._read_request(conn):
-                return
-            body = json.dumps(completion("fine")).encode()
-            head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-            if self.mode == "reset":
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-            elif self.mode == "close":
-                pass
-            elif self.mode == "hang":
-                self._wait()
-            elif self.mode == "malformed":
-                bad = b'{"choices": [ {"message": oops'
-                conn.sendall(head + b"content-length: %d\r\n\r\n" % len(bad) + bad)
-                self._wait(1)
-            elif self.mode == "truncated":
-                conn.sendall(head + b"content-length: %d\r\n\r\n" % len(body) + body[: len(body) // 2])
-            elif self.mode == "stall_body":
-                conn.sendall(head + b"content-length: %d\r\n\r\n" % len(body) + body[: len(body) // 2])
-                self._wait()
-            elif self.mode == "trickle":
-                conn.sendall(head + b"content-length: %d\r\n\r\n" % len(body))
-                for i in range(len(body)):
-                    if self._stop.wait(0.1):
-                        return
-                    conn.sendall(body[i:i + 1])
-            elif self.mode == "stream_stall":
-                chunk = json.dumps(completion_to_chunks(completion("partial"))[0]).encode()
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-                event = b"data: " + chunk + b"\n\n"
-                conn.sendall(b"%x\r\n" % len(event) + event + b"\r\n")
-                self._wait()
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._accept.join(5)
-        self._sock.close()
-        for t in self._threads:
-            t.join(5)
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, response_events, response_obj
+from fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, RawServer, response_events, response_obj
 
 from gymserve.backends.local import LocalBackend
 from gymserve.config import LocalBackendConfig, SamplingConfig, validate_config
@@ -495,65 +494,10 @@ def test_client_disconnect_stops_the_transformers_engine(tiny_model_dir):
 
 
 # ======================================================================== upstream failing mid-stream
-class DroppingServer:
-    """A server on 127.0.0.1 that answers every request with SSE headers and two events (two chat
-    chunks; ``response.created`` and ``.in_progress`` for a ``/responses`` URL), then drops the
-    connection (no terminating chunk, no ``[DONE]``)."""
-
-    def __init__(self):
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(16)
-        self._sock.settimeout(0.1)
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self.requests = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                continue
-            with conn:
-                conn.settimeout(5)
-                data = b""
-                with contextlib.suppress(OSError):
-                    while b"\r\n\r\n" not in data:
-                        got = conn.recv(65536)
-                        if not got:
-                            break
-                        data += got
-                    self.requests += 1
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                                 b"transfer-encoding: chunked\r\n\r\n")
-                    if data.split(b" ", 2)[1].split(b"?")[0].endswith(b"/responses"):
-                        events = response_events(response_obj("partial answer", model="policy"))[:2]
-                        payloads = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events]
-                    else:
-                        payloads = [f"data: {json.dumps(self._chunk(piece))}\n\n" for piece in ("partial ", "answer")]
-                    for payload in payloads:
-                        raw = payload.encode()
-                        conn.sendall(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
-                    time.sleep(0.05)
-                    conn.shutdown(socket.SHUT_RDWR)
-
-    @staticmethod
-    def _chunk(piece: str) -> dict[str, Any]:
-        return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy",
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": piece}, "finish_reason": None}]}
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close()
-
-
 @pytest.fixture
 def dropping():
-    s = DroppingServer()
+    """An upstream that sends two events of a stream, then drops the connection."""
+    s = RawServer("stream_drop")
     yield s
     s.stop()
 
