@@ -62,7 +62,8 @@ class Backend:
         The first chat chunk is awaited before ``response.created`` is yielded, so a request the
         backend rejects fails as a plain 4xx rather than as an event inside a 200 stream.
         """
-        from gymserve.convert import responses_to_chat
+        from gymserve.backends.chat_wire import completion_to_chunks
+        from gymserve.convert import context_exceeded_chat_completion, responses_to_chat
         from gymserve.convert.stream import ResponseStreamBuilder
         from gymserve.errors import ContextLengthExceededError, GymserveError
 
@@ -70,20 +71,19 @@ class Backend:
         chat_request = responses_to_chat(request, self.convert_options())
         chat_request["stream"] = True
         chat_request["stream_options"] = {"include_usage": True}
+        chunks: AsyncIterator[dict[str, Any]] | None = aiter(self.chat_stream(chat_request, ctx))
         try:
-            chunks = aiter(self.chat_stream(chat_request, ctx))
             first = await anext(chunks, None)
+            replay = [first] if first is not None else []
         except ContextLengthExceededError:
-            # As in ``responses``: the stream of an empty, length-terminated completion (CL-01),
-            # zero usage included, so streamed and non-streamed answers agree.
-            chunks, first = None, {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
-                                   "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
+            # As in ``responses``: the chunks of the empty, length-terminated completion (CL-01).
+            chunks, replay = None, completion_to_chunks(context_exceeded_chat_completion(chat_request, ""))
         builder = ResponseStreamBuilder(request)
         for event in builder.start():
             yield event
         try:
-            if first is not None:
-                for event in builder.feed(first):
+            for chunk in replay:
+                for event in builder.feed(chunk):
                     yield event
             if chunks is not None:
                 async for chunk in chunks:

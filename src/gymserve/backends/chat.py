@@ -239,10 +239,10 @@ class ChatBackend(Backend):
         parsed = None
         if self._tool_parser or self._reasoning_parser:
             parsed = ParsedChunkStream(request.get("tools"), self._tool_parser, self._reasoning_parser)
-        body = {**self._chat_body(request), "stream": True}
+        plain_body = self._chat_body(request)  # also what /tokenize renders, if the prompt IDs are missing
+        body = {**plain_body, "stream": True}
         if request.get("stream_options"):
             body["stream_options"] = request["stream_options"]
-        plain_body = self._chat_body(request)  # what /tokenize renders, if the prompt IDs are missing
         async with self.limiter.slot():
             try:
                 stream, replica = await self._call("chat", body, ctx, stream=True)

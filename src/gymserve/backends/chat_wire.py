@@ -46,12 +46,12 @@ def checked_chunk(chunk: Any, where: str, call_index: dict[tuple[int, str], int]
         for tc in delta.get("tool_calls") or []:
             if not isinstance(tc, dict) or isinstance(tc.get("index"), int):
                 continue
-            ids = [i for (c, _), i in seen.items() if c == n]
             call_id = tc.get("id")
-            if isinstance(call_id, str) and call_id and (n, call_id) not in seen:
-                seen[(n, call_id)] = len(ids)
-                ids.append(len(ids))
-            tc["index"] = seen.get((n, call_id), max(ids, default=0)) if call_id else max(ids, default=0)
+            if isinstance(call_id, str) and call_id:
+                seen.setdefault((n, call_id), sum(1 for c, _ in seen if c == n))
+                tc["index"] = seen[(n, call_id)]
+            else:  # no id: more of the call this choice started last
+                tc["index"] = max((i for (c, _), i in seen.items() if c == n), default=0)
     return chunk
 
 

@@ -9,7 +9,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from gymserve.errors import UpstreamError
-from gymserve.protocol import TRAINING_FIELDS, ChatCompletionDict, ResponseDict, ResponsesRequest, get_token_info
+from gymserve.protocol import (
+    TRAINING_FIELDS,
+    ChatCompletionDict,
+    ResponseDict,
+    ResponsesRequest,
+    get_token_info,
+)
+from gymserve.text import partial_tag_len
 
 _OPEN, _CLOSE = "<think>", "</think>"
 
@@ -20,14 +27,6 @@ def new_id(prefix: str) -> str:
 
 
 # -- reasoning / text split ------------------------------------------------------------------
-
-def _partial_tag_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that could still grow into ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
 
 def split_think(content: str, *, final: bool = True) -> list[tuple[str, str]]:
     """Split assistant content into ordered ``("reasoning" | "text", text)`` segments.
@@ -49,7 +48,7 @@ def split_think(content: str, *, final: bool = True) -> list[tuple[str, str]]:
         if j < 0:
             piece = content[pos:]
             if not final:
-                piece = piece[: len(piece) - _partial_tag_suffix(piece, tag)].rstrip()
+                piece = piece[: len(piece) - partial_tag_len(piece, tag)].rstrip()
             elif in_think:
                 piece = piece.rstrip()
             raw.append((kind, piece.lstrip() if after_tag else piece))

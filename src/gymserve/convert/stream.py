@@ -35,12 +35,15 @@ class _Item:
     id: str
     output_index: int
     emitted: str = ""
-    closed: bool = False
     parts: int = 0  # content parts announced (content_part.added)
-    final: dict[str, Any] | None = None  # what its output_item.done said
+    final: dict[str, Any] | None = None  # what its output_item.done said (None: still open)
     key: Any = None  # tool-call index for function_call items
     call_id: str = ""
     name: str = ""
+
+    @property
+    def closed(self) -> bool:
+        return self.final is not None
 
 
 @dataclass
@@ -57,12 +60,11 @@ class _Phase:
     after_call: bool = False  # it follows a tool call: whitespace it starts with separates, it is not text
     plain: bool = True  # only content without "<" so far: its one message item grows without re-splitting
     held: str = ""  # trailing whitespace of plain content, sent once text follows it
+    frozen: list[dict[str, Any]] | None = None  # its calls as closed (arguments sent later are not its)
 
     def view(self) -> dict[str, Any]:
         content = "".join(self.content)
         return {"content": content.lstrip() if self.after_call else content, "reasoning_content": "".join(self.reasoning)}
-
-    frozen: list[dict[str, Any]] | None = None  # its calls as closed (arguments sent later are not its)
 
     def message(self, accumulator: ChunkAccumulator) -> dict[str, Any]:
         calls = self.frozen if self.frozen is not None else [accumulator.tool_calls[k] for k in self.keys]
@@ -122,7 +124,8 @@ class ResponseStreamBuilder:
         events: list[Event] = []
         phase = self._phases[-1]
         if added["reasoning"] or added["content"] or added["refusal"]:
-            if (phase.keys or (added["reasoning"] and phase.content)) and (phase.keys or phase.segments):
+            # The model moved on: text after this phase's calls, or reasoning after its answer text.
+            if phase.keys or (added["reasoning"] and phase.content and phase.segments):
                 # A new phase; the old one is closed when the new one announces an item, so if none
                 # ever does (only whitespace follows), finish() closes it with the final values.
                 if not phase.keys:
@@ -324,7 +327,7 @@ class ResponseStreamBuilder:
 
     def _close(self, item: _Item, final: dict[str, Any]) -> list[Event]:
         """Remaining delta (what was withheld), the done events, output_item.done with ``final``."""
-        item.closed, item.final = True, final
+        item.final = final
         where = {"item_id": item.id, "output_index": item.output_index}
         if final.get("type") == "function_call":
             args = final["arguments"]

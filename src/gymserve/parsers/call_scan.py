@@ -36,7 +36,8 @@ import re
 from dataclasses import dataclass
 from typing import Union
 
-from gymserve.parsers.json_scan import Brackets, call_in_object, encodable, partial_tag_len, skip_ws
+from gymserve.parsers.json_scan import Brackets, call_in_object, skip_ws, valid_name
+from gymserve.text import partial_tag_len
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ class CallScanner:
                 return True
         end = n
         if tag and not self._final:
-            end -= partial_tag_len(t[max(self.pos, n - len(tag) + 1) :], tag)
+            end -= partial_tag_len(t, tag, self.pos)
         self._emit(t[self.pos : end])
         self.pos = max(self.pos, end)
         return False
@@ -237,7 +238,7 @@ class CallScanner:
             return self._close_region(n) if self._final else False
         if close and t.startswith(close, j):
             return self._close_region(j + len(close))
-        if close and not self._final and close.startswith(t[j:]):
+        if close and not self._final and n - j < len(close) and close.startswith(t[j:]):
             return False
         if region.after_value:
             if self.syntax.one_value:
@@ -310,7 +311,7 @@ class CallScanner:
                     name = json.loads(head.group(1))
                 except ValueError:
                     name = ""
-                if name.strip() and encodable(name) and (region.declared is None or name in region.declared):
+                if valid_name(name, region.declared):
                     return self._commit(name, end - 1, object_tail=True)
             return True
         if outcome == "closed":

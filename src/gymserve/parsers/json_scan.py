@@ -151,6 +151,13 @@ def encodable(text: str) -> bool:
     return True
 
 
+def valid_name(name: object, declared: set[str] | None) -> bool:
+    """Whether ``name`` can name a call: a non-blank string that can be sent as UTF-8, and one of
+    ``declared`` when that is given."""
+    return (isinstance(name, str) and bool(name.strip()) and encodable(name)
+            and (declared is None or name in declared))
+
+
 def call_in_object(text: str, declared: set[str] | None = None) -> tuple[str, str] | None:
     """``(name, arguments)`` of a complete call object ``{"name": str, "arguments"|"parameters":
     {...}}`` written as ``text``, or None when it is not one.
@@ -164,9 +171,7 @@ def call_in_object(text: str, declared: set[str] | None = None) -> tuple[str, st
     if members is None or "name" not in members:
         return None
     name = members["name"][0]
-    if not isinstance(name, str) or not name.strip() or not encodable(name):
-        return None
-    if declared is not None and name not in declared:
+    if not valid_name(name, declared):
         return None
     for key in ARGUMENT_KEYS:
         if key in members:
@@ -194,11 +199,3 @@ def declared_tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
             names.add(name)
     return names
 
-
-def partial_tag_len(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (to hold back
-    in streaming: ``"<tool"`` may become ``"<tool_call>"``)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0

@@ -29,7 +29,8 @@ from typing import Any, Literal
 
 from gymserve.parsers.base import ReasoningParser, ToolCallParser
 from gymserve.parsers.call_scan import CallStart
-from gymserve.parsers.json_scan import declared_tool_names, partial_tag_len
+from gymserve.parsers.json_scan import declared_tool_names
+from gymserve.text import partial_tag_len
 
 DeltaKind = Literal["reasoning", "content", "tool_call_start", "tool_call_arguments"]
 
@@ -150,7 +151,7 @@ class StreamingParser:
             return
         start = max(body, self._reasoning_fed)
         close = self._reasoning_parser.close_tag
-        end = len(text) - partial_tag_len(text[max(start, len(text) - len(close) + 1) :], close)
+        end = len(text) - partial_tag_len(text, close, start)
         piece = self._reasoning.push(text[start:end])
         self._reasoning_fed = max(end, start)
         if piece:
