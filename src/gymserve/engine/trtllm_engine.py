@@ -33,14 +33,13 @@ import logging
 import math
 import secrets
 from collections.abc import Sequence
+from contextlib import aclosing
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gymserve.engine.base import RunBasedEngine, SamplingParams, TokenDelta
-from gymserve.engine.vllm_engine import (RAW_LOGPROBS, accepts, map_finish_reason, parse_positions,
-                                         read_model_meta)
-from gymserve.errors import EngineError
+from gymserve.engine.base import RunBasedEngine, SamplingParams
+from gymserve.engine.vllm_engine import RAW_LOGPROBS, accepts, output_deltas, read_model_meta
 
 log = logging.getLogger(__name__)
 
@@ -156,33 +155,25 @@ class TRTLLMEngine(RunBasedEngine):
         stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids)
         result = self.llm.generate_async({"prompt_token_ids": [int(t) for t in prompt_ids]},
                                          sampling_params=params, streaming=stream)
-        seen = 0
+
+        def readd_stop_token(comp, ids, lps, tops, finish):
+            if finish == "stop" and _last(comp.token_ids) not in stop_ids:
+                # The engine dropped the token that ended the turn (older builds leave end_id out):
+                # put it back so the caller trims it; its log-prob is unknown.
+                token = comp.stop_reason if isinstance(comp.stop_reason, int) else self.end_id
+                log.warning("TensorRT-LLM left the stop token out of the output; re-adding %s", token)
+                ids, lps = ids + [token], lps + [math.nan]
+                tops = tops + [[]] if sampling.top_logprobs else tops
+            return ids, lps, tops
+
         finished = False
+        steps = result if stream else _once(result)
         try:
-            steps = result if stream else _once(result)
-            async for out in steps:
-                comp = out.outputs[0]
-                ids, lps, tops = parse_positions(comp.token_ids, comp.logprobs, sampling.top_logprobs, "TensorRT-LLM")
-                ids, lps, tops = ids[seen:], lps[seen:], tops[seen:]
-                seen += len(ids)
-                finish = map_finish_reason(comp.finish_reason, "TensorRT-LLM") if out.finished else None
-                finished = out.finished
-                if finish == "stop" and _last(comp.token_ids) not in stop_ids:
-                    # The engine dropped the token that ended the turn (older builds leave end_id out):
-                    # put it back so the caller trims it; its log-prob is unknown.
-                    token = comp.stop_reason if isinstance(comp.stop_reason, int) else self.end_id
-                    log.warning("TensorRT-LLM left the stop token out of the output; re-adding %s", token)
-                    ids, lps = ids + [token], lps + [math.nan]
-                    tops = tops + [[]] if sampling.top_logprobs else tops
-                if ids or finish:
-                    yield TokenDelta(ids, lps, finish, tops)
-                if finished:
-                    return
-            raise EngineError("TensorRT-LLM ended the request without a finished output")
-        except EngineError:
-            raise
-        except Exception as exc:
-            raise EngineError(f"TensorRT-LLM generation failed: {type(exc).__name__}: {exc}") from exc
+            async with aclosing(output_deltas(steps, "TensorRT-LLM", sampling.top_logprobs, cumulative=True,
+                                              amend=readd_stop_token)) as deltas:
+                async for delta in deltas:
+                    finished = delta.finish_reason is not None
+                    yield delta
         finally:
             if not finished:
                 try:

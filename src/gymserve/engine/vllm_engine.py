@@ -36,7 +36,8 @@ import inspect
 import json
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import aclosing
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -154,6 +155,40 @@ def parse_positions(token_ids: Sequence[int], logprobs: Any, top_n: int, engine:
     return ids, lps, (tops if top_n > 0 else [])
 
 
+Amend = Callable[[Any, list, list, list, "FinishReason | None"], tuple[list, list, list]]
+
+
+async def output_deltas(outputs: AsyncIterator[Any], engine: str, top_n: int, *, cumulative: bool,
+                        amend: Amend | None = None) -> AsyncIterator[TokenDelta]:
+    """``TokenDelta``s from an engine's stream of request outputs in vLLM's shape (``out.finished``;
+    ``out.outputs[0]`` with ``token_ids``, ``logprobs``, ``finish_reason``), which TensorRT-LLM's
+    LLM API shares. ``cumulative``: each output repeats the earlier tokens, so only the new ones are
+    kept. ``amend(completion_output, ids, log_probs, tops, finish)`` returns the three lists fixed up
+    the way one engine needs. Ends with the finished output; raises ``EngineError`` naming
+    ``engine`` when the stream ends without one or the engine raises.
+    """
+    seen = 0
+    try:
+        async for out in outputs:
+            comp = out.outputs[0]
+            ids, lps, tops = parse_positions(comp.token_ids, comp.logprobs, top_n, engine)
+            if cumulative:
+                ids, lps, tops = ids[seen:], lps[seen:], tops[seen:]
+                seen += len(ids)
+            finish = map_finish_reason(comp.finish_reason, engine) if out.finished else None
+            if amend is not None:
+                ids, lps, tops = amend(comp, ids, lps, tops, finish)
+            if ids or finish:
+                yield TokenDelta(ids, lps, finish, tops)
+            if out.finished:
+                return
+        raise EngineError(f"{engine} ended the request without a finished output")
+    except EngineError:
+        raise
+    except Exception as exc:
+        raise EngineError(f"{engine} generation failed: {type(exc).__name__}: {exc}") from exc
+
+
 # ---- vLLM ---------------------------------------------------------------------------------------
 
 def import_vllm() -> SimpleNamespace:
@@ -255,26 +290,13 @@ class VLLMEngine(RunBasedEngine):
         request_id = f"gymserve-{uuid.uuid4().hex}"
         prompt = self._v.TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
         outputs = self.engine.generate(prompt, params, request_id)
-        seen = 0
         finished = False
         try:
-            async for out in outputs:
-                comp = out.outputs[0]
-                ids, lps, tops = parse_positions(comp.token_ids, comp.logprobs, sampling.top_logprobs, "vLLM")
-                if not delta_mode:  # cumulative or final-only output: keep what is new
-                    ids, lps, tops = ids[seen:], lps[seen:], tops[seen:]
-                    seen += len(ids)
-                finish = map_finish_reason(comp.finish_reason, "vLLM") if out.finished else None
-                finished = out.finished
-                if ids or finish:
-                    yield TokenDelta(ids, lps, finish, tops)
-                if finished:
-                    return
-            raise EngineError("vLLM ended the request without a finished output")
-        except EngineError:
-            raise
-        except Exception as exc:
-            raise EngineError(f"vLLM generation failed: {type(exc).__name__}: {exc}") from exc
+            # Cumulative or final-only outputs unless vLLM sends deltas.
+            async with aclosing(output_deltas(outputs, "vLLM", sampling.top_logprobs, cumulative=not delta_mode)) as deltas:
+                async for delta in deltas:
+                    finished = delta.finish_reason is not None
+                    yield delta
         finally:
             aclose = getattr(outputs, "aclose", None)
             if aclose is not None:
