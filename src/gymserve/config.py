@@ -85,6 +85,15 @@ class LocalBackendConfig(_Model):
                     "`gpu_memory_utilization`, `max_model_len`, `dtype`, and any other engine argument by its "
                     "vLLM `AsyncEngineArgs` / TensorRT-LLM `LLM` name. Ignored by `transformers`.")
 
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, value: str) -> str:
+        from gymserve.engine import ENGINES
+
+        if value not in ENGINES:
+            raise ValueError(f"unknown engine {value!r}; choices: {', '.join(ENGINES.names())}")
+        return value
+
 
 # NeMo Gym model-server options with no meaning here (process layout, its own server), accepted so a
 # copied config loads; they are dropped before validation.

@@ -58,6 +58,12 @@ class TransformersEngine:
     ``num_threads``: torch intra-op threads (default: all cores).
     """
 
+    @classmethod
+    def from_config(cls, config, resolved) -> TransformersEngine:
+        """The engine for a ``LocalBackendConfig`` and a ``model_store.ResolvedModel``."""
+        return cls(resolved.path, model_name=resolved.name, max_batch_size=config.max_batch_size,
+                   context_window=config.context_window, num_threads=config.num_threads)
+
     def __init__(self, model_dir: str | Path, *, model_name: str | None = None, max_batch_size: int = 8,
                  context_window: int | None = None, num_threads: int | None = None, dtype: str = "float32"):
         from transformers import AutoModelForCausalLM, GenerationConfig

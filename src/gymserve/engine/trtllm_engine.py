@@ -117,6 +117,12 @@ class TRTLLMEngine(RunBasedEngine):
     names one. ``engine_args``: see ``trtllm_llm_kwargs``.
     """
 
+    @classmethod
+    def from_config(cls, config, resolved) -> TRTLLMEngine:
+        """The engine for a ``LocalBackendConfig`` (its ``engine_args``) and a ``ResolvedModel``."""
+        return cls(resolved.path, model_name=resolved.name, context_window=config.context_window,
+                   engine_args=dict(config.engine_args or {}))
+
     def __init__(self, model_dir: str | Path, *, model_name: str | None = None, context_window: int | None = None,
                  engine_args: dict[str, Any] | None = None):
         self._t = import_trtllm()
