@@ -8,7 +8,7 @@ The embedded model (Qwen2.5-Coder-0.5B-Instruct, safetensors copy, fp32 on CPU),
 - ``gymserve``: ``gymserve serve`` (local backend, its own process, ``sampling.temperature: 0``)
   over HTTP, driven by the official openai SDK's ``AsyncOpenAI``;
 - ``transformers serve`` and ``transformers serve --continuous-batching``: the peer, same model
-  directory, from ``.venv-peer`` (built as /work/shared/PEERS.md says, torch pinned and first),
+  directory, from ``.venv-peer`` (built on first use by ``bench/common.py``: torch pinned and installed first),
   same client.
 
 Every configuration gets the same torch thread count (``nproc``), prompts that ask for long code

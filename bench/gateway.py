@@ -8,7 +8,7 @@ so NeMo Gym's strict input validation accepts it too) — sent at concurrency 1,
   same body, computed once up front) straight to the fake backend — the baseline;
 - ``gymserve``: ``POST /v1/responses`` to ``gymserve serve --backend chat`` (its own process);
 - ``nemo-gym``: ``POST /v1/responses`` to NeMo Gym 0.7.0's ``vllm_model`` server (the peer, its
-  own process, ``.venv-nemo``; see /work/shared/PEERS.md).
+  own process, ``.venv-nemo``, built on first use by ``bench/common.py``).
 
 The fake backend (``bench/fake_chat_server.py``) answers every chat request with the same tool
 call in its own process. The load client is aiohttp (an httpx client caps near 180 req/s here),

@@ -1,8 +1,6 @@
 """Validate Responses objects and streaming events against the openai SDK types and the Open
-Responses OpenAPI spec (``shared/spec/openresponses-openapi.json``).
-
-The ``shared/`` folder lies beside the repository checkout (CI puts it beside the clone);
-``GYMSERVE_SHARED_DIR`` overrides where it is.
+Responses OpenAPI spec (``tests/data/spec/openresponses-openapi.json``), and read the public cases
+(``tests/data/cases/public.jsonl``). Both files live in the repository (see ``tests/data/README.md``).
 """
 
 from __future__ import annotations
@@ -10,7 +8,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +17,15 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 
-def shared_dir() -> Path:
-    override = os.environ.get("GYMSERVE_SHARED_DIR")
-    return Path(override) if override else Path(__file__).resolve().parents[2] / "shared"
+DATA_DIR = Path(__file__).resolve().parent / "data"
+CASES_PATH = DATA_DIR / "cases" / "public.jsonl"
+SPEC_PATH = DATA_DIR / "spec" / "openresponses-openapi.json"
 
 
 def load_cases(*categories: str) -> dict[str, dict[str, Any]]:
-    """Public cases by id, from ``shared/cases/public.jsonl``, limited to ``categories``."""
+    """Public cases by id, from ``tests/data/cases/public.jsonl``, limited to ``categories`` (all if none)."""
     cases = {}
-    with open(shared_dir() / "cases" / "public.jsonl") as f:
+    with open(CASES_PATH) as f:
         for line in f:
             if line.strip():
                 case = json.loads(line)
@@ -39,7 +36,7 @@ def load_cases(*categories: str) -> dict[str, dict[str, Any]]:
 
 @functools.cache
 def _components() -> dict[str, Any]:
-    spec = json.loads((shared_dir() / "spec" / "openresponses-openapi.json").read_text())
+    spec = json.loads(SPEC_PATH.read_text())
     components = copy.deepcopy(spec["components"])
     # Spec bug (2026-04-24 copy): JsonSchemaResponseFormat.schema is typed {"type": "null"}, which
     # would reject every real schema the API echoes back; a JSON schema is an object.

@@ -1,4 +1,4 @@
-"""The backend side of cases AZ-01, AZ-02 and CL-01 (/work/shared/cases/public.jsonl).
+"""The backend side of cases AZ-01, AZ-02 and CL-01 (tests/data/cases/public.jsonl).
 
 The Azure cases use the case's own host names; requests never leave the process: the SDK client
 of each backend gets an ``httpx2.MockTransport`` (through the SDK's public ``with_options``) that

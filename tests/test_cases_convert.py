@@ -1,4 +1,4 @@
-"""The public cases of the convert categories (shared/cases/public.jsonl), as concrete checks."""
+"""The public cases of the convert categories (tests/data/cases/public.jsonl), as concrete checks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The public cases of the parsing categories (shared/cases/public.jsonl), as concrete checks.
+"""The public cases of the parsing categories (tests/data/cases/public.jsonl), as concrete checks.
 
 The cases state expectations as Responses output items; ``as_output_items`` maps a ParsedOutput to
 that shape the way the convert layer does (reasoning item, message, function calls, in order).

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
+from spec import load_cases
 from templates import QWEN3_LIKE
 
 from gymserve.engine.prompt import build_prompt
@@ -13,7 +12,6 @@ from gymserve.engine.splice import splice_token_ids
 from gymserve.engine.template import ChatTemplate
 from gymserve.errors import SpliceError
 
-CASES = Path("/work/shared/cases/public.jsonl")
 
 # TE-01 toy vocabulary: <|im_start|>=1, <|im_end|>=2 (EOS), \n=3, user=4, assistant=5, Q1=10, Q2=11,
 # The=20, " answer"=21, " is"=22, " 4" merged=23, " "=24, "4"=25, "."=26, alt EOS=9.
@@ -87,9 +85,8 @@ def test_te01_input_does_not_alias():
     assert g == G_A and P1[-1] == 3
 
 
-@pytest.mark.skipif(not CASES.exists(), reason="shared case file not present")
 def test_te01_values_match_the_case_file():
-    case = next(c for c in map(json.loads, CASES.read_text().splitlines()) if c["id"] == "TE-01")
+    case = load_cases("token_exact_splicing")["TE-01"]
     inp, exp = case["input"], case["expected"]
     assert inp["turn1_prompt_token_ids"] == P1
     sc = inp["scenarios"]
