@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: install test test-fast demo docs bench
+.PHONY: install test test-fast lint format demo docs bench
 
 install: $(VENV)/.installed
 
@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[local,test,docs]"
+	$(PY) -m pip install -q -e ".[local,test,docs,lint]"
 	touch $@
 
 test: install
@@ -20,6 +20,17 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not real_model"
+
+# The static gate CI runs before the tests: lint, formatting, types, and arrows pointing one way.
+lint: install
+	$(VENV)/bin/ruff check src tests bench scripts
+	$(VENV)/bin/ruff format --check src tests bench scripts
+	$(VENV)/bin/mypy
+	$(PY) scripts/check_layers.py
+
+format: install
+	$(VENV)/bin/ruff check --fix src tests bench scripts
+	$(VENV)/bin/ruff format src tests bench scripts
 
 demo: install
 	$(VENV)/bin/gymserve demo
