@@ -43,7 +43,7 @@ class Pipeline:
 
         from gymserve.convert import ConvertOptions
         from gymserve.engine.model_store import embedded_model_dir
-        from gymserve.engine.template import ChatTemplate
+        from gymserve.prompting import ChatTemplate
 
         model_dir = embedded_model_dir()
         self.model_dir = model_dir
@@ -62,7 +62,7 @@ class Pipeline:
         return responses_to_chat(request, self.options)
 
     def prompt(self, chat):
-        from gymserve.engine.prompt import build_prompt
+        from gymserve.prompting import build_prompt
 
         return build_prompt(self.template, chat["messages"], tools=chat.get("tools"),
                             chat_template_kwargs=chat.get("chat_template_kwargs"), eos_token_ids=self.eos,

@@ -7,10 +7,9 @@ import pytest
 from spec import load_cases
 from templates import QWEN3_LIKE
 
-from gymserve.engine.prompt import build_prompt
-from gymserve.engine.splice import splice_token_ids
-from gymserve.engine.template import ChatTemplate
 from gymserve.errors import SpliceError
+from gymserve.prompting import ChatTemplate, build_prompt
+from gymserve.prompting.splice import splice_token_ids
 
 
 # TE-01 toy vocabulary: <|im_start|>=1, <|im_end|>=2 (EOS), \n=3, user=4, assistant=5, Q1=10, Q2=11,

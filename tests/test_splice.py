@@ -10,9 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from templates import QWEN3_LIKE
 
-from gymserve.engine.prompt import build_prompt
-from gymserve.engine.template import ChatTemplate
 from gymserve.errors import InvalidRequestError, SpliceError
+from gymserve.prompting import ChatTemplate, build_prompt
 
 IM_END, ENDOFTEXT, IM_START = 151645, 151643, 151644
 EOS = (IM_END, ENDOFTEXT)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gymserve.engine.template import TAIL_CHARS, ChatTemplate
 from gymserve.errors import InvalidRequestError
+from gymserve.prompting import TAIL_CHARS, ChatTemplate
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The token-exact local backend: chat template → prompt token IDs → engine → parsers → ChatCompletion.
 
 Everything that makes a model call usable for on-policy training happens here, engine-independent:
-the on-policy prefix splice (``engine.prompt``), sampling params pinned to the server config, the
+the on-policy prefix splice (``gymserve.prompting``), sampling params pinned to the server config, the
 context-window clamp, trimming the stop token from the generation together with its log-prob, and
 the tool-call / reasoning parsers over the generated text.
 """
@@ -39,7 +39,7 @@ class LocalBackend(Backend):
 
     def __init__(self, config, engine: Engine, tokenizer, *, max_queue: int = 1024):
         from gymserve.backends.pool import Limiter
-        from gymserve.engine.template import ChatTemplate
+        from gymserve.prompting import ChatTemplate
         from gymserve.parsers import get_reasoning_parser, get_tool_call_parser, infer_tool_call_parser
 
         # Back-pressure: max_batch_size calls in the engine, max_queue waiting, 429 beyond.
@@ -122,7 +122,7 @@ class LocalBackend(Backend):
 
     def _trim(self, gen: Generation) -> tuple[list[int], list[float], list]:
         """Drop the final stop/EOS token and its log-prob: the template closes the turn itself,
-        and the prefix splice re-adds it (see ``engine.splice``)."""
+        and the prefix splice re-adds it (see ``prompting.splice``)."""
         ids, lps, tops = gen.token_ids, gen.log_probs, gen.top_logprobs
         if gen.finish_reason == "stop" and ids and ids[-1] in self.stop_token_ids:
             return ids[:-1], lps[:-1], tops[:-1]

@@ -27,7 +27,7 @@ _NEUTRAL = {"temperature": None, "top_p": 1.0, "top_k": None, "seed": None}
 
 @dataclass
 class LocalCall:
-    """One prepared engine call: the prompt (``engine.prompt.PromptResult``), sampling, parse options."""
+    """One prepared engine call: the prompt (``prompting.PromptResult``), sampling, parse options."""
 
     prompt: Any
     sampling: SamplingParams
@@ -143,7 +143,7 @@ def _max_tokens(request: ChatRequest, prompt_len: int, context_window: int) -> i
 def prepare_call(request: ChatRequest, *, template, engine: Engine, sampling_config,
                  stop_token_ids: tuple[int, ...]) -> LocalCall:
     """Validate ``request`` and build the engine call; raises ``InvalidRequestError`` (400) on bad input."""
-    from gymserve.engine.prompt import build_prompt
+    from gymserve.prompting import build_prompt
 
     if not isinstance(request.get("messages"), list) or not request["messages"]:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")

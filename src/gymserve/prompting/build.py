@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gymserve.engine.splice import find_spliced_turn, find_turn_suffix, splice_token_ids
-from gymserve.engine.template import TAIL_CHARS, ChatTemplate
+from gymserve.prompting.splice import find_spliced_turn, find_turn_suffix, splice_token_ids
+from gymserve.prompting.template import TAIL_CHARS, ChatTemplate
 
 
 @dataclass
