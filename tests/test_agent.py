@@ -12,9 +12,9 @@ import pytest
 from fastapi import FastAPI, Request  # module level: FastAPI resolves string annotations here
 from fastapi.responses import JSONResponse
 
-from gymserve.agent import run_agent
-from gymserve.envs import BackgroundApp, open_environments
-from gymserve.envs.weather import get_weather
+from gymserve.harness.agent import run_agent
+from gymserve.harness.envs import BackgroundApp, open_environments
+from gymserve.harness.envs.weather import get_weather
 
 CITIES = ("Paris", "London", "Tokyo", "Cairo", "Berlin", "Sydney")
 
@@ -146,7 +146,7 @@ async def test_context_length_error_ends_rollout():
 
 
 async def test_connection_error_recorded():
-    from gymserve.envs.weather import WeatherEnv
+    from gymserve.harness.envs.weather import WeatherEnv
 
     env = WeatherEnv("http://127.0.0.1:9")
     async with _client("http://127.0.0.1:9/v1") as client:
@@ -171,7 +171,7 @@ def tiny_server(tiny_model_dir):
 
 
 async def test_agent_against_real_server(tiny_server):
-    from gymserve.rollout import served_model_name
+    from gymserve.harness.rollout import served_model_name
 
     async with open_environments(["weather"]) as envs, _client(tiny_server.base_url) as client:
         model = await served_model_name(client)
@@ -189,7 +189,7 @@ async def test_real_server_splices_items_passed_back(tiny_server):
     """Two turns the way the agent builds them (earlier output items passed back unchanged, then a
     new item): turn 2's prompt starts with turn 1's prompt + generation."""
     async with _client(tiny_server.base_url) as client:
-        from gymserve.rollout import served_model_name
+        from gymserve.harness.rollout import served_model_name
 
         model = await served_model_name(client)
         first_input = [{"type": "message", "role": "user", "content": "Hi, what's the weather in Paris?"}]
@@ -211,7 +211,7 @@ async def test_real_server_splices_items_passed_back(tiny_server):
 def test_demo_against_fake_endpoint(tiny_model_dir):
     import io
 
-    from gymserve.demo import run_demo
+    from gymserve.harness.demo import run_demo
 
     with BackgroundApp(make_fake_responses_app()) as bg:
         out = io.StringIO()
@@ -232,7 +232,7 @@ def test_demo_against_fake_endpoint(tiny_model_dir):
 def test_demo_local_tiny_model(tiny_model_dir):
     import io
 
-    from gymserve.demo import run_demo
+    from gymserve.harness.demo import run_demo
 
     out = io.StringIO()
     code = run_demo(None, str(tiny_model_dir), 8, requests=("What's the weather in Paris?", "Hi"), out=out)
@@ -245,7 +245,7 @@ def test_demo_local_tiny_model(tiny_model_dir):
 @pytest.mark.real_model
 def test_demo_real_model(capsys):
     """The embedded model end to end: it calls get_weather, answers, and the rollout is token-exact."""
-    from gymserve.demo import run_demo
+    from gymserve.harness.demo import run_demo
 
     code = run_demo(max_output_tokens=48, requests=("What's the weather in Paris?",), max_steps=2)
     text = capsys.readouterr().out

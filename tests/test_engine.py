@@ -9,7 +9,7 @@ import torch
 
 from gymserve.engine.base import SamplingParams
 from gymserve.engine.transformers_engine import TransformersEngine
-from gymserve.verify import teacher_forced_log_probs
+from gymserve.harness.verify import teacher_forced_log_probs
 
 
 @pytest.fixture(scope="module")

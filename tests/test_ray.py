@@ -118,7 +118,7 @@ def test_killed_replica_sessions_continue_on_the_other_with_exact_tokens(http, c
     """Kill a replica's actor while its sessions' calls are in flight: those calls are retried on the
     other replica (re-prefilled from the token fields), their token fields are exact, the sessions
     stay there, and Ray restarts the dead replica."""
-    from gymserve.verify import load_model, teacher_forced_log_probs
+    from gymserve.harness.verify import load_model, teacher_forced_log_probs
 
     sessions = [f"kill-{i}" for i in range(4)]
     convs = {s: [{"role": "user", "content": f"Start {s}"}] for s in sessions}

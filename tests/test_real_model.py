@@ -10,8 +10,8 @@ import pytest
 
 from gymserve.backends.local import LocalBackend
 from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, ServerConfig
+from gymserve.harness.verify import teacher_forced_log_probs
 from gymserve.server.run import start_background_server
-from gymserve.verify import teacher_forced_log_probs
 
 pytestmark = pytest.mark.real_model
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from test_agent import make_fake_responses_app
 
-from gymserve.envs import BackgroundApp
-from gymserve.rollout import (
+from gymserve.harness.envs import BackgroundApp
+from gymserve.harness.rollout import (
     JsonlAppender,
     TaskFileError,
     collect_rollouts,
@@ -169,8 +169,8 @@ def tiny_server(tiny_model_dir):
 
 
 async def test_concurrent_rollouts_real_backend_verify(tiny_server, tiny_model_dir, tmp_path):
-    from gymserve.rollout import served_model_name
-    from gymserve.verify import load_model, main_verify, verify_rollouts
+    from gymserve.harness.rollout import served_model_name
+    from gymserve.harness.verify import load_model, main_verify, verify_rollouts
 
     out = tmp_path / "rollouts.jsonl"
     tasks = _tasks(6, max_output_tokens=16)
@@ -191,7 +191,7 @@ async def test_concurrent_rollouts_real_backend_verify(tiny_server, tiny_model_d
 
 
 async def test_interrupt_resume_real_backend(tiny_server, tmp_path):
-    from gymserve.rollout import served_model_name
+    from gymserve.harness.rollout import served_model_name
 
     out = tmp_path / "rollouts.jsonl"
     tasks = _tasks(8, max_output_tokens=16)
@@ -223,7 +223,7 @@ def test_sigint_leaves_whole_lines(tmp_path):
     tasks = _write_tasks(tmp_path / "tasks.jsonl", _tasks(40))
     out = tmp_path / "out.jsonl"
     with BackgroundApp(app) as bg:
-        code = (f"import sys; from gymserve.rollout import main_rollout; "
+        code = (f"import sys; from gymserve.harness.rollout import main_rollout; "
                 f"sys.exit(main_rollout({str(tasks)!r}, {str(out)!r}, {bg.url + '/v1'!r}, 2, False, 'fake-model'))")
         proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from gymserve.verify import (
+from gymserve.harness.verify import (
     check_contiguity,
     load_model,
     main_verify,

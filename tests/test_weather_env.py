@@ -7,8 +7,8 @@ import json
 import httpx
 import pytest
 
-from gymserve.envs import BackgroundApp, UnknownEnvironmentError, open_environments
-from gymserve.envs.weather import create_app, expected_cities, get_weather, normalize_city, verify
+from gymserve.harness.envs import BackgroundApp, UnknownEnvironmentError, open_environments
+from gymserve.harness.envs.weather import create_app, expected_cities, get_weather, normalize_city, verify
 
 
 def test_table_city_values():

@@ -175,17 +175,17 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return main_check(_load(args))
     if args.command == "demo":
-        from gymserve.demo import run_demo
+        from gymserve.harness.demo import run_demo
 
         kwargs = {"max_output_tokens": args.max_output_tokens} if args.max_output_tokens else {}
         return run_demo(base_url=args.base_url, model=args.model, verify_model=args.verify_model, **kwargs)
     if args.command == "rollout":
-        from gymserve.rollout import main_rollout
+        from gymserve.harness.rollout import main_rollout
 
         return main_rollout(args.input, args.output, base_url=args.base_url, concurrency=args.concurrency,
                             resume=args.resume, model=args.model)
     if args.command == "verify-rollouts":
-        from gymserve.verify import main_verify
+        from gymserve.harness.verify import main_verify
 
         return main_verify(args.path, model=args.model)
     raise AssertionError(args.command)

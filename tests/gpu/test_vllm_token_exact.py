@@ -13,7 +13,7 @@ import asyncio
 import openai
 import pytest
 
-from gymserve.verify import teacher_forced_log_probs
+from gymserve.harness.verify import teacher_forced_log_probs
 
 
 @pytest.fixture(scope="module")

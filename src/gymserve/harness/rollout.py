@@ -3,7 +3,7 @@
 Input (``tasks.jsonl``), one JSON object a line (blank lines ignored)::
 
     {"id": "t1",                                   # optional; default "line-<N>" (1-based line number)
-     "env": "weather",                             # optional; default "weather" (see gymserve.envs)
+     "env": "weather",                             # optional; default "weather" (see gymserve.harness.envs)
      "responses_create_params": {                  # required: Responses create parameters
          "input": "What's the weather in Paris?",  #   required: a string or a list of input items
          "max_output_tokens": 64},                 #   any other create parameter; tools and
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gymserve.envs import ENV_NAMES, open_environments
+from gymserve.harness.envs import ENV_NAMES, open_environments
 
 
 class TaskFileError(ValueError):
@@ -228,7 +228,7 @@ async def collect_rollouts(
     sem = asyncio.Semaphore(concurrency)
 
     async def run_all(env_map: dict[str, Any]) -> None:
-        from gymserve.agent import run_agent
+        from gymserve.harness.agent import run_agent
 
         bar = tqdm(total=len(todo), unit="rollout", desc="rollouts", disable=not progress, dynamic_ncols=True)
 

@@ -40,7 +40,7 @@ def _reasoning_text(item: dict[str, Any]) -> str:
 
 def print_run(request: str, run: Any, reward: float | None, out: TextIO) -> None:
     """Print one agent run: each turn's output items and token counts, tool outputs, the reward."""
-    from gymserve.agent import message_text
+    from gymserve.harness.agent import message_text
 
     print(f"\n=== {request}", file=out)
     outputs = {it.get("call_id"): it for it in run.output if it.get("type") == "function_call_output"}
@@ -75,9 +75,9 @@ async def _run_agents(base_url: str, model: str | None, requests: tuple[str, ...
                       max_output_tokens: int, max_steps: int, out: TextIO) -> tuple[str, list[tuple[str, Any, Any]]]:
     from openai import AsyncOpenAI
 
-    from gymserve.agent import run_agent
-    from gymserve.envs import open_environments
-    from gymserve.rollout import default_api_key, served_model_name
+    from gymserve.harness.agent import run_agent
+    from gymserve.harness.envs import open_environments
+    from gymserve.harness.rollout import default_api_key, served_model_name
 
     async with AsyncOpenAI(base_url=base_url, api_key=default_api_key(), max_retries=0, timeout=900) as client:
         name = await served_model_name(client, model)
@@ -158,7 +158,7 @@ def run_demo(
 
 
 def _check(results: list[tuple[str, Any, Any]], teacher_spec: str | None, tolerance: float, out: TextIO) -> int:
-    from gymserve.verify import check_contiguity, load_model, rollout_log_prob_diffs
+    from gymserve.harness.verify import check_contiguity, load_model, rollout_log_prob_diffs
 
     print("\n=== checks", file=out)
     ok = True

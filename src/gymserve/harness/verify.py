@@ -2,7 +2,7 @@
 
 **Contiguity.** A multi-turn rollout is token-contiguous when, for every turn k ≥ 1, turn k's
 ``prompt_token_ids`` start with turn k-1's ``prompt_token_ids + generation_token_ids``. Turns are
-read from a rollout's ``"turns"`` list (the ``gymserve rollout`` format, see ``gymserve.rollout``),
+read from a rollout's ``"turns"`` list (the ``gymserve rollout`` format, see ``gymserve.harness.rollout``),
 or, when absent, from the output items that carry the training fields. A rollout without token
 fields is not contiguous (reason ``"no token fields"``): it cannot be trained on token-exactly.
 

@@ -238,7 +238,7 @@ class WeatherEnv:
         """Start the tools server on 127.0.0.1 (free port), yield an env using it, stop both."""
         import asyncio
 
-        from gymserve.envs import BackgroundApp
+        from gymserve.harness.envs import BackgroundApp
 
         app = BackgroundApp(create_app())
         await asyncio.to_thread(app.start)

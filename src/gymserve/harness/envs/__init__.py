@@ -114,7 +114,7 @@ async def open_environments(names: Iterable[str]) -> AsyncIterator[dict[str, Env
     async with stack:
         for name in dict.fromkeys(names):
             if name == "weather":
-                from gymserve.envs.weather import WeatherEnv
+                from gymserve.harness.envs.weather import WeatherEnv
 
                 envs[name] = await stack.enter_async_context(WeatherEnv.serve())
             else:

@@ -129,7 +129,7 @@ async def run_agent(
 ) -> AgentRun:
     """Run the agent loop for one task; never raises for model or tool failures (see ``AgentRun.error``).
 
-    ``client``: an ``openai.AsyncOpenAI``. ``env``: an ``gymserve.envs.Environment``.
+    ``client``: an ``openai.AsyncOpenAI``. ``env``: an ``gymserve.harness.envs.Environment``.
     ``create_params``: Responses create parameters (``input`` required; ``tools`` default to the
     env's tools, ``instructions`` to the env's instructions; ``model`` overrides ``model=``;
     ``stream`` is ignored). Parameters the SDK does not name travel in ``extra_body``.
