@@ -442,7 +442,7 @@ def test_abort_finish_reason_is_an_engine_error(engine):
 
 
 def test_missing_sampled_logprob_is_an_engine_error():
-    from gymserve.engine.vllm_engine import parse_positions
+    from gymserve.engine.request_output import parse_positions
 
     with pytest.raises(EngineError, match="sampled token"):
         parse_positions([5], [{6: Logprob(-1.0, 1)}], 0, "vLLM")
@@ -452,7 +452,7 @@ def test_missing_sampled_logprob_is_an_engine_error():
 
 def test_flat_logprobs_form_is_read():
     """``flat_logprobs=True`` gives a ``FlatLogprobs`` sequence whose items are the same dicts."""
-    from gymserve.engine.vllm_engine import parse_positions
+    from gymserve.engine.request_output import parse_positions
 
     class Flat:  # indexable, iterable of per-position dicts, like vllm.logprobs.FlatLogprobs
         def __init__(self, rows):

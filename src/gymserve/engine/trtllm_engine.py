@@ -39,7 +39,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from gymserve.engine.base import RunBasedEngine, SamplingParams
-from gymserve.engine.vllm_engine import RAW_LOGPROBS, accepts, output_deltas, read_model_meta
+from gymserve.engine.model_meta import read_model_meta
+from gymserve.engine.request_output import RAW_LOGPROBS, accepts, output_deltas
 
 log = logging.getLogger(__name__)
 

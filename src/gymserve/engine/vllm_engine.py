@@ -31,165 +31,23 @@ gymserve installs and imports without vLLM; a missing vLLM raises ``ImportError`
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import aclosing
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gymserve.engine.base import FinishReason, RunBasedEngine, SamplingParams, TokenDelta
-from gymserve.errors import EngineError
+from gymserve.engine.base import RunBasedEngine, SamplingParams
+from gymserve.engine.model_meta import read_model_meta
+from gymserve.engine.request_output import RAW_LOGPROBS, accepts, output_deltas
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "the vllm engine needs vLLM, which is not installed: pip install vllm"
-RAW_LOGPROBS = "raw_logprobs"
 
-
-# ---- shared with trtllm_engine ------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ModelMeta:
-    """What the local backend needs to know about a model directory, read from its JSON files
-    (no weights loaded): every EOS ID (``generation_config.json`` may list several), vocabulary size,
-    the model's own context length, and its ``model_type``."""
-
-    eos_token_ids: tuple[int, ...]
-    vocab_size: int
-    max_position_embeddings: int | None
-    model_type: str | None = None
-
-
-def read_model_meta(model_dir: str | Path) -> ModelMeta:
-    """Read ``config.json`` (required) and ``generation_config.json`` (optional) of ``model_dir``."""
-    model_dir = Path(model_dir)
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise EngineError(f"{model_dir} has no config.json: give a Hugging Face model directory") from exc
-    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
-    eos: list[int] = []
-    gen_path = model_dir / "generation_config.json"
-    sources = [json.loads(gen_path.read_text(encoding="utf-8"))] if gen_path.exists() else []
-    sources += [cfg, text_cfg]
-    for src in sources:
-        ids = src.get("eos_token_id")
-        for i in ids if isinstance(ids, list) else [ids]:
-            if isinstance(i, int) and i not in eos:
-                eos.append(i)
-    if not eos:
-        raise EngineError(f"{model_dir}: neither generation_config.json nor config.json names an eos_token_id")
-    vocab = cfg.get("vocab_size") or text_cfg.get("vocab_size")
-    if not isinstance(vocab, int):
-        raise EngineError(f"{model_dir}/config.json has no vocab_size")
-    ctx = cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings")
-    return ModelMeta(tuple(eos), vocab, ctx if isinstance(ctx, int) else None, cfg.get("model_type"))
-
-
-def map_finish_reason(reason: Any, engine: str) -> FinishReason:
-    """``"stop"`` / ``"length"`` as they are; anything else (abort, cancelled, timeout) is an error."""
-    reason = str(reason) if reason is not None else None
-    if reason in ("stop", "length"):
-        return reason  # type: ignore[return-value]
-    raise EngineError(f"{engine} ended the generation with finish reason {reason!r} (aborted or failed)")
-
-
-def accepts(cls: Any, name: str) -> bool:
-    """Whether ``cls`` (a dataclass, msgspec struct or plain class) takes keyword ``name``."""
-    if dataclasses.is_dataclass(cls):
-        return name in {f.name for f in dataclasses.fields(cls)}
-    if name in getattr(cls, "__struct_fields__", ()):
-        return True
-    try:
-        params = inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def position_logprob(position: Any, token: int, top_n: int, engine: str) -> tuple[float, list[tuple[int, float]]]:
-    """The sampled token's log-prob and the top ``top_n`` alternatives from one position's log-probs:
-    a float (the sampled token's), or a mapping ``{token_id: Logprob(logprob, rank, ...)}``."""
-    if isinstance(position, (int, float)):
-        return float(position), []
-    if not isinstance(position, Mapping):
-        raise EngineError(f"{engine} returned log-probs of an unknown form: {type(position).__name__}")
-    entry = position.get(token)
-    if entry is None:
-        raise EngineError(f"{engine} returned no log-prob for the sampled token {token}; gymserve needs the "
-                          "sampled token's log-prob at every position")
-    lp = float(getattr(entry, "logprob", entry))
-    tops: list[tuple[int, float]] = []
-    if top_n > 0:
-        items = [(int(t), float(getattr(e, "logprob", e)), getattr(e, "rank", None)) for t, e in position.items()]
-        ranked = [x for x in items if x[2] is not None and x[2] <= top_n]
-        if ranked:
-            ranked.sort(key=lambda x: x[2])
-        else:  # no ranks given: the most likely top_n
-            ranked = sorted(items, key=lambda x: -x[1])[:top_n]
-        tops = [(t, v) for t, v, _ in ranked[:top_n]]
-    return lp, tops
-
-
-def parse_positions(token_ids: Sequence[int], logprobs: Any, top_n: int, engine: str):
-    """``(ids, log_probs, top_logprobs)`` of tokens and their per-position log-probs (same length)."""
-    ids = [int(t) for t in token_ids]
-    if logprobs is None:
-        if not ids:
-            return [], [], []
-        raise EngineError(f"{engine} returned no log-probs although they were requested")
-    positions = list(logprobs)
-    if len(positions) < len(ids):
-        raise EngineError(f"{engine} returned {len(positions)} log-probs for {len(ids)} tokens")
-    lps: list[float] = []
-    tops: list[list[tuple[int, float]]] = []
-    for tok, pos in zip(ids, positions):
-        lp, alts = position_logprob(pos, tok, top_n, engine)
-        lps.append(lp)
-        tops.append(alts)
-    return ids, lps, (tops if top_n > 0 else [])
-
-
-Amend = Callable[[Any, list, list, list, "FinishReason | None"], tuple[list, list, list]]
-
-
-async def output_deltas(outputs: AsyncIterator[Any], engine: str, top_n: int, *, cumulative: bool,
-                        amend: Amend | None = None) -> AsyncIterator[TokenDelta]:
-    """``TokenDelta``s from an engine's stream of request outputs in vLLM's shape (``out.finished``;
-    ``out.outputs[0]`` with ``token_ids``, ``logprobs``, ``finish_reason``), which TensorRT-LLM's
-    LLM API shares. ``cumulative``: each output repeats the earlier tokens, so only the new ones are
-    kept. ``amend(completion_output, ids, log_probs, tops, finish)`` returns the three lists fixed up
-    the way one engine needs. Ends with the finished output; raises ``EngineError`` naming
-    ``engine`` when the stream ends without one or the engine raises.
-    """
-    seen = 0
-    try:
-        async for out in outputs:
-            comp = out.outputs[0]
-            ids, lps, tops = parse_positions(comp.token_ids, comp.logprobs, top_n, engine)
-            if cumulative:
-                ids, lps, tops = ids[seen:], lps[seen:], tops[seen:]
-                seen += len(ids)
-            finish = map_finish_reason(comp.finish_reason, engine) if out.finished else None
-            if amend is not None:
-                ids, lps, tops = amend(comp, ids, lps, tops, finish)
-            if ids or finish:
-                yield TokenDelta(ids, lps, finish, tops)
-            if out.finished:
-                return
-        raise EngineError(f"{engine} ended the request without a finished output")
-    except EngineError:
-        raise
-    except Exception as exc:
-        raise EngineError(f"{engine} generation failed: {type(exc).__name__}: {exc}") from exc
-
-
-# ---- vLLM ---------------------------------------------------------------------------------------
 
 def import_vllm() -> SimpleNamespace:
     """vLLM's classes the adapter uses; ``ImportError`` naming ``pip install vllm`` when missing."""
