@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -17,6 +18,12 @@ def engine(tiny_model_dir):
     eng = TransformersEngine(tiny_model_dir, max_batch_size=4, num_threads=2)
     yield eng
     asyncio.run(eng.close())
+
+
+def test_model_type_is_the_configs(engine, tiny_model_dir):
+    """``Engine.model_type`` is config.json's ``model_type`` (tool-call parser inference reads it)."""
+    assert json.loads((tiny_model_dir / "config.json").read_text())["model_type"] == "qwen2"
+    assert engine.model_type == "qwen2"
 
 
 def _prompts():

@@ -312,6 +312,7 @@ def test_engine_args_map_onto_llm(fake_trtllm, model_dir):
     assert llm.kwargs["max_seq_len"] == 8192 and "max_model_len" not in llm.kwargs
     assert llm.kwargs["kv_cache_config"].free_gpu_memory_fraction == 0.7
     assert eng.context_window == 8192 and eng.eos_token_ids == (EOS, EOS2) and eng.end_id == EOS
+    assert eng.model_type == "qwen2"  # config.json's, for tool-call parser inference
 
 
 def test_context_window_becomes_max_seq_len(fake_trtllm, model_dir):

@@ -326,6 +326,7 @@ def test_create_engine_passes_engine_args_from_config(fake_vllm, model_dir):
     assert eng.model_name == "policy"
     assert eng.eos_token_ids == (EOS, EOS2)
     assert eng.vocab_size == 151936
+    assert eng.model_type == "qwen2"  # config.json's, for tool-call parser inference
 
 
 def test_context_window_becomes_max_model_len(fake_vllm, model_dir):

@@ -184,6 +184,7 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer, text: str, *, delay: float = 0.0, repeat: bool = False):
         self.model_name = "scripted"
+        self.model_type = "qwen2"  # the tokenizer's model
         self.eos_token_ids = (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
         self.context_window = 32768
         self.vocab_size = len(tokenizer)
@@ -240,6 +241,16 @@ def local_server(tokenizer, engine: ScriptedEngine, **options):
     cfg = validate_config({"server": {"port": 0}, "backend": config.model_dump()})
     with start_background_server(cfg, backend_factory=lambda: LocalBackend(config, engine, tokenizer)) as srv:
         yield srv
+
+
+@pytest.mark.parametrize(("model_type", "parser"), [("qwen2", "hermes"), ("mistral", "mistral")])
+def test_auto_tool_parser_is_inferred_from_the_engines_model_type(tokenizer, model_type, parser):
+    """``tool_parser: auto`` reads ``Engine.model_type``: the same Qwen template and an uninformative
+    model name give ``hermes`` (template has <tool_call>) unless the model type says Mistral."""
+    engine = ScriptedEngine(tokenizer, "Hi")
+    engine.model_type = model_type
+    backend = LocalBackend(LocalBackendConfig(model="scripted", tool_parser="auto"), engine, tokenizer)
+    assert backend.tool_parser.name == parser
 
 
 def test_local_tool_call_streams_argument_deltas(tokenizer):

@@ -39,8 +39,8 @@ class LocalBackend(Backend):
 
     def __init__(self, config, engine: Engine, tokenizer, *, max_queue: int = 1024):
         from gymserve.backends.pool import Limiter
-        from gymserve.prompting import ChatTemplate
         from gymserve.parsers import get_reasoning_parser, get_tool_call_parser, infer_tool_call_parser
+        from gymserve.prompting import ChatTemplate
 
         # Back-pressure: max_batch_size calls in the engine, max_queue waiting, 429 beyond.
         self.limiter = Limiter(config.max_batch_size, max_queue, name="local backend")
@@ -57,10 +57,8 @@ class LocalBackend(Backend):
         parser_name = config.tool_parser
         self.tool_parser_reason = "configured"
         if parser_name in (None, "", "auto"):
-            model_type = getattr(getattr(engine, "model", None), "config", None)
-            model_type = getattr(model_type, "model_type", None)
             parser_name, self.tool_parser_reason = infer_tool_call_parser(
-                model_type, engine.model_name, chat_template or getattr(tokenizer, "chat_template", None))
+                engine.model_type, engine.model_name, chat_template or getattr(tokenizer, "chat_template", None))
         self.tool_parser = get_tool_call_parser(parser_name) if parser_name != "none" else None
         self.reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         self.stop_token_ids = tuple(dict.fromkeys(

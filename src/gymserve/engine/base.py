@@ -102,6 +102,8 @@ class RunBasedEngine:
 class Engine(Protocol):
     """What the local backend needs from an inference engine.
 
+    ``model_type``: the Hugging Face config's ``model_type`` (``config.json``, e.g. ``"qwen2"``), or
+    ``None`` when the model directory does not say; tool-call parser inference reads it.
     ``eos_token_ids``: every ID that ends a turn (generation_config may list several).
     ``context_window``: max prompt + generation tokens. ``vocab_size``: valid IDs are ``[0, vocab_size)``.
     Implementations must keep the event loop free (generate off-thread or in another process) and
@@ -109,6 +111,7 @@ class Engine(Protocol):
     """
 
     model_name: str
+    model_type: str | None
     eos_token_ids: tuple[int, ...]
     context_window: int
     vocab_size: int

@@ -74,6 +74,7 @@ class TransformersEngine:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
         self.model.eval()
         cfg = self.model.config
+        self.model_type = getattr(cfg, "model_type", None) or None
         self.vocab_size = int(cfg.vocab_size)
         self.context_window = int(context_window or getattr(cfg, "max_position_embeddings", 4096))
         eos: set[int] = set()
