@@ -277,7 +277,7 @@ def _options_table(parser: argparse.ArgumentParser) -> str:
             value = (action.metavar or action.dest).upper()
         if isinstance(action, argparse._AppendAction):
             value += " (repeatable)"
-        default = "" if action.default in (None, False) else f"`{action.default}`"
+        default = "" if action.default in (None, False, argparse.SUPPRESS) else f"`{action.default}`"
         if action.required:
             default = "**required**"
         rows.append(f"| {flags} | {value} | {default} | {_cell(_rst_to_md(action.help or ''))} |")

@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any
 
+from gymserve import __version__
+
 
 def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Command-line flags as a nested override dict for ``load_config``."""
@@ -83,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gymserve", description="Token-exact Responses API and Chat Completions serving for RL of LLM agents.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"gymserve {__version__}",
+                        help="print the version (gymserve.__version__) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve /v1/responses and /v1/chat/completions over a backend")

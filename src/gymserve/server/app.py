@@ -24,6 +24,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from gymserve import __version__
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.errors import GymserveError, InvalidRequestError
 from gymserve.server.capture import CaptureWriter, install_log_redaction
@@ -130,7 +131,7 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
     ``capture_path``: append every model call to this JSONL file (``server.capture``), redacting
     ``secrets``, the backend's upstream keys and ``server_api_key``.
     """
-    app = FastAPI(title="gymserve", version="0.1.0",
+    app = FastAPI(title="gymserve", version=__version__,
                   description="Token-exact Responses API and Chat Completions server for RL of LLM agents.")
     app.state.backend = backend
     app.state.draining = False
