@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from gymserve.engine.base import FinishReason, TokenDelta
@@ -27,7 +27,7 @@ def map_finish_reason(reason: Any, engine: str) -> FinishReason:
     """``"stop"`` / ``"length"`` as they are; anything else (abort, cancelled, timeout) is an error."""
     reason = str(reason) if reason is not None else None
     if reason in ("stop", "length"):
-        return reason  # type: ignore[return-value]
+        return reason
     raise EngineError(f"{engine} ended the generation with finish reason {reason!r} (aborted or failed)")
 
 
@@ -44,6 +44,12 @@ def accepts(cls: Any, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+def _logprob(entry: Any) -> float:
+    """A ``Logprob``'s value, or the entry itself when the library gives a bare float."""
+    value: Any = getattr(entry, "logprob", entry)
+    return float(value)
+
+
 def position_logprob(position: Any, token: int, top_n: int, engine: str) -> tuple[float, list[tuple[int, float]]]:
     """The sampled token's log-prob and the top ``top_n`` alternatives from one position's log-probs:
     a float (the sampled token's), or a mapping ``{token_id: Logprob(logprob, rank, ...)}``."""
@@ -51,14 +57,15 @@ def position_logprob(position: Any, token: int, top_n: int, engine: str) -> tupl
         return float(position), []
     if not isinstance(position, Mapping):
         raise EngineError(f"{engine} returned log-probs of an unknown form: {type(position).__name__}")
-    entry = position.get(token)
+    entry: Any = position.get(token)
     if entry is None:
         raise EngineError(f"{engine} returned no log-prob for the sampled token {token}; gymserve needs the "
                           "sampled token's log-prob at every position")
-    lp = float(getattr(entry, "logprob", entry))
+    lp = _logprob(entry)
     tops: list[tuple[int, float]] = []
     if top_n > 0:
-        items = [(int(t), float(getattr(e, "logprob", e)), getattr(e, "rank", None)) for t, e in position.items()]
+        items: list[tuple[int, float, Any]] = [(int(t), _logprob(e), getattr(e, "rank", None))
+                                               for t, e in position.items()]
         ranked = [x for x in items if x[2] is not None and x[2] <= top_n]
         if ranked:
             ranked.sort(key=lambda x: x[2])
@@ -91,7 +98,7 @@ Amend = Callable[[Any, list, list, list, "FinishReason | None"], tuple[list, lis
 
 
 async def output_deltas(outputs: AsyncIterator[Any], engine: str, top_n: int, *, cumulative: bool,
-                        amend: Amend | None = None) -> AsyncIterator[TokenDelta]:
+                        amend: Amend | None = None) -> AsyncGenerator[TokenDelta, None]:
     """``TokenDelta``s from an engine's stream of request outputs in vLLM's shape (``out.finished``;
     ``out.outputs[0]`` with ``token_ids``, ``logprobs``, ``finish_reason``), which TensorRT-LLM's
     LLM API shares. ``cumulative``: each output repeats the earlier tokens, so only the new ones are
