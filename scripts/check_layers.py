@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "gymserve.text": 0,
     "gymserve.registry": 0,
     "gymserve.protocol": 0,
+    "gymserve._version": 0,
     # 1 — pure conversion and parsing (no I/O).
     "gymserve.convert": 1,
     "gymserve.parsers": 1,
@@ -39,11 +40,6 @@ LAYERS: dict[str, int] = {
     "gymserve.check": 5,
     # 6 — the RL harness: agents, environments, rollouts, verification, the demo (clients of the server).
     "gymserve.harness": 6,
-    "gymserve.agent": 6,
-    "gymserve.envs": 6,
-    "gymserve.rollout": 6,
-    "gymserve.verify": 6,
-    "gymserve.demo": 6,
     # 7 — command line and the package's public face.
     "gymserve.cli": 7,
     "gymserve.ray_cluster.cli": 7,

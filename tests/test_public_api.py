@@ -1,8 +1,7 @@
-"""The public API: the names ``gymserve`` exports, its one version, and the core/harness split."""
+"""The public API: the names ``gymserve`` exports and its one version."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import subprocess
 import sys
@@ -18,7 +17,6 @@ from gymserve.config import validate_config
 from gymserve.server.run import start_background_server
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src" / "gymserve"
 
 PUBLIC = ["__version__", "GymserveConfig", "GymserveError", "load_config", "open_environments", "run_agent",
           "start_background_server"]
@@ -54,16 +52,18 @@ def test_import_gymserve_loads_nothing_heavy():
     code = ("import sys, gymserve; print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('fastapi', 'starlette', 'openai', 'torch', 'transformers', 'gymserve')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "['gymserve']"
+    assert out.stdout.strip() == "['gymserve', 'gymserve._version']"
 
 
 # ------------------------------------------------------------------------------------------ version
 def test_version_has_one_source():
-    """pyproject.toml reads the version from ``gymserve.__version__`` rather than stating its own."""
+    """pyproject.toml reads the version from ``gymserve._version`` (what ``gymserve.__version__`` is)
+    rather than stating its own."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     assert "version" not in project["project"]
     assert "version" in project["project"]["dynamic"]
-    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gymserve.__version__"}
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gymserve._version.__version__"}
+    assert gymserve.__version__ is gymserve._version.__version__
     assert str(Version(gymserve.__version__)) == gymserve.__version__  # PEP 440, normalized
 
 
@@ -80,36 +80,3 @@ def test_server_reports_the_version_in_its_openapi_document():
     with start_background_server(cfg) as srv:
         doc = httpx.get(srv.base_url.removesuffix("/v1") + "/openapi.json", timeout=10).json()
     assert doc["info"]["version"] == gymserve.__version__
-
-
-# ------------------------------------------------------------------------------------------- layout
-def _gymserve_imports(path: Path) -> set[str]:
-    """Every ``gymserve...`` module ``path`` imports, at any depth (lazy imports inside functions too)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("gymserve")}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gymserve"):
-            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return found
-
-
-def test_serving_core_never_imports_the_harness():
-    """The RL harness is a client of the serving core; only the CLI dispatches to it."""
-    allowed = {SRC / "cli.py"}
-    offenders = {}
-    for path in sorted(SRC.rglob("*.py")):
-        if path in allowed or (SRC / "harness") in path.parents:
-            continue
-        bad = sorted(m for m in _gymserve_imports(path) if m == "gymserve.harness" or m.startswith("gymserve.harness."))
-        if bad:
-            offenders[str(path.relative_to(ROOT))] = bad
-    assert not offenders
-
-
-def test_engine_package_holds_only_engines_and_the_model_store():
-    """Templating and the prefix splice sit above the engines (``gymserve.prompting``)."""
-    offenders = {str(p.relative_to(ROOT)): sorted(m for m in _gymserve_imports(p) if m.startswith("gymserve.prompting"))
-                 for p in sorted((SRC / "engine").rglob("*.py"))}
-    assert not {k: v for k, v in offenders.items() if v}
-    assert not {"template.py", "splice.py", "prompt.py"} & {p.name for p in (SRC / "engine").iterdir()}

@@ -4,7 +4,7 @@ Most users run the ``gymserve`` command (``gymserve serve``, ``gymserve demo``, 
 and talk to it over HTTP with the official ``openai`` SDK. From Python, the public API is what
 ``__all__`` names:
 
-- ``__version__``: this release (the one source of the version; ``pyproject.toml`` reads it);
+- ``__version__``: this release (from ``gymserve._version``, which ``pyproject.toml`` reads too);
 - ``load_config`` → ``GymserveConfig``: the YAML config (``docs/reference/configuration.md``);
 - ``start_background_server(config)``: serve in this process, in a thread, until ``.stop()``
   (a context manager; ``.base_url`` ends in ``/v1``);
@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from gymserve._version import __version__
 
 # name -> the module that defines it (the public name is the same there).
 _EXPORTS = {

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from gymserve import __version__
+from gymserve._version import __version__
 
 
 def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:

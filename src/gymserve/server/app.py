@@ -24,7 +24,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from gymserve import __version__
+from gymserve._version import __version__
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.errors import GymserveError, InvalidRequestError
 from gymserve.server.capture import CaptureWriter, install_log_redaction
