@@ -211,8 +211,13 @@ def test_request_is_not_mutated():
 
 
 @pytest.mark.parametrize(("extra", "param", "words"), [
-    ({"max_output_tokens": 0}, "max_output_tokens", "positive integer"),
-    ({"max_output_tokens": -1}, "max_output_tokens", "positive integer"),
+    ({"max_output_tokens": 0}, "max_output_tokens", r"max_output_tokens=0 is out of range: it must be at least 1"),
+    ({"max_output_tokens": -1}, "max_output_tokens", "out of range"),
+    ({"top_logprobs": 21}, "top_logprobs", r"top_logprobs=21 is out of range: it must be from 0 to 20"),
+    ({"top_p": 1.5}, "top_p", r"top_p=1.5 is out of range: it must be from 0 to 1"),
+    ({"temperature": -0.5}, "temperature", "out of range"),
+    ({"max_output_tokens": "4"}, "max_output_tokens", r"max_output_tokens must be an integer, got a string \('4'\)"),
+    ({"temperature": True}, "temperature", "temperature must be a number, got a boolean"),
     ({"include": "x"}, "include", "list of strings"),
     ({"include": ["message.output_text.logprobs"]}, "include[0]", "generation_log_probs"),
     ({"include": ["reasoning.encrypted_content", "nope"]}, "include[1]", "not a known include value"),
@@ -228,3 +233,77 @@ def test_include_values_that_add_nothing_are_accepted():
     chat = responses_to_chat({"model": "m", "input": "hi", "include": ["reasoning.encrypted_content"],
                               "background": False})
     assert chat["messages"] == [{"role": "user", "content": "hi"}] and "include" not in chat
+
+
+# ------------------------------------------------------------------------------ nulls, system-only input
+def test_explicit_null_means_absent():
+    """NeMo Gym's task rows send ``"model": null``; every optional field's null is its absence."""
+    nulls = {"model": None, "instructions": None, "temperature": None, "max_output_tokens": None, "tools": None,
+             "tool_choice": None, "text": None, "reasoning": None, "stream": None, "metadata": None}
+    assert responses_to_chat({"input": "hi", **nulls}) == {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("body", [
+    {"input": [{"role": "system", "content": "Say hello."}]},
+    {"input": [{"role": "developer", "content": [{"type": "input_text", "text": "Say hello."}]}]},
+    {"instructions": "Say hello.", "input": []},
+])
+def test_a_system_prompt_alone_is_a_conversation(body):
+    assert responses_to_chat(body)["messages"] == [{"role": "system", "content": "Say hello."}]
+
+
+def test_developer_kept_alone_is_a_conversation():
+    chat = responses_to_chat({"input": [{"role": "developer", "content": "Say hello."}]},
+                             ConvertOptions(developer_role="keep"))
+    assert chat["messages"] == [{"role": "developer", "content": "Say hello."}]
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({}, "input is required: a string, or a list of input items"),
+    ({"input": None}, "input is required"),
+    ({"input": []}, "input is empty: give a string or at least one message item"),
+    ({"input": [{"role": "system", "content": ""}]}, "input holds no message text"),
+    ({"input": [{"role": "user"}]}, "input[0].content is required: a string or a list of content parts"),
+    ({"input": [{"role": "user", "content": 3}]}, "input[0].content must be a string or a list of content parts, got a number"),
+    ({"input": ["hi"]}, "input[0] must be an input item object, got a string"),
+    ({"input": "hi", "model": 7}, "model must be a string, got a number"),
+])
+def test_error_wording_says_what_is_wrong(body, message):
+    with pytest.raises(InvalidRequestError) as e:
+        responses_to_chat(body)
+    assert e.value.message.startswith(message), e.value.message
+
+
+# ------------------------------------------------------------------------------ tools, the same on both routes
+@pytest.mark.parametrize(("tool", "param", "message"), [
+    ({"type": "function", "name": "get_weather", "parameters": "city: string"}, "tools[0].parameters",
+     ('tools[0].parameters must be a JSON Schema object, got a string, e.g. {"type": "object", '
+      '"properties": {"city": {"type": "string"}}}')),
+    ({"type": "function", "name": ""}, "tools[0].name", "tools[0].name is required (a non-empty string), got an empty string"),
+    ({"type": "function", "name": 3}, "tools[0].name", "tools[0].name is required (a non-empty string), got a number"),
+    ({"type": "function", "name": "f", "description": ["d"]}, "tools[0].description",
+     "tools[0].description must be a string, got an array"),
+    ({"type": "function", "name": "f", "strict": "yes"}, "tools[0].strict", "tools[0].strict must be a boolean, got a string"),
+    ({"type": "function", "function": {"name": "f"}}, "tools[0].name",
+     ("tools[0].name is required (this looks like a Chat Completions tool; the Responses API puts name, "
+      "description and parameters on the tool itself")),
+    ("f", "tools[0]", "tools[0] must be an object, got a string"),
+])
+def test_bad_function_tools_are_named(tool, param, message):
+    with pytest.raises(InvalidRequestError) as e:
+        responses_to_chat({"input": "hi", "tools": [tool]})
+    assert e.value.param == param and e.value.message.startswith(message), e.value.message
+
+
+def test_one_tool_checker_for_both_shapes():
+    """The chat route's checker says the same words as the converter's, only the path differs."""
+    from gymserve.convert.request_checks import chat_tools
+
+    flat = {"type": "function", "name": "get_weather", "parameters": "city: string"}
+    nested = {"type": "function", "function": {"name": "get_weather", "parameters": "city: string"}}
+    with pytest.raises(InvalidRequestError) as responses_error:
+        responses_to_chat({"input": "hi", "tools": [flat]})
+    with pytest.raises(InvalidRequestError) as chat_error:
+        chat_tools([nested], functions_only=True)
+    assert chat_error.value.param == "tools[0].function.parameters"
+    assert chat_error.value.message == responses_error.value.message.replace("tools[0].", "tools[0].function.")

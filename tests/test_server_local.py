@@ -201,3 +201,73 @@ def test_streamed_responses_context_overflow_ends_the_rollout_cleanly(client):
     assert [e.type for e in events] == ["response.created", "response.in_progress", "response.incomplete"]
     final = events[-1].response
     assert final.incomplete_details.reason == "max_output_tokens" and final.output == []
+
+
+# ------------------------------------------------------------------------------ request checks
+def _refused_fields():
+    from test_request_checks import CHAT_ON_RESPONSES, RESPONSES_ON_CHAT
+
+    return ([("responses", f, v, h) for f, v, h in CHAT_ON_RESPONSES]
+            + [("chat", f, v, h) for f, v, h in RESPONSES_ON_CHAT])
+
+
+@pytest.mark.parametrize(("route", "field", "value", "hint"), _refused_fields(), ids=lambda x: str(x)[:20])
+def test_the_other_apis_fields_are_400_naming_the_right_field(client, route, field, value, hint):
+    """Through the official SDK, as a user porting code between the two APIs sends them."""
+    with pytest.raises(openai.BadRequestError) as exc:
+        if route == "responses":
+            client.responses.create(model="tiny", input="hi", max_output_tokens=2, extra_body={field: value})
+        else:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_body={field: value})
+    err = exc.value.body
+    assert exc.value.status_code == 400 and err["param"] == field and err["code"] == "unsupported_parameter"
+    assert hint in err["message"] and f"/v1/{'responses' if route == 'responses' else 'chat/completions'}" in err["message"]
+
+
+def test_max_tokens_on_responses_is_refused_not_ignored(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model="tiny", input="hi", extra_body={"max_tokens": 4})
+    assert exc.value.body["message"] == ("max_tokens is a Chat Completions field, not a Responses API one: on "
+                                         "POST /v1/responses, use max_output_tokens")
+
+
+def test_model_null_is_a_missing_model_on_both_routes(server):
+    """25 of NeMo Gym's shipped task rows send "model": null."""
+    r = httpx.post(server.base_url + "/responses", timeout=60,
+                   json={"model": None, "input": "hi", "max_output_tokens": 2, "temperature": None, "tools": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "response" and r.json()["usage"]["output_tokens"] == 2
+    r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                   json={"model": None, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stop": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_string_parameters_tool_is_refused_alike_on_both_routes(client):
+    """It used to be pasted into the prompt on chat while /v1/responses refused it."""
+    with pytest.raises(openai.BadRequestError) as responses_exc:
+        client.responses.create(model="tiny", input="weather?", max_output_tokens=2, tools=[
+            {"type": "function", "name": "get_weather", "parameters": "city: string"}])
+    with pytest.raises(openai.BadRequestError) as chat_exc:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}], max_tokens=2,
+                                       tools=[{"type": "function", "function": {"name": "get_weather",
+                                                                                "parameters": "city: string"}}])
+    responses_err, chat_err = responses_exc.value.body, chat_exc.value.body
+    assert responses_err["param"] == "tools[0].parameters" and chat_err["param"] == "tools[0].function.parameters"
+    assert responses_err["message"].startswith("tools[0].parameters must be a JSON Schema object, got a string")
+    assert chat_err["message"] == responses_err["message"].replace("tools[0].", "tools[0].function.")
+
+
+@pytest.mark.parametrize("item", [{"role": "system", "content": "Say hello."},
+                                  {"role": "developer", "content": [{"type": "input_text", "text": "Say hello."}]}])
+def test_a_system_prompt_alone_is_answered(client, tokenizer, item):
+    r = client.responses.create(model="tiny", input=[item], max_output_tokens=3)
+    assert r.status == "incomplete" and r.usage.output_tokens == 3
+    prompt = r.output[-1].model_extra["prompt_token_ids"]
+    want = tokenizer.apply_chat_template([{"role": "system", "content": "Say hello."}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert tokenizer.decode(prompt) == want
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Say hello."}],
+                                          max_tokens=3)
+    assert chat.choices[0].message.model_extra["prompt_token_ids"] == prompt

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gymserve.convert.request_checks import chat_tools
 from gymserve.engine.base import Engine, SamplingParams
 from gymserve.errors import ContextLengthExceededError, InvalidRequestError
 from gymserve.protocol import ChatRequest
@@ -109,22 +110,6 @@ def _check_supported(request: ChatRequest) -> None:
                                   param="tool_choice")
 
 
-def _tools(request: ChatRequest) -> list[dict[str, Any]] | None:
-    tools = request.get("tools")
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise InvalidRequestError("tools must be a list", param="tools")
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str):
-            raise InvalidRequestError(
-                'each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}',
-                param=f"tools[{i}]")
-    return tools or None
-
-
 def _max_tokens(request: ChatRequest, prompt_len: int, context_window: int) -> int:
     room = context_window - prompt_len
     if room <= 0:
@@ -148,7 +133,7 @@ def prepare_call(request: ChatRequest, *, template, engine: Engine, sampling_con
     if not isinstance(request.get("messages"), list) or not request["messages"]:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     _check_supported(request)
-    tools = _tools(request)
+    tools = chat_tools(request.get("tools"), functions_only=True)  # the one checker of both routes
     kwargs = request.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")

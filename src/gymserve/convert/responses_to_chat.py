@@ -6,12 +6,16 @@ import json
 from typing import Any
 
 from gymserve.convert.options import ConvertOptions
+from gymserve.convert.request_checks import json_type, without_nulls
+from gymserve.convert.responses_fields import (
+    check_include,
+    convert_text_format,
+    convert_tool_choice,
+    convert_tools,
+    copy_sampling,
+)
 from gymserve.errors import InvalidRequestError
 from gymserve.protocol import ChatRequest, ResponsesRequest, get_token_info
-
-# Tool types the Responses API runs on OpenAI's side; a chat engine has nothing to run them with, so
-# accepting them would silently give the model fewer tools than the caller believes it has.
-_HOSTED_TOOL_HINT = "only function tools are supported by chat backends"
 
 _TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
@@ -31,13 +35,19 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
     ``generation_token_ids``, ``generation_log_probs``) carried over; an item carrying training
     fields ends its model call. ``function_call_output`` becomes a ``tool`` message.
 
+    A top-level ``null`` means the field is absent. A conversation of system/developer messages
+    only (or ``instructions`` with an empty ``input`` list) is one system message: the model
+    answers it. Fields of the Chat Completions API (``max_tokens``...) are refused before this, by
+    ``request_checks.check_request`` (the server runs it for every backend).
+
     Raises ``InvalidRequestError`` with ``param`` naming the offending field (e.g.
     ``input[3].call_id``) for malformed input and for features a chat backend cannot honour
     (hosted tools, file/audio inputs, ``previous_response_id``, item references).
     """
     options = options or ConvertOptions()
     if not isinstance(request, dict):
-        raise InvalidRequestError("the request body must be a JSON object", param=None)
+        raise InvalidRequestError(f"the request body must be a JSON object, got {json_type(request)}", param=None)
+    request = without_nulls(request)
     if request.get("previous_response_id") is not None:
         raise InvalidRequestError(
             "previous_response_id is not supported: gymserve stores no responses; send the whole "
@@ -49,13 +59,14 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
         raise InvalidRequestError("background is not supported: a background response is stored and polled, and "
                                   "gymserve stores no responses; leave background out (or false)",
                                   param="background")
-    _check_include(request.get("include"))
+    check_include(request.get("include"))
 
     builder = _MessageBuilder(options)
     instructions = request.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise InvalidRequestError("instructions must be a string", param="instructions")
+            raise InvalidRequestError(f"instructions must be a string, got {json_type(instructions)}",
+                                      param="instructions")
         if instructions:
             builder.system_texts.append(instructions)
 
@@ -65,8 +76,12 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
     elif isinstance(raw_input, list):
         for i, item in enumerate(raw_input):
             builder.add_item(item, f"input[{i}]")
-    elif raw_input is not None:
-        raise InvalidRequestError("input must be a string or a list of input items", param="input")
+    elif raw_input is None:
+        raise InvalidRequestError("input is required: a string, or a list of input items (gymserve stores no "
+                                  "conversations to continue)", param="input")
+    else:
+        raise InvalidRequestError(f"input must be a string or a list of input items, got {json_type(raw_input)}",
+                                  param="input")
     messages = builder.finish()
     if builder.last_tokens is not None:
         # Only the last token record is spliced; check it element by element (see get_token_info).
@@ -75,21 +90,22 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
             get_token_info(dict(info))
         except InvalidRequestError as e:
             raise InvalidRequestError(f"{where}: {e.message}", param=f"{where}.{e.param}") from None
-    if not any(m["role"] != "system" for m in messages):
-        raise InvalidRequestError("input is required: give at least one message", param="input")
+    if not messages:
+        what = "is empty" if raw_input == [] else "holds no message text"
+        raise InvalidRequestError(f"input {what}: give a string or at least one message item", param="input")
 
     chat: ChatRequest = {}
     if "model" in request:
         if not isinstance(request["model"], str):
-            raise InvalidRequestError("model must be a string", param="model")
+            raise InvalidRequestError(f"model must be a string, got {json_type(request['model'])}", param="model")
         chat["model"] = request["model"]
     chat["messages"] = messages
-    _copy_sampling(request, chat, options)
+    copy_sampling(request, chat, options)
     if request.get("tools") is not None:
-        chat["tools"] = _convert_tools(request["tools"])
+        chat["tools"] = convert_tools(request["tools"])
     if request.get("tool_choice") is not None:
-        chat["tool_choice"] = _convert_tool_choice(request["tool_choice"])
-    response_format = _convert_text_format(request.get("text"))
+        chat["tool_choice"] = convert_tool_choice(request["tool_choice"])
+    response_format = convert_text_format(request.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
     return chat
@@ -107,7 +123,7 @@ class _MessageBuilder:
 
     def add_item(self, item: Any, where: str) -> None:
         if not isinstance(item, dict):
-            raise InvalidRequestError(f"{where} must be an object", param=where)
+            raise InvalidRequestError(f"{where} must be an input item object, got {json_type(item)}", param=where)
         kind = item.get("type")
         if kind is None and "role" in item:
             kind = "message"
@@ -178,7 +194,8 @@ class _MessageBuilder:
         elif arguments is None:
             arguments = "{}"
         elif not isinstance(arguments, str):
-            raise InvalidRequestError(f"{where}.arguments must be a JSON string", param=f"{where}.arguments")
+            raise InvalidRequestError(f"{where}.arguments must be a JSON string, got {json_type(arguments)}",
+                                      param=f"{where}.arguments")
         turn = self._open_turn()
         turn["tool_calls"].append({"id": call_id, "type": "function",
                                    "function": {"name": name, "arguments": arguments}})
@@ -192,8 +209,8 @@ class _MessageBuilder:
         elif isinstance(output, list):
             content = _user_content(output, f"{where}.output")
         else:
-            raise InvalidRequestError(f"{where}.output must be a string or a list of content parts",
-                                      param=f"{where}.output")
+            raise InvalidRequestError(f"{where}.output must be a string or a list of content parts, got "
+                                      f"{json_type(output)}", param=f"{where}.output")
         self._flush()
         self.messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
 
@@ -240,17 +257,22 @@ class _MessageBuilder:
 def _required_str(obj: dict[str, Any], key: str, where: str) -> str:
     value = obj.get(key)
     if not isinstance(value, str) or not value:
-        raise InvalidRequestError(f"{where}.{key} is required (a non-empty string)", param=f"{where}.{key}")
+        got = "" if value is None else f", got {json_type(value) if not isinstance(value, str) else 'an empty string'}"
+        raise InvalidRequestError(f"{where}.{key} is required (a non-empty string){got}", param=f"{where}.{key}")
     return value
 
 
 def _parts(content: Any, path: str) -> list[dict[str, Any]]:
     """``content`` checked as a list of part objects; ``path`` names it in errors."""
+    if content is None:
+        raise InvalidRequestError(f"{path} is required: a string or a list of content parts", param=path)
     if not isinstance(content, list):
-        raise InvalidRequestError(f"{path} must be a string or a list of content parts", param=path)
+        raise InvalidRequestError(f"{path} must be a string or a list of content parts, got {json_type(content)}",
+                                  param=path)
     for j, part in enumerate(content):
         if not isinstance(part, dict):
-            raise InvalidRequestError(f"{path}[{j}] must be an object", param=f"{path}[{j}]")
+            raise InvalidRequestError(f"{path}[{j}] must be a content part object, got {json_type(part)}",
+                                      param=f"{path}[{j}]")
     return content
 
 
@@ -265,7 +287,7 @@ def _part_text(part: dict[str, Any], where: str) -> str | None:
         return None
     value = part.get(key)
     if not isinstance(value, str):
-        raise InvalidRequestError(f"{where}.{key} must be a string", param=f"{where}.{key}")
+        raise InvalidRequestError(f"{where}.{key} must be a string, got {json_type(value)}", param=f"{where}.{key}")
     return value
 
 
@@ -327,7 +349,8 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
         if value is None:
             continue
         if not isinstance(value, list):
-            raise InvalidRequestError(f"{where}.{key} must be a list", param=f"{where}.{key}")
+            raise InvalidRequestError(f"{where}.{key} must be a list of text parts, got {json_type(value)}",
+                                      param=f"{where}.{key}")
         texts = []
         for j, part in enumerate(value):
             if not isinstance(part, dict) or not isinstance(part.get("text"), str):
@@ -337,141 +360,3 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
         if texts:
             return "\n\n".join(texts)
     return ""
-
-
-# -- request fields --------------------------------------------------------------------------
-
-def _check(request: dict[str, Any], key: str, types: tuple[type, ...], what: str) -> Any:
-    value = request.get(key)
-    if value is not None and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
-        raise InvalidRequestError(f"{key} must be {what}", param=key)
-    return value
-
-
-# Include values that ask for nothing gymserve could add: results of hosted tools (rejected on
-# their own) and encrypted reasoning (it has none to give). Token log-probs have a better home.
-_INCLUDE_NOTHING = {"file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
-                    "message.input_image.image_url", "computer_call_output.output.image_url",
-                    "code_interpreter_call.outputs", "reasoning.encrypted_content"}
-
-
-def _check_include(include: Any) -> None:
-    """``include`` (OpenAI Responses API values): a list of strings; values that would add nothing
-    here are accepted, ``message.output_text.logprobs`` and unknown values are a 400."""
-    if include is None:
-        return
-    if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
-        raise InvalidRequestError("include must be a list of strings", param="include")
-    for i, value in enumerate(include):
-        if value == "message.output_text.logprobs":
-            raise InvalidRequestError(
-                "include message.output_text.logprobs is not supported; per-token log-probs come as "
-                "generation_log_probs on the last output item (local engine; chat backends with "
-                "return_token_id_information), or use /v1/chat/completions with logprobs", param=f"include[{i}]")
-        if value not in _INCLUDE_NOTHING:
-            raise InvalidRequestError(f"include[{i}] {value!r} is not a known include value", param=f"include[{i}]")
-
-
-_NUMBER = (int, float)
-# Responses fields that mean the same in Chat Completions: (name, accepted types, what to say).
-_CARRIED = (
-    ("temperature", _NUMBER, "a number"), ("top_p", _NUMBER, "a number"),
-    ("presence_penalty", _NUMBER, "a number"), ("frequency_penalty", _NUMBER, "a number"),
-    ("seed", (int,), "an integer"), ("user", (str,), "a string"), ("metadata", (dict,), "an object"),
-    ("stop", (str, list), "a string or a list of strings"), ("parallel_tool_calls", (bool,), "a boolean"),
-    ("chat_template_kwargs", (dict,), "an object"),  # engine extra (vLLM, SGLang), e.g. enable_thinking
-)
-
-
-def _copy_sampling(request: dict[str, Any], chat: ChatRequest, options: ConvertOptions) -> None:
-    for key, types, what in _CARRIED:
-        if _check(request, key, types, what) is not None:
-            chat[key] = request[key]
-    if _check(request, "max_output_tokens", (int,), "a positive integer") is not None:
-        if request["max_output_tokens"] < 1:
-            raise InvalidRequestError("max_output_tokens must be a positive integer", param="max_output_tokens")
-        chat[options.max_tokens_field] = request["max_output_tokens"]
-    if _check(request, "top_logprobs", (int,), "an integer") is not None:
-        chat["logprobs"] = True
-        chat["top_logprobs"] = request["top_logprobs"]
-    if _check(request, "stream", (bool,), "a boolean"):
-        chat["stream"] = True
-        # The Responses stream must end with usage; chat servers send it only when asked.
-        chat["stream_options"] = {"include_usage": True}
-    reasoning = _check(request, "reasoning", (dict,), "an object")
-    if reasoning and reasoning.get("effort") is not None:
-        if not isinstance(reasoning["effort"], str):
-            raise InvalidRequestError("reasoning.effort must be a string", param="reasoning.effort")
-        chat["reasoning_effort"] = reasoning["effort"]
-
-
-def _convert_tools(tools: Any) -> list[dict[str, Any]]:
-    if not isinstance(tools, list):
-        raise InvalidRequestError("tools must be a list", param="tools")
-    out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise InvalidRequestError(f"{where} must be an object", param=where)
-        kind = tool.get("type")
-        if kind != "function":
-            raise InvalidRequestError(f"{where}: tool type {kind!r} is not supported; {_HOSTED_TOOL_HINT}",
-                                      param=f"{where}.type")
-        function: dict[str, Any] = {"name": _required_str(tool, "name", where)}
-        for key, types in (("description", (str,)), ("parameters", (dict,)), ("strict", (bool,))):
-            value = tool.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, types):
-                raise InvalidRequestError(f"{where}.{key} has the wrong type", param=f"{where}.{key}")
-            function[key] = value
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def _convert_tool_choice(choice: Any) -> Any:
-    if choice in ("auto", "none", "required"):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = choice.get("name")
-        if name is None and isinstance(choice.get("function"), dict):
-            name = choice["function"].get("name")  # the chat form, sent by mistake but unambiguous
-        if isinstance(name, str) and name:
-            return {"type": "function", "function": {"name": name}}
-        raise InvalidRequestError("tool_choice.name is required", param="tool_choice.name")
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    raise InvalidRequestError(
-        f"tool_choice {kind or choice!r} is not supported; use auto, none, required or "
-        '{"type": "function", "name": ...}', param="tool_choice")
-
-
-def _convert_text_format(text: Any) -> dict[str, Any] | None:
-    if text is None:
-        return None
-    if not isinstance(text, dict):
-        raise InvalidRequestError("text must be an object", param="text")
-    fmt = text.get("format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict):
-        raise InvalidRequestError("text.format must be an object", param="text.format")
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        name, schema = fmt.get("name"), fmt.get("schema")
-        if not isinstance(name, str) or not name:
-            raise InvalidRequestError("text.format.name is required for json_schema", param="text.format.name")
-        if not isinstance(schema, dict):
-            raise InvalidRequestError("text.format.schema must be a JSON schema object", param="text.format.schema")
-        spec: dict[str, Any] = {"name": name, "schema": schema}
-        if fmt.get("strict") is not None:
-            spec["strict"] = fmt["strict"]
-        if fmt.get("description") is not None:
-            spec["description"] = fmt["description"]
-        return {"type": "json_schema", "json_schema": spec}
-    raise InvalidRequestError(f"text.format.type {kind!r} is not supported; use text, json_object or json_schema",
-                              param="text.format.type")
-

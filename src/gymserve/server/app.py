@@ -1,14 +1,16 @@
 """The HTTP server: OpenAI-compatible routes over one backend.
 
 Routes: ``POST /v1/responses``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus; ``server.metrics``). Every model call is timed and counted per backend
-and replica (``ctx.extra["replica"]``, set by the backend) and, with ``capture_path``, written to a
-JSONL capture file (``server.capture``).
-Bodies are parsed as plain JSON (orjson) and handed to the backend as dicts; the backend and the
-converter validate what they use and raise ``GymserveError`` subclasses, which become OpenAI error
-objects with the right status. The request schemas in the OpenAPI document are the openai SDK's
-own, published for clients and fuzzers, not re-validated per request (that would dominate the
-cost of a 100 KB multi-turn history).
+``GET /metrics`` (Prometheus; ``server.metrics``). Every model call is timed and
+counted per backend and replica (``ctx.extra["replica"]``, set by the backend) and, with
+``capture_path``, written to a JSONL capture file (``server.capture``).
+Bodies are parsed as plain JSON (orjson), checked by ``convert.request_checks.check_request``
+(top-level nulls dropped; the other API's fields refused, naming the field to use; chat tools and
+numbers) and handed to the backend as dicts; the backend and the converter validate what they use
+and raise ``GymserveError`` subclasses, which become OpenAI error objects with the right status.
+The request schemas in the OpenAPI document are the openai SDK's own, published for clients and
+fuzzers, not re-validated per request (that would dominate the cost of a 100 KB multi-turn
+history).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from gymserve._version import __version__
 from gymserve.backends.base import Backend, RequestContext
+from gymserve.convert.request_checks import Api, check_request
 from gymserve.errors import GymserveError, InvalidRequestError
 from gymserve.server.capture import CaptureWriter, install_log_redaction
 from gymserve.server.errors import error_response, install_error_handlers
@@ -52,10 +55,16 @@ async def _body(request: Request, max_bytes: int) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InvalidRequestError(f"request body must be a JSON object, got {type(data).__name__}",
                                   code="invalid_json")
-    stream = data.get("stream")
+    return data
+
+
+def _checked(body: dict[str, Any], api: Api) -> dict[str, Any]:
+    """``body`` after the checks both routes share (``check_request``), ``stream`` a boolean."""
+    body = check_request(body, api)
+    stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequestError(f"stream must be true or false, got {type(stream).__name__}", param="stream")
-    return data
+    return body
 
 
 def _error_info(exc: BaseException) -> tuple[int, str, dict[str, Any] | None]:
@@ -179,18 +188,20 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
         try:
             if app.state.draining:
                 raise ShuttingDownError()
-            body = await _body(request, max_body_bytes)
+            body = await _body(request, max_body_bytes)  # kept as sent for the capture file if a check fails
+            checked = _checked(body, "responses" if responses else "chat")
             ctx = _context(request)
-            if body.get("stream"):
-                events = await _first_then_rest(call_stream(body, ctx))
+            stream = checked.get("stream")
+            if stream:
+                events = await _first_then_rest(call_stream(checked, ctx))
             else:
-                result = await call(body, ctx)
+                result = await call(checked, ctx)
         except BaseException as exc:
             gauge.dec()
             status, etype, err = _error_info(exc)
             record(route, ctx, body, t0, status, error=err, error_type=etype)
             raise
-        if not body.get("stream"):
+        if not stream:
             gauge.dec()
             record(route, ctx, body, t0, 200, result=result)
             return _json(result)
