@@ -203,7 +203,23 @@ def test_streamed_responses_context_overflow_ends_the_rollout_cleanly(client):
     assert final.incomplete_details.reason == "max_output_tokens" and final.output == []
 
 
-# ------------------------------------------------------------------------------ request checks
+# ------------------------------------------------------------------------------ GET /, request checks
+def test_status_at_the_root(server):
+    root = server.base_url.removesuffix("/v1")
+    r = httpx.get(root + "/", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    status = r.json()
+    from gymserve import __version__
+
+    assert {k: status[k] for k in ("name", "version", "backend", "model")} == {
+        "name": "gymserve", "version": __version__, "backend": "local",
+        "model": server.backend.engine.model_name}
+    assert status["links"]["health"] == "/health" and status["links"]["models"] == "/v1/models"
+    assert status["links"]["docs"] == "/docs"
+    for link in status["links"].values():  # every link leads somewhere (POST routes answer GET with 405)
+        assert httpx.get(root + link, timeout=10).status_code in (200, 405), link
+
+
 def _refused_fields():
     from test_request_checks import CHAT_ON_RESPONSES, RESPONSES_ON_CHAT
 

@@ -1,7 +1,8 @@
 """The HTTP server: OpenAI-compatible routes over one backend.
 
 Routes: ``POST /v1/responses``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus; ``server.metrics``). Every model call is timed and
+``GET /metrics`` (Prometheus; ``server.metrics``), and ``GET /``: a small JSON status (name,
+version, backend, model, links), as NeMo Gym's servers answer there. Every model call is timed and
 counted per backend and replica (``ctx.extra["replica"]``, set by the backend) and, with
 ``capture_path``, written to a JSONL capture file (``server.capture``).
 Bodies are parsed as plain JSON (orjson), checked by ``convert.request_checks.check_request``
@@ -225,6 +226,20 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
         now = int(time.time())
         return _json({"object": "list", "data": [
             {"id": n, "object": "model", "created": now, "owned_by": "gymserve"} for n in names]})
+
+    @app.get("/", summary="Server status")
+    async def root_status():
+        """What this server is: name, version, backend type, model, and links to the other routes
+        (NeMo Gym's servers answer a status at ``/``; ``/health`` is the readiness probe)."""
+        try:
+            names = served_models or await asyncio.wait_for(backend.models(), 5)
+        except Exception as exc:  # noqa: BLE001 - an upstream that cannot list models must not fail the status
+            log.info("GET /: the backend could not list its models: %s", getattr(exc, "message", exc))
+            names = []
+        return _json({"name": "gymserve", "version": __version__, "backend": backend_name,
+                      "model": names[0] if names else None, "models": list(names),
+                      "links": {"health": "/health", "models": "/v1/models", "docs": "/docs", "openapi": "/openapi.json",
+                                "responses": "/v1/responses", "chat_completions": "/v1/chat/completions"}})
 
     @app.get("/health")
     async def health():
