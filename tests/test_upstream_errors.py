@@ -42,6 +42,19 @@ async def test_connection_refused_names_host_port_and_class():
     assert is_retryable(err)
 
 
+async def test_a_server_closing_mid_answer_is_not_called_a_url_problem():
+    from fakes import RawServer
+
+    s = RawServer("truncated")
+    try:
+        url = s.url + "/v1"
+        err = translate_error(await connection_error(url), url=url + "/chat/completions")
+    finally:
+        s.stop()
+    assert isinstance(err, UpstreamConnectionError) and "RemoteProtocolError" in err.message
+    assert "must start with http://" not in err.message and "check the base URL, that the server is up" in err.message
+
+
 async def test_dns_failure_names_host():
     url = "https://resource.openai.azure.invalid/openai"
     err = translate_error(await connection_error(url), url=url + "/responses", backend="azure")

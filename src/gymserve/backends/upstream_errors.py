@@ -134,7 +134,8 @@ def _connection_hint(root: BaseException, host: str, port: int | None) -> str:
         return f"nothing is listening on {host}:{port}: is the server running, and is the port right?"
     if "ssl" in text or "certificate" in text or "tls" in text:
         return "TLS handshake failed: check http:// vs https:// and the server's certificate."
-    if "unsupportedprotocol" in text or "missing an 'http://' or 'https://'" in text or "protocol" in text:
+    # Not any "protocol": a RemoteProtocolError (a server closing mid-answer) is not a URL problem.
+    if "unsupportedprotocol" in text or "missing an 'http://' or 'https://'" in text or "unsupported protocol" in text:
         return "the URL must start with http:// or https://."
     if "timeout" in text:
         return "the server did not answer in time: raise timeout, lower the load, or check the host is reachable."
