@@ -113,6 +113,60 @@ async def test_dead_replica_is_skipped_and_comes_back(servers):
     await b.close()
 
 
+def test_health_is_true_from_start_up_and_follows_the_replica_within_one_interval(servers):
+    """Nothing listens at the replica's port: /health says down (503) right after start-up, with
+    the URL, the last probe time and why; once a server listens there, ok within one interval."""
+    import time
+
+    import httpx
+    from fakes import free_port
+
+    from gymserve.server.run import start_background_server
+
+    interval = 0.5
+    port = free_port()
+    cfg = validate_config({"server": {"port": 0}, "backend": {
+        "type": "chat", "base_urls": [f"http://127.0.0.1:{port}/v1"], "model": "policy", "api_key": KEY,
+        "health_check_interval": interval}})
+    with start_background_server(cfg) as srv:
+        root = srv.base_url.removesuffix("/v1")
+        t_start = time.time()
+        r = httpx.get(root + "/health", timeout=10)
+        assert r.status_code == 503, r.text
+        health = r.json()
+        assert health["status"] == "down" and health["backend"] == "chat" and health["probe_interval_s"] == interval
+        assert health["probe"] == "GET {base_url}/models"
+        [replica] = health["replicas"]
+        assert replica["base_url"] == f"http://127.0.0.1:{port}/v1" and replica["healthy"] is False
+        assert t_start - 5 < replica["last_probe_at"] <= time.time()
+        assert f"http://127.0.0.1:{port}/v1/models" in replica["last_error"]
+        assert f"nothing is listening on 127.0.0.1:{port}" in replica["last_error"] and KEY not in r.text
+        servers(ChatScript(name="late"), port=port)
+        t_up = time.monotonic()
+        while (r := httpx.get(root + "/health", timeout=10)).json()["status"] != "ok":
+            assert time.monotonic() - t_up < interval + 2.0, r.text  # one interval (+ a probe and slack on 2 cores)
+            time.sleep(0.05)
+        assert r.status_code == 200 and r.json()["replicas"][0]["last_error"] is None
+        assert r.json()["replicas"][0]["healthy"] is True
+        out = httpx.post(srv.base_url + "/chat/completions", json={"messages": MSG}, timeout=10)
+        assert out.json()["choices"][0]["message"]["content"] == "from late"
+
+
+async def test_one_replica_is_probed_too(servers):
+    """A single replica used to be probed never, so /health trusted it until a request failed."""
+    s = servers()
+    b = make([s.url + "/v1"], health_check_interval=0.05)
+    assert (await b.health())["status"] == "ok"
+    assert [r.path for r in s.requests] == ["/v1/models"]  # the first probe, at start-up
+    s.stop()
+    for _ in range(100):
+        if (await b.health())["status"] == "down":
+            break
+        await asyncio.sleep(0.02)
+    assert (await b.health())["status"] == "down"
+    await b.close()
+
+
 async def test_retries_5xx_and_429_then_succeeds(servers):
     s = servers(ChatScript(plan=[vllm_error("busy", 503), (429, {"error": {"message": "slow"}}, {"retry-after": "0"})]))
     b = make([s.url + "/v1"])

@@ -60,6 +60,44 @@ async def test_background_probe_restores_health():
     await p.close()
 
 
+async def test_first_probe_runs_at_start_then_every_interval():
+    """Health is known right after start-up, not one interval (or a failed request) later."""
+    calls: list[str] = []
+
+    async def probe(replica):
+        calls.append(replica.base_url)
+        if replica.base_url == "http://r1/v1":
+            raise ConnectionError("refused")
+
+    p = pool(2, probe=probe, interval=0.2)
+    assert p.status()["replicas"][0]["last_probe_at"] is None
+    p.start()
+    await p.first_probe(timeout=5)
+    status = p.status()
+    assert status["status"] == "degraded" and status["probe_interval_s"] == 0.2
+    down = status["replicas"][1]
+    assert down["healthy"] is False and down["last_error"] == "ConnectionError: refused"
+    assert all(r["last_probe_at"] is not None for r in status["replicas"])
+    assert sorted(calls) == ["http://r0/v1", "http://r1/v1"]
+    await asyncio.sleep(0.3)
+    assert len(calls) == 4  # one more round, one interval later
+    await p.close()
+
+
+async def test_first_probe_wait_is_bounded_and_off_without_probing():
+    async def hang(replica):
+        await asyncio.sleep(30)
+
+    p = pool(1, probe=hang, interval=10)
+    t0 = asyncio.get_running_loop().time()
+    await p.first_probe(timeout=0.1)
+    assert asyncio.get_running_loop().time() - t0 < 1
+    await p.close()
+    quiet = pool(1, probe=hang, interval=0)
+    await quiet.first_probe(timeout=30)  # returns at once: probing is off
+    assert quiet.status()["probe_interval_s"] == 0 and quiet.status()["replicas"][0]["last_probe_at"] is None
+
+
 def test_affinity_table_is_bounded():
     p = pool(2, max_sessions=10)
     for i in range(100):

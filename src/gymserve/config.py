@@ -165,7 +165,8 @@ class ChatBackendConfig(_RemoteBackendConfig):
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     return_token_id_information: bool = False
-    health_check_interval: float = Field(10.0, ge=0, description="seconds between replica probes; 0 disables")
+    health_check_interval: float = Field(10.0, ge=0, description="seconds between probes of each replica "
+                                         "(GET {base}/models; the first at start-up); 0 disables")
 
     @field_validator("base_urls", mode="before")
     @classmethod

@@ -72,8 +72,10 @@ class ChatBackend(Backend):
         self._secrets = tuple(s for s in (secret_value(getattr(config, f, None)) for f in ("api_key", "azure_ad_token")) if s)
         replicas = [Replica(url, self._make_client(url)) for url in self._replica_bases()]
         self._json_clients = {url: self._make_json_client() for url in self._replica_bases()} if self.lean_http else {}
-        interval = getattr(config, "health_check_interval", 0) if len(replicas) > 1 else 0
-        self.pool = ReplicaPool(replicas, probe=self._probe, interval=interval)
+        self.pool = ReplicaPool(replicas, probe=self._probe, interval=getattr(config, "health_check_interval", 0))
+        # Built inside the serving loop (server.run), this probes every replica now, so /health
+        # is true from start-up; built outside a loop, the first request or /health starts it.
+        self.pool.start()
         self.limiter = Limiter(config.num_concurrent_requests, max_queue, name=f"{self.name} backend")
         self._tool_parser = self._reasoning_parser = None
         if getattr(config, "tool_parser", None):
@@ -122,9 +124,21 @@ class ChatBackend(Backend):
                               max_tokens_field=cfg.max_tokens_field or "max_tokens")
 
     # ------------------------------------------------------------------ the one call path
+    @property
+    def _probe_timeout(self) -> float:
+        return min(5.0, self.config.timeout)
+
     async def _probe(self, replica: Replica) -> None:
-        await replica.client.get(self._url(replica, "models"), cast_to=object,
-                                 options={"timeout": min(5.0, self.config.timeout)})
+        """``GET {base}/models``: the one route every OpenAI-compatible server answers under the same
+        base URL, key and proxy as the model calls (``/health`` sits at a server-specific place
+        outside the base URL, or nowhere, and checks no key). Raises the translated error."""
+        url = self._url(replica, "models")
+        try:
+            async with asyncio.timeout(self._probe_timeout):
+                await replica.client.get(url, cast_to=object, options={"timeout": self._probe_timeout})
+        except Exception as exc:
+            raise translate_error(exc, url=url, kind="models", backend=self.name, secrets=self._secrets,
+                                  api_version=self.api_version, timeout=self._probe_timeout) from None
 
     def _translate(self, exc: BaseException, url: str, kind: str) -> GymserveError:
         return translate_error(exc, url=url, kind=kind, backend=self.name, secrets=self._secrets,
@@ -138,6 +152,8 @@ class ChatBackend(Backend):
         from openai import AsyncStream
 
         attempt = 0
+        # At start-up, choose among replicas known to answer (bounded: a hanging one costs one probe timeout).
+        await self.pool.first_probe(self._probe_timeout)
         while True:
             rep = replica or self.pool.pick(ctx.session_id)
             target = url or self._url(rep, kind)
@@ -305,7 +321,15 @@ class ChatBackend(Backend):
         return [name] if name else await self.upstream_models()
 
     async def health(self) -> dict[str, Any]:
-        return {**self.pool.status(), "backend": self.name}
+        """The pool's status (``ReplicaPool.status``: ok / degraded / down, per replica its URL,
+        health, last probe time and last error) once the first probe round is in; URLs without
+        credentials. ``probe`` names what is asked of each replica."""
+        await self.pool.first_probe(self._probe_timeout)
+        status = self.pool.status()
+        for row in status["replicas"]:
+            row["base_url"] = replica_label(row["base_url"])
+        probe = "GET {base_url}/models" if self.pool.probing else None
+        return {**status, "backend": self.name, "probe": probe}
 
     async def close(self) -> None:
         await self.pool.close()

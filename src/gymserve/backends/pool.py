@@ -3,9 +3,11 @@
 - ``ReplicaPool``: several base URLs of one model. A new session is assigned round-robin among the
   healthy replicas, then sticks to its replica so a multi-turn rollout keeps hitting the same
   prefix (KV) cache; requests without a session go round-robin. A replica that fails to connect is
-  marked unhealthy and skipped; a background probe (``GET {base}/models``, which every
-  OpenAI-compatible server answers) brings it back when it answers again. When every replica is
-  unhealthy requests still go out (round-robin), so a recovered server is used before the next probe.
+  marked unhealthy and skipped. A background probe (the backend's ``probe``; the chat backend's is
+  ``GET {base}/models``) runs once as soon as the pool starts and then every ``interval`` seconds,
+  so health is known at start-up and follows each replica within one interval: a failed probe
+  marks the replica down, an answered one brings it back. When every replica is unhealthy requests
+  still go out (round-robin), so a recovered server is used before the next probe.
 - ``Limiter``: at most ``limit`` calls in flight and ``max_queue`` waiting; beyond that
   ``OverloadedError`` (429 with ``retry_after``), so overload turns into back-pressure instead of
   unbounded memory and latency.
@@ -19,6 +21,7 @@ import contextlib
 import itertools
 import logging
 import random
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,7 +36,8 @@ MAX_BACKOFF = 8.0
 
 @dataclass(eq=False)
 class Replica:
-    """One upstream server. ``client`` is its SDK client; ``last_error`` says why it is unhealthy."""
+    """One upstream server. ``client`` is its SDK client; ``last_error`` says why it is unhealthy;
+    ``last_probe_at``: when the last probe of it ended (Unix seconds; None before the first)."""
 
     base_url: str
     client: Any = None
@@ -41,14 +45,16 @@ class Replica:
     last_error: str | None = None
     in_flight: int = 0
     sessions: int = field(default=0)
+    last_probe_at: float | None = None
 
 
 class ReplicaPool:
     """Chooses a replica per request; see the module docstring for the policy.
 
-    ``probe(replica)`` must raise when the replica is down (it is called every ``interval``
-    seconds once ``start()`` has run inside an event loop; ``interval == 0`` disables probing).
-    ``max_sessions`` bounds the affinity table (least recently used sessions are forgotten).
+    ``probe(replica)`` must raise when the replica is down, its message saying why (it is called
+    for every replica once when ``start()`` runs inside an event loop, then every ``interval``
+    seconds; ``interval == 0`` disables probing). ``max_sessions`` bounds the affinity table (least
+    recently used sessions are forgotten).
     """
 
     def __init__(self, replicas: list[Replica], *, probe: Callable[[Replica], Awaitable[Any]] | None = None,
@@ -62,6 +68,7 @@ class ReplicaPool:
         self._sessions: OrderedDict[str, Replica] = OrderedDict()
         self._max_sessions = max_sessions
         self._task: asyncio.Task | None = None
+        self._first_round = asyncio.Event()  # set when every replica has been probed once
 
     def _next_healthy(self) -> Replica:
         healthy = [r for r in self.replicas if r.healthy] or self.replicas
@@ -100,22 +107,31 @@ class ReplicaPool:
 
     async def check_all(self) -> None:
         """Probe every replica once, updating health."""
-        if self._probe is None:
+        probe = self._probe
+        if probe is None:
             return
 
         async def one(replica: Replica) -> None:
             try:
-                await self._probe(replica)
+                await probe(replica)
             except Exception as exc:  # any failure means "not usable now"
                 self.mark_down(replica, getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
             else:
                 self.mark_up(replica)
+            finally:
+                replica.last_probe_at = time.time()
 
         await asyncio.gather(*(one(r) for r in self.replicas))
 
+    @property
+    def probing(self) -> bool:
+        """Whether this pool probes its replicas in the background (a probe and an interval > 0)."""
+        return self._probe is not None and self._interval > 0
+
     def start(self) -> None:
-        """Start the background probe (idempotent; needs a running event loop)."""
-        if self._task is not None or self._probe is None or self._interval <= 0:
+        """Start the background probe: a first round now, then one every ``interval`` seconds
+        (idempotent; needs a running event loop, else the first ``pick`` starts it)."""
+        if self._task is not None or not self.probing:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -123,18 +139,37 @@ class ReplicaPool:
             return
         self._task = loop.create_task(self._loop(), name="gymserve-replica-health")
 
+    async def first_probe(self, timeout: float) -> None:
+        """Wait, at most ``timeout`` seconds, until every replica has been probed once (starting the
+        probe if needed); returns at once when probing is off or the first round is done."""
+        self.start()
+        if self._task is None or self._first_round.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._first_round.wait()
+
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self._interval)
-            await self.check_all()
+            started = time.monotonic()
+            try:
+                await self.check_all()
+            finally:
+                self._first_round.set()
+            # Rounds start every interval (not interval after a slow probe), so a change is seen
+            # within one interval plus one probe.
+            await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
 
     def status(self) -> dict[str, Any]:
-        """``{"status": ok|degraded|down, "replicas": [...]}`` for ``/health``."""
+        """``{"status": ok|degraded|down, "probe_interval_s", "replicas": [{base_url, healthy,
+        last_probe_at, last_error, in_flight, sessions}]}`` for ``/health``; ``last_probe_at`` is
+        Unix seconds (None before the first probe, and always when probing is off)."""
         up = sum(r.healthy for r in self.replicas)
         state = "ok" if up == len(self.replicas) else "degraded" if up else "down"
-        return {"status": state, "replicas": [
-            {"base_url": r.base_url, "healthy": r.healthy, "in_flight": r.in_flight, "sessions": r.sessions,
-             **({"last_error": r.last_error} if r.last_error else {})} for r in self.replicas]}
+        return {"status": state, "probe_interval_s": self._interval if self.probing else 0, "replicas": [
+            {"base_url": r.base_url, "healthy": r.healthy,
+             "last_probe_at": round(r.last_probe_at, 3) if r.last_probe_at is not None else None,
+             "last_error": r.last_error, "in_flight": r.in_flight, "sessions": r.sessions} for r in self.replicas]}
 
     async def close(self) -> None:
         if self._task is not None:
