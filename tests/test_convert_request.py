@@ -266,6 +266,8 @@ def test_developer_kept_alone_is_a_conversation():
     ({"input": [{"role": "user"}]}, "input[0].content is required: a string or a list of content parts"),
     ({"input": [{"role": "user", "content": 3}]}, "input[0].content must be a string or a list of content parts, got a number"),
     ({"input": ["hi"]}, "input[0] must be an input item object, got a string"),
+    ({"input": [{"type": "message", "content": "x"}]}, "input[0].role is required: use user, assistant, system or developer"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role 'robot' is not a role: use user, assistant"),
     ({"input": "hi", "model": 7}, "model must be a string, got a number"),
 ])
 def test_error_wording_says_what_is_wrong(body, message):

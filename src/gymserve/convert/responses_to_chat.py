@@ -175,9 +175,9 @@ class _MessageBuilder:
             self._flush()
             self.messages.append({"role": "user", "content": _user_content(content, f"{where}.content")})
         else:
-            raise InvalidRequestError(
-                f"{where}.role must be one of user, assistant, system, developer (got {role!r})",
-                param=f"{where}.role")
+            problem = "is required" if role is None else f"{role!r} is not a role"
+            raise InvalidRequestError(f"{where}.role {problem}: use user, assistant, system or developer",
+                                      param=f"{where}.role")
 
     def _add_reasoning(self, item: dict[str, Any], where: str) -> None:
         text = _reasoning_text(item, where)
