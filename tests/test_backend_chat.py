@@ -119,8 +119,8 @@ def test_health_is_true_from_start_up_and_follows_the_replica_within_one_interva
     import time
 
     import httpx
-    from fakes import free_port
 
+    from fakes import free_port
     from gymserve.server.run import start_background_server
 
     interval = 0.5
