@@ -163,7 +163,7 @@ class ReplicaPool:
     def status(self) -> dict[str, Any]:
         """``{"status": ok|degraded|down, "probe_interval_s", "replicas": [{base_url, healthy,
         last_probe_at, last_error, in_flight, sessions}]}`` for ``/health``; ``last_probe_at`` is
-        Unix seconds (None before the first probe, and always when probing is off)."""
+        Unix seconds (None before the first probe; ``probe_interval_s`` 0: no background probe)."""
         up = sum(r.healthy for r in self.replicas)
         state = "ok" if up == len(self.replicas) else "degraded" if up else "down"
         return {"status": state, "probe_interval_s": self._interval if self.probing else 0, "replicas": [
