@@ -2,7 +2,7 @@
 
 Shape::
 
-    server:  {host, port, api_key, max_body_bytes, capture_path, max_queue, shutdown_timeout}
+    server:  {host, port, api_key, admin_api_key, max_body_bytes, capture_path, max_queue, shutdown_timeout}
     backend: {type: local | chat | openai | azure | ray, ...}
 
 ``${var}`` in the YAML resolves against the keys of an ``env.yaml`` (beside the config file, or

@@ -37,7 +37,7 @@ import ipaddress
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Query
+from fastapi import Depends, FastAPI, Query
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
@@ -142,9 +142,12 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
                 "control endpoints are closed: this server listens beyond loopback without an API key. Set "
                 "server.admin_api_key (or server.api_key), or bind 127.0.0.1", code="control_closed")
 
-    router = APIRouter(tags=["training control"], dependencies=[Depends(guard)], responses=_ERRORS)
+    # Routes go on the app itself (not an included APIRouter) so app.routes lists each one.
+    def route(method: str, path: str, summary: str):
+        return app.api_route(path, methods=[method], summary=summary, tags=["training control"],
+                             dependencies=[Depends(guard)], responses=_ERRORS)
 
-    @router.post("/pause", summary="Pause generation (vLLM's POST /pause)")
+    @route("POST", "/pause", "Pause generation (vLLM's POST /pause)")
     async def pause(mode: Annotated[Literal["abort", "wait", "keep"], Query(
                         description="abort: end calls in flight now (finish_reason abort, tokens kept); wait: let "
                                     "them finish, then pause; keep: freeze them until /resume")] = "abort",
@@ -153,25 +156,25 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
         await backend.pause_generation(mode, timeout=timeout)
         return {"status": "paused", "mode": mode, "timeout": timeout}
 
-    @router.post("/resume", summary="Resume generation (vLLM's POST /resume)")
+    @route("POST", "/resume", "Resume generation (vLLM's POST /resume)")
     async def resume():
         await backend.resume_generation()
         return {"status": "resumed"}
 
-    @router.get("/is_paused", summary="Whether generation is paused (vLLM's GET /is_paused)")
+    @route("GET", "/is_paused", "Whether generation is paused (vLLM's GET /is_paused)")
     async def is_paused():
         status = backend.control_status()
         first = status[0] if status else {}
         return {"is_paused": await backend.is_paused(), "mode": first.get("paused"),
                 "seconds_left": first.get("pause_seconds_left")}
 
-    @router.post("/update_weights", summary="Load new weights from disk (vLLM's POST /update_weights)")
+    @route("POST", "/update_weights", "Load new weights from disk (vLLM's POST /update_weights)")
     async def update_weights(body: UpdateWeightsRequest):
         t0 = time.perf_counter()
         version = await backend.update_weights(path=body.update_info.path, weight_version=body.weight_version)
         return {"message": "Weights updated", "weight_version": version, "seconds": round(time.perf_counter() - t0, 6)}
 
-    @router.get("/weight_info", summary="The weight version serving (vLLM's GET /weight_info)")
+    @route("GET", "/weight_info", "The weight version serving (vLLM's GET /weight_info)")
     async def weight_info():
         status = backend.control_status()
         if not status:
@@ -179,11 +182,10 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
                                     "weight version; ask the upstream server", code="control_not_supported")
         return dict(status[0]) if len(status) == 1 else {"replicas": status}
 
-    @router.post("/update_weight_version", summary="Name the serving weights (vLLM's POST /update_weight_version)")
+    @route("POST", "/update_weight_version", "Name the serving weights (vLLM's POST /update_weight_version)")
     async def update_weight_version(body: UpdateWeightVersionRequest):
         await backend.update_weight_version(body.new_version)
         return {"success": True, "new_version": body.new_version}
 
-    app.include_router(router)
     if registry is not None:
         registry.register(_ControlCollector(backend))
