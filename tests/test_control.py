@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from gymserve.errors import WeightUpdateError
+from gymserve.harness.verify import load_model, teacher_forced_log_probs
 from gymserve.server.embed import serve_policy
-from gymserve.verify import load_model, teacher_forced_log_probs
 
 NORM = "model.norm.weight"  # noise here changes the answers of the random tiny model
 DOWN = "model.layers.1.mlp.down_proj.weight"
@@ -26,9 +26,17 @@ DOWN = "model.layers.1.mlp.down_proj.weight"
 # ------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir, tokenizer):
-    srv = serve_policy(load_model(tiny_model_dir), tokenizer, backend_config={
-        # Seeded sampling: the same answer for the same weights, random text (a text delta per token) for streams.
-        "sampling": {"temperature": 1.0, "seed": 1234}, "num_threads": 1, "tool_parser": "none", "pause_timeout": 120})
+    srv = serve_policy(
+        load_model(tiny_model_dir),
+        tokenizer,
+        backend_config={
+            # Seeded sampling: the same answer for the same weights, random text (a text delta per token) for streams.
+            "sampling": {"temperature": 1.0, "seed": 1234},
+            "num_threads": 1,
+            "tool_parser": "none",
+            "pause_timeout": 120,
+        },
+    )
     yield srv
     srv.stop()
 
@@ -68,8 +76,10 @@ def ref(tiny_model_dir):
 def noisy(state, seed: int) -> dict[str, torch.Tensor]:
     """New values for two of the model's 26 tensors (a subset update) that change its answers."""
     gen = torch.Generator().manual_seed(seed)
-    return {name: state[name] + scale * torch.randn(state[name].shape, generator=gen)
-            for name, scale in ((NORM, 20.0), (DOWN, 0.05))}
+    return {
+        name: state[name] + scale * torch.randn(state[name].shape, generator=gen)
+        for name, scale in ((NORM, 20.0), (DOWN, 0.05))
+    }
 
 
 def wait_until(predicate, timeout: float = 120, what: str = "condition") -> None:
@@ -87,8 +97,13 @@ def fields(obj) -> dict:
 
 def answer(client, content: str = "Hello", max_tokens: int = 6) -> dict:
     """The training fields of one (seeded, so repeatable) chat answer."""
-    msg = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
-                                         max_tokens=max_tokens).choices[0].message
+    msg = (
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": content}], max_tokens=max_tokens
+        )
+        .choices[0]
+        .message
+    )
     return fields(msg)
 
 
@@ -106,11 +121,15 @@ class Stream(threading.Thread):
         try:
             if self.api == "chat":
                 stream = self.client.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": self.content}],
-                    max_tokens=self.max_tokens, stream=True)
+                    model="tiny",
+                    messages=[{"role": "user", "content": self.content}],
+                    max_tokens=self.max_tokens,
+                    stream=True,
+                )
             else:
-                stream = self.client.responses.create(model="tiny", input=self.content,
-                                                      max_output_tokens=self.max_tokens, stream=True)
+                stream = self.client.responses.create(
+                    model="tiny", input=self.content, max_output_tokens=self.max_tokens, stream=True
+                )
             for item in stream:
                 self.items.append(item)
         except BaseException as exc:  # noqa: BLE001 - asserted by the test
@@ -138,8 +157,9 @@ class Stream(threading.Thread):
 
 def check_teacher_forced(ref, states: dict, f: dict) -> None:
     """Each token's reported log-prob equals teacher forcing on the weights of its version."""
-    spans = f.get("weight_version_spans") or [{"version": f["weight_version"], "start": 0,
-                                               "end": len(f["generation_token_ids"])}]
+    spans = f.get("weight_version_spans") or [
+        {"version": f["weight_version"], "start": 0, "end": len(f["generation_token_ids"])}
+    ]
     assert spans[0]["start"] == 0 and spans[-1]["end"] == len(f["generation_token_ids"])
     for span in spans:
         ref.load_state_dict(states[span["version"]])
@@ -150,8 +170,9 @@ def check_teacher_forced(ref, states: dict, f: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------ weight updates
-def test_updates_from_a_directory_and_from_tensors_change_outputs_and_version(policy, client, root, original, ref,
-                                                                              tmp_path, tiny_model_dir):
+def test_updates_from_a_directory_and_from_tensors_change_outputs_and_version(
+    policy, client, root, original, ref, tmp_path, tiny_model_dir
+):
     before = answer(client)
     v0 = before["weight_version"]
     assert v0 == policy.weight_version and "weight_version_spans" not in before
@@ -241,8 +262,11 @@ def test_bad_updates_are_refused_and_the_old_weights_keep_serving(policy, client
         assert err["code"] == "invalid_weights" and err["param"] == param and words in err["message"], (case, err)
         assert answer(client) == before, case  # same tokens, same log-probs, same version
     norm = original["model.norm.weight"]
-    for tensors, words in (({"nope": norm}, "unknown name"), ({"model.norm.weight": norm.double()}, "dtype"),
-                           ({"model.norm.weight": norm, DOWN: original[DOWN][:, :3]}, "shape")):
+    for tensors, words in (
+        ({"nope": norm}, "unknown name"),
+        ({"model.norm.weight": norm.double()}, "dtype"),
+        ({"model.norm.weight": norm, DOWN: original[DOWN][:, :3]}, "shape"),
+    ):
         with pytest.raises(WeightUpdateError, match=words):
             policy.update_weights(tensors)
         assert answer(client) == before
@@ -251,8 +275,11 @@ def test_bad_updates_are_refused_and_the_old_weights_keep_serving(policy, client
 
 # ------------------------------------------------------------------------------------ pause modes
 def test_abort_ends_calls_in_flight_with_their_tokens_marked(policy, client, root, original, ref):
-    streams = [Stream(client, "Tell me a story.", 3000), Stream(client, "Count to a million.", 3000),
-               Stream(client, "Write an essay.", 3000, api="responses")]
+    streams = [
+        Stream(client, "Tell me a story.", 3000),
+        Stream(client, "Count to a million.", 3000),
+        Stream(client, "Write an essay.", 3000, api="responses"),
+    ]
     wait_until(lambda: all(s.seen() >= 3 for s in streams), what="three tokens on each stream")
     r = httpx.post(root + "/pause", params={"mode": "abort"})
     assert r.status_code == 200 and r.json()["status"] == "paused" and r.json()["mode"] == "abort"
@@ -277,14 +304,16 @@ def test_abort_ends_calls_in_flight_with_their_tokens_marked(policy, client, roo
     assert httpx.get(root + "/is_paused").json() == {"is_paused": False, "mode": None, "seconds_left": None}
 
 
-def test_wait_lets_calls_in_flight_finish_and_holds_new_ones_for_the_new_weights(policy, client, root, original,
-                                                                                 ref, tmp_path):
+def test_wait_lets_calls_in_flight_finish_and_holds_new_ones_for_the_new_weights(
+    policy, client, root, original, ref, tmp_path
+):
     v0 = policy.weight_version
     streams = [Stream(client, f"Question {i}?", 24) for i in range(3)]
     wait_until(lambda: all(s.seen() >= 1 for s in streams), what="every stream to start")
     paused: list = []
-    pauser = threading.Thread(target=lambda: paused.append(
-        httpx.post(root + "/pause", params={"mode": "wait"}, timeout=300)))
+    pauser = threading.Thread(
+        target=lambda: paused.append(httpx.post(root + "/pause", params={"mode": "wait"}, timeout=300))
+    )
     pauser.start()
     wait_until(lambda: httpx.get(root + "/is_paused").json()["is_paused"], what="the pause")
     assert any(s.seen() < 24 for s in streams)  # the pause came while they were generating
@@ -300,7 +329,9 @@ def test_wait_lets_calls_in_flight_finish_and_holds_new_ones_for_the_new_weights
     step = noisy(original, seed=3)
     (tmp_path / "step").mkdir()
     save_file(step, str(tmp_path / "step" / "model.safetensors"))
-    assert httpx.post(root + "/update_weights", json={"update_info": {"path": str(tmp_path / "step")}}).status_code == 200
+    assert (
+        httpx.post(root + "/update_weights", json={"update_info": {"path": str(tmp_path / "step")}}).status_code == 200
+    )
     httpx.post(root + "/resume")
     for s in new:  # none dropped, none failed, all on the new weights
         finish, f = s.result()
@@ -310,8 +341,11 @@ def test_wait_lets_calls_in_flight_finish_and_holds_new_ones_for_the_new_weights
 
 def test_keep_freezes_calls_and_they_continue_on_the_new_weights(policy, client, root, original, ref):
     v0 = policy.weight_version
-    streams = [Stream(client, "Once upon a time", 40), Stream(client, "List some colors", 40),
-               Stream(client, "Explain gravity", 40, api="responses")]
+    streams = [
+        Stream(client, "Once upon a time", 40),
+        Stream(client, "List some colors", 40),
+        Stream(client, "Explain gravity", 40, api="responses"),
+    ]
     wait_until(lambda: all(s.seen() >= 3 for s in streams), what="three tokens on each stream")
     assert httpx.post(root + "/pause", params={"mode": "keep"}).json()["mode"] == "keep"
     time.sleep(0.3)  # chunks already on the wire arrive
@@ -358,18 +392,26 @@ def test_a_pause_resumes_by_itself_at_its_deadline(policy, client, root, caplog)
 
 
 # ------------------------------------------------------------------------------------ the HTTP surface
-@pytest.mark.parametrize("method, path, kwargs, param", [
-    ("POST", "/pause", {"params": {"mode": "sleep"}}, "query.mode"),
-    ("POST", "/pause", {"params": {"timeout": 0}}, "query.timeout"),
-    ("POST", "/pause", {"params": {"timeout": "soon"}}, "query.timeout"),
-    ("POST", "/update_weights", {"json": {}}, "update_info"),
-    ("POST", "/update_weights", {"json": {"update_info": {"path": ""}}}, "update_info.path"),
-    ("POST", "/update_weights", {"json": {"update_info": {"path": "/x"}, "weight_versoin": 1}}, "weight_versoin"),
-    ("POST", "/update_weights", {"json": {"update_info": {"path": "/x"}, "weight_version": True}}, "weight_version"),
-    ("POST", "/update_weights", {"content": b"{not json"}, None),
-    ("POST", "/update_weight_version", {"json": {"new_version": ""}}, "new_version"),
-    ("POST", "/update_weight_version", {"json": {"new_version": 1.5}}, "new_version"),
-])
+@pytest.mark.parametrize(
+    "method, path, kwargs, param",
+    [
+        ("POST", "/pause", {"params": {"mode": "sleep"}}, "query.mode"),
+        ("POST", "/pause", {"params": {"timeout": 0}}, "query.timeout"),
+        ("POST", "/pause", {"params": {"timeout": "soon"}}, "query.timeout"),
+        ("POST", "/update_weights", {"json": {}}, "update_info"),
+        ("POST", "/update_weights", {"json": {"update_info": {"path": ""}}}, "update_info.path"),
+        ("POST", "/update_weights", {"json": {"update_info": {"path": "/x"}, "weight_versoin": 1}}, "weight_versoin"),
+        (
+            "POST",
+            "/update_weights",
+            {"json": {"update_info": {"path": "/x"}, "weight_version": True}},
+            "weight_version",
+        ),
+        ("POST", "/update_weights", {"content": b"{not json"}, None),
+        ("POST", "/update_weight_version", {"json": {"new_version": ""}}, "new_version"),
+        ("POST", "/update_weight_version", {"json": {"new_version": 1.5}}, "new_version"),
+    ],
+)
 def test_bad_control_input_is_a_400_naming_the_field(policy, root, method, path, kwargs, param):
     r = httpx.request(method, root + path, **kwargs)
     assert r.status_code == 400, r.text
@@ -382,8 +424,14 @@ def test_bad_control_input_is_a_400_naming_the_field(policy, root, method, path,
 
 def test_control_routes_are_in_the_openapi_document(root):
     doc = httpx.get(root + "/openapi.json").json()
-    for path, method in (("/pause", "post"), ("/resume", "post"), ("/is_paused", "get"), ("/update_weights", "post"),
-                         ("/weight_info", "get"), ("/update_weight_version", "post")):
+    for path, method in (
+        ("/pause", "post"),
+        ("/resume", "post"),
+        ("/is_paused", "get"),
+        ("/update_weights", "post"),
+        ("/weight_info", "get"),
+        ("/update_weight_version", "post"),
+    ):
         assert method in doc["paths"][path], path
     mode = next(p for p in doc["paths"]["/pause"]["post"]["parameters"] if p["name"] == "mode")
     assert mode["schema"]["enum"] == ["abort", "wait", "keep"] and mode["schema"]["default"] == "abort"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from fakes import ChatScript, FakeServer
 
+from fakes import ChatScript, FakeServer
 from gymserve.config import validate_config
 from gymserve.server.control import CONTROL_PATHS, control_allowed
 from gymserve.server.run import start_background_server
@@ -14,9 +14,14 @@ from gymserve.server.run import start_background_server
 SERVER_KEY = "gs-server-key-0123456789"
 ADMIN_KEY = "gs-admin-key-9876543210"
 MSG = [{"role": "user", "content": "hi"}]
-CALLS = [("POST", "/pause", {"params": {"mode": "keep"}}), ("GET", "/is_paused", {}), ("POST", "/resume", {}),
-         ("GET", "/weight_info", {}), ("POST", "/update_weight_version", {"json": {"new_version": "v2"}}),
-         ("POST", "/update_weights", {"json": {"update_info": {"path": "/nowhere"}}})]
+CALLS = [
+    ("POST", "/pause", {"params": {"mode": "keep"}}),
+    ("GET", "/is_paused", {}),
+    ("POST", "/resume", {}),
+    ("GET", "/weight_info", {}),
+    ("POST", "/update_weight_version", {"json": {"new_version": "v2"}}),
+    ("POST", "/update_weights", {"json": {"update_info": {"path": "/nowhere"}}}),
+]
 
 
 def _bearer(key: str | None) -> dict[str, str]:
@@ -30,8 +35,9 @@ def upstream():
 
 
 def _local(tiny_model_dir, **server):
-    cfg = validate_config({"server": {"port": 0, **server},
-                           "backend": {"type": "local", "model": str(tiny_model_dir), "num_threads": 1}})
+    cfg = validate_config(
+        {"server": {"port": 0, **server}, "backend": {"type": "local", "model": str(tiny_model_dir), "num_threads": 1}}
+    )
     return start_background_server(cfg)
 
 
@@ -39,11 +45,14 @@ def test_the_control_routes_are_the_ones_guarded():
     assert {path for _, path, _ in CALLS} == CONTROL_PATHS
 
 
-@pytest.mark.parametrize("keys, control_key, model_key", [
-    ({"api_key": SERVER_KEY}, SERVER_KEY, SERVER_KEY),
-    ({"api_key": SERVER_KEY, "admin_api_key": ADMIN_KEY}, ADMIN_KEY, SERVER_KEY),
-    ({"admin_api_key": ADMIN_KEY}, ADMIN_KEY, None),
-])
+@pytest.mark.parametrize(
+    "keys, control_key, model_key",
+    [
+        ({"api_key": SERVER_KEY}, SERVER_KEY, SERVER_KEY),
+        ({"api_key": SERVER_KEY, "admin_api_key": ADMIN_KEY}, ADMIN_KEY, SERVER_KEY),
+        ({"admin_api_key": ADMIN_KEY}, ADMIN_KEY, None),
+    ],
+)
 def test_control_routes_need_their_key(tiny_model_dir, keys, control_key, model_key):
     with _local(tiny_model_dir, **keys) as srv:
         root = srv.base_url.removesuffix("/v1")

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from gymserve.engine.weights import apply_plan, load_update, plan_update, read_safetensors, safetensors_files
 from gymserve.errors import WeightUpdateError
-from gymserve.verify import load_model
+from gymserve.harness.verify import load_model
 
 NORM = "model.norm.weight"
 DOWN = "model.layers.0.mlp.down_proj.weight"
@@ -37,8 +37,9 @@ def test_directory_layouts(tmp_path, tiny_model_dir):
     save_file({NORM: torch.ones(64)}, str(sharded / "a.safetensors"))
     save_file({DOWN: torch.zeros(64, 128)}, str(sharded / "b.safetensors"))
     save_file({"ignored": torch.zeros(1)}, str(sharded / "not-in-index.safetensors"))
-    (sharded / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {NORM: "a.safetensors", DOWN: "b.safetensors"}}))
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {NORM: "a.safetensors", DOWN: "b.safetensors"}})
+    )
     got = read_safetensors(sharded)
     assert sorted(got) == [DOWN, NORM] and torch.equal(got[NORM], torch.ones(64))
     loose = tmp_path / "loose"
@@ -49,15 +50,18 @@ def test_directory_layouts(tmp_path, tiny_model_dir):
     assert list(read_safetensors(loose / "x.safetensors")) == [NORM]
 
 
-@pytest.mark.parametrize("case, match", [
-    ("missing", "no such file or directory"),
-    ("empty", "no .safetensors files"),
-    ("not-safetensors", "not a .safetensors file"),
-    ("bad-index", "unreadable index"),
-    ("index-missing-shard", "lists shard gone.safetensors"),
-    ("corrupt", "cannot read safetensors file"),
-    ("duplicate", "is in both"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("missing", "no such file or directory"),
+        ("empty", "no .safetensors files"),
+        ("not-safetensors", "not a .safetensors file"),
+        ("bad-index", "unreadable index"),
+        ("index-missing-shard", "lists shard gone.safetensors"),
+        ("corrupt", "cannot read safetensors file"),
+        ("duplicate", "is in both"),
+    ],
+)
 def test_unreadable_sources_name_the_file(tmp_path, case, match):
     d = tmp_path / "ckpt"
     d.mkdir()
@@ -84,15 +88,22 @@ def test_unreadable_sources_name_the_file(tmp_path, case, match):
         assert str(tmp_path) in info.value.message  # the message names the file or directory
 
 
-@pytest.mark.parametrize("tensors, param, match", [
-    ({"model.norm.weigth": torch.ones(64)}, "model.norm.weigth", "unknown name.*did you mean 'model.norm.weight'"),
-    ({NORM: torch.ones(65)}, NORM, r"shape \[65\], the served model's is \[64\]"),
-    ({NORM: torch.ones(64, dtype=torch.bfloat16)}, NORM, "dtype torch.bfloat16, the served model's is torch.float32"),
-    ({NORM: torch.tensor([float("nan")] * 64)}, NORM, "64 NaN or infinite values"),
-    ({DOWN: torch.full((64, 128), float("inf"))}, DOWN, "8192 NaN or infinite values"),
-    ({NORM: [1.0] * 64}, NORM, "is a list, not a torch.Tensor"),
-    ({}, None, "holds no tensors"),
-])
+@pytest.mark.parametrize(
+    "tensors, param, match",
+    [
+        ({"model.norm.weigth": torch.ones(64)}, "model.norm.weigth", "unknown name.*did you mean 'model.norm.weight'"),
+        ({NORM: torch.ones(65)}, NORM, r"shape \[65\], the served model's is \[64\]"),
+        (
+            {NORM: torch.ones(64, dtype=torch.bfloat16)},
+            NORM,
+            "dtype torch.bfloat16, the served model's is torch.float32",
+        ),
+        ({NORM: torch.tensor([float("nan")] * 64)}, NORM, "64 NaN or infinite values"),
+        ({DOWN: torch.full((64, 128), float("inf"))}, DOWN, "8192 NaN or infinite values"),
+        ({NORM: [1.0] * 64}, NORM, "is a list, not a torch.Tensor"),
+        ({}, None, "holds no tensors"),
+    ],
+)
 def test_bad_tensors_are_refused_before_anything_changes(model, tensors, param, match):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     good = {DOWN: torch.zeros(64, 128)} if tensors else {}

@@ -32,8 +32,13 @@ class LocalControl:
     async def is_paused(self) -> bool:
         return await self.engine.is_paused()
 
-    async def update_weights(self, tensors: Mapping[str, Any] | None = None, *, path: str | os.PathLike | None = None,
-                             weight_version: WeightVersion | None = None) -> WeightVersion:
+    async def update_weights(
+        self,
+        tensors: Mapping[str, Any] | None = None,
+        *,
+        path: str | os.PathLike | None = None,
+        weight_version: WeightVersion | None = None,
+    ) -> WeightVersion:
         """Swap in a state dict (``tensors``: name → ``torch.Tensor``, any subset of the served
         model's ``state_dict()``) or the safetensors under ``path``; returns the new version.
         In-flight calls continue on the new weights between two decode steps (pause first with

@@ -11,6 +11,7 @@ token it streams says which weight version sampled it (``TokenDelta.weight_versi
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -136,7 +137,7 @@ class NoControl:
     async def is_paused(self) -> bool:
         return False
 
-    async def update_weights(self, tensors: Any = None, *, path: str | None = None,
+    async def update_weights(self, tensors: Any = None, *, path: str | os.PathLike | None = None,
                              weight_version: WeightVersion | None = None) -> WeightVersion:
         raise self._unsupported("update_weights")
 
@@ -214,7 +215,7 @@ class Engine(Protocol):
 
     async def is_paused(self) -> bool: ...
 
-    async def update_weights(self, tensors: Any = None, *, path: str | None = None,
+    async def update_weights(self, tensors: Any = None, *, path: str | os.PathLike | None = None,
                              weight_version: WeightVersion | None = None) -> WeightVersion: ...
 
     async def update_weight_version(self, new_version: WeightVersion) -> None: ...

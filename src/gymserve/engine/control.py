@@ -55,10 +55,17 @@ def check_timeout(timeout: Any) -> float:
 
 def check_version(version: Any, param: str = "weight_version") -> WeightVersion:
     """A weight version a caller names: an int or a non-empty string of at most 256 characters."""
-    if isinstance(version, bool) or not isinstance(version, (int, str)) or version == "" \
-            or (isinstance(version, str) and len(version) > MAX_VERSION_CHARS):
-        raise InvalidRequestError(f"{param} must be an integer or a non-empty string of at most "
-                                  f"{MAX_VERSION_CHARS} characters, got {version!r}", param=param)
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, (int, str))
+        or version == ""
+        or (isinstance(version, str) and len(version) > MAX_VERSION_CHARS)
+    ):
+        raise InvalidRequestError(
+            f"{param} must be an integer or a non-empty string of at most "
+            f"{MAX_VERSION_CHARS} characters, got {version!r}",
+            param=param,
+        )
     return version
 
 
@@ -130,18 +137,24 @@ class ControlState:
             return
         for fut in self._waiters:
             if not fut.done():
-                fut.set_exception(ConflictError(
-                    f"the {self.mode} pause ended ({reason}) before the calls in flight finished; generation "
-                    "continues. Pause with a longer timeout, or with mode=abort or mode=keep, which take effect at once",
-                    code="pause_ended"))
+                fut.set_exception(
+                    ConflictError(
+                        f"the {self.mode} pause ended ({reason}) before the calls in flight finished; generation "
+                        "continues. Pause with a longer timeout, or with mode=abort or mode=keep, which take effect at once",
+                        code="pause_ended",
+                    )
+                )
         self._waiters.clear()
         self.mode = self.deadline = self.timeout = None
 
     def expire(self) -> None:
         """Resume when the deadline has passed, and say so in the log."""
         if self.deadline is not None and time.monotonic() >= self.deadline:
-            log.warning("generation pause (mode %s) reached its deadline of %g s without resume_generation; "
-                        "resuming by itself", self.mode, self.timeout)
+            log.warning(
+                "generation pause (mode %s) reached its deadline of %g s without resume_generation; resuming by itself",
+                self.mode,
+                self.timeout,
+            )
             self.resume(reason=f"its deadline of {self.timeout:g} s passed")
 
     def new_weights(self, cmd: Command, in_batch: int) -> WeightVersion:
@@ -151,14 +164,21 @@ class ControlState:
         self.updates += 1
         self.weight_version = self.updates if cmd.version is None else cmd.version
         self.stale = self.stale or in_batch > 0
-        log.info("weights updated to version %r (%d calls in the batch continue on them)", self.weight_version, in_batch)
+        log.info(
+            "weights updated to version %r (%d calls in the batch continue on them)", self.weight_version, in_batch
+        )
         return self.weight_version
 
     def status(self) -> dict[str, Any]:
         """``{"weight_version", "weight_updates", "paused": mode | None, "pause_seconds_left",
         "last_update_seconds"}`` for ``/health``, ``/is_paused`` and ``/metrics``."""
-        return {"weight_version": self.weight_version, "weight_updates": self.updates, "paused": self.mode,
-                "pause_seconds_left": self.seconds_left(), "last_update_seconds": self.last_update_seconds}
+        return {
+            "weight_version": self.weight_version,
+            "weight_updates": self.updates,
+            "paused": self.mode,
+            "pause_seconds_left": self.seconds_left(),
+            "last_update_seconds": self.last_update_seconds,
+        }
 
     def fail_all(self, exc: BaseException) -> None:
         """At shutdown: answer every waiting pause call with ``exc``."""
@@ -212,8 +232,13 @@ class WorkerControl:
         """Whether generation is paused now."""
         return self._control.paused is not None
 
-    async def update_weights(self, tensors: Mapping[str, Any] | None = None, *, path: str | os.PathLike | None = None,
-                             weight_version: WeightVersion | None = None) -> WeightVersion:
+    async def update_weights(
+        self,
+        tensors: Mapping[str, Any] | None = None,
+        *,
+        path: str | os.PathLike | None = None,
+        weight_version: WeightVersion | None = None,
+    ) -> WeightVersion:
         """Swap in new weights, all or nothing, and return the new version.
 
         ``tensors``: name → tensor (any subset of ``model.state_dict()``), or ``path``: safetensors
@@ -238,4 +263,3 @@ class WorkerControl:
         """Name the weights ``new_version`` after the caller changed ``self.model`` itself (paused,
         so no step saw a half-changed model); calls in the batch get their KV cache recomputed."""
         await self._send(Command("weights", version=check_version(new_version, "new_version")))
-

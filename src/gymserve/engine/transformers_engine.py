@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from gymserve.engine.base import Generation, SamplingParams, TokenDelta, WeightVersion, collect
+from gymserve.engine.base import FinishReason, Generation, SamplingParams, TokenDelta, WeightVersion, collect
 from gymserve.engine.control import Command, ControlState, WorkerControl, check_timeout, check_version
 from gymserve.engine.sampling import make_generator, sample_next, top_logprobs
 from gymserve.errors import EngineError
@@ -235,7 +235,7 @@ class TransformersEngine(WorkerControl):
             batch.clear()
 
     def _admit(self, batch: _Batch) -> None:
-        admitted = []
+        admitted: list[tuple[_Request, Any]] = []
         while self._waiting and len(batch.active) + len(admitted) < self.max_batch_size:
             req = self._waiting.popleft()
             if req.cancelled:
@@ -327,7 +327,7 @@ class TransformersEngine(WorkerControl):
         logprobs = torch.log_softmax(logits, dim=-1)
         tok = sample_next(logits, req.sampling, req.generator)
         req.generated += 1
-        finish = None
+        finish: FinishReason | None = None
         if tok in req.stop_ids:
             finish = "stop"
         elif req.generated >= req.sampling.max_tokens:

@@ -43,20 +43,28 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     p = Path(path)
     if p.is_file():
         if p.suffix != ".safetensors":
-            raise WeightUpdateError(f"{p}: not a .safetensors file; give a directory in Hugging Face layout "
-                                    "or a .safetensors file", param=str(p))
+            raise WeightUpdateError(
+                f"{p}: not a .safetensors file; give a directory in Hugging Face layout or a .safetensors file",
+                param=str(p),
+            )
         return [p]
     if not p.is_dir():
-        raise WeightUpdateError(f"{p}: no such file or directory (the path is read by the server, so it must "
-                                "exist on the server's machine)", param=str(p))
+        raise WeightUpdateError(
+            f"{p}: no such file or directory (the path is read by the server, so it must "
+            "exist on the server's machine)",
+            param=str(p),
+        )
     index = p / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             shards = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise WeightUpdateError(f"{index}: unreadable index ({type(exc).__name__}: {exc}); it must be JSON "
-                                    'with a "weight_map" object, as save_pretrained writes it', param=str(index)) from None
+            raise WeightUpdateError(
+                f"{index}: unreadable index ({type(exc).__name__}: {exc}); it must be JSON "
+                'with a "weight_map" object, as save_pretrained writes it',
+                param=str(index),
+            ) from None
         missing = [s for s in shards if not (p / s).is_file()]
         if missing:
             raise WeightUpdateError(f"{index} lists shard {missing[0]}, which is not in {p}", param=str(p / missing[0]))
@@ -65,8 +73,11 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
         return [p / "model.safetensors"]
     files = sorted(p.glob("*.safetensors"))
     if not files:
-        raise WeightUpdateError(f"{p}: no .safetensors files in the directory (save them with "
-                                "model.save_pretrained(dir) or safetensors.torch.save_file)", param=str(p))
+        raise WeightUpdateError(
+            f"{p}: no .safetensors files in the directory (save them with "
+            "model.save_pretrained(dir) or safetensors.torch.save_file)",
+            param=str(p),
+        )
     return files
 
 
@@ -83,8 +94,9 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, Any]:
         try:
             part = load_file(str(f))
         except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...: the file is the cause
-            raise WeightUpdateError(f"{f}: cannot read safetensors file ({type(exc).__name__}: {exc})",
-                                    param=str(f)) from None
+            raise WeightUpdateError(
+                f"{f}: cannot read safetensors file ({type(exc).__name__}: {exc})", param=str(f)
+            ) from None
         for name, t in part.items():
             if name in where:
                 raise WeightUpdateError(f"tensor {name!r} is in both {where[name]} and {f}", param=name)
@@ -103,8 +115,9 @@ def plan_update(model: Any, tensors: Mapping[str, Any], *, source: str = "the up
     import torch
 
     if not isinstance(tensors, Mapping):
-        raise WeightUpdateError(f"{source} must be a mapping of tensor names to tensors (a state dict), "
-                                f"got {type(tensors).__name__}")
+        raise WeightUpdateError(
+            f"{source} must be a mapping of tensor names to tensors (a state dict), got {type(tensors).__name__}"
+        )
     if not tensors:
         raise WeightUpdateError(f"{source} holds no tensors; nothing would change")
     served = model.state_dict()
@@ -120,10 +133,17 @@ def plan_update(model: Any, tensors: Mapping[str, Any], *, source: str = "the up
         if not isinstance(new, torch.Tensor):
             problems.append((name, f"tensor {name!r}: is a {type(new).__name__}, not a torch.Tensor"))
         elif tuple(new.shape) != tuple(old.shape):
-            problems.append((name, f"tensor {name!r}: shape {list(new.shape)}, the served model's is {list(old.shape)}"))
+            problems.append(
+                (name, f"tensor {name!r}: shape {list(new.shape)}, the served model's is {list(old.shape)}")
+            )
         elif new.dtype != old.dtype:
-            problems.append((name, f"tensor {name!r}: dtype {new.dtype}, the served model's is {old.dtype}; cast it "
-                                   f"(tensor.to({old.dtype})) before the update"))
+            problems.append(
+                (
+                    name,
+                    f"tensor {name!r}: dtype {new.dtype}, the served model's is {old.dtype}; cast it "
+                    f"(tensor.to({old.dtype})) before the update",
+                )
+            )
         elif new.is_floating_point() and not bool(torch.isfinite(new).all()):
             bad = int((~torch.isfinite(new)).sum())
             problems.append((name, f"tensor {name!r}: {bad} NaN or infinite values"))
@@ -133,9 +153,11 @@ def plan_update(model: Any, tensors: Mapping[str, Any], *, source: str = "the up
     if problems:
         listed = "; ".join(msg for _, msg in problems[:MAX_LISTED])
         more = f"; and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
-        raise WeightUpdateError(f"weight update refused, nothing changed ({len(problems)} problem"
-                                f"{'s' if len(problems) > 1 else ''} in {source}): {listed}{more}",
-                                param=problems[0][0])
+        raise WeightUpdateError(
+            f"weight update refused, nothing changed ({len(problems)} problem"
+            f"{'s' if len(problems) > 1 else ''} in {source}): {listed}{more}",
+            param=problems[0][0],
+        )
     return [(old, new) for _, old, new in plan]
 
 
@@ -143,14 +165,16 @@ def _tied_conflicts(plan: list[tuple[str, Any, Any]]) -> list[tuple[str, str]]:
     """Names given twice for one storage (tied weights) with different values."""
     import torch
 
-    first: dict[int, tuple[str, Any]] = {}
+    first: dict[tuple, tuple[str, Any]] = {}
     out = []
     for name, old, new in plan:
         key = (old.data_ptr(), tuple(old.shape), old.stride())  # the same view of the same memory
         if key in first:
             other, value = first[key]
             if not torch.equal(value.to(new.device), new):
-                out.append((name, f"tensor {name!r}: tied to {other!r} (they share storage) but given a different value"))
+                out.append(
+                    (name, f"tensor {name!r}: tied to {other!r} (they share storage) but given a different value")
+                )
         else:
             first[key] = (name, new)
     return out
@@ -165,8 +189,9 @@ def apply_plan(plan: list[tuple[Any, Any]]) -> None:
             old.copy_(new)
 
 
-def load_update(model: Any, tensors: Mapping[str, Any] | None = None, *,
-                path: str | os.PathLike | None = None) -> list[tuple[Any, Any]]:
+def load_update(
+    model: Any, tensors: Mapping[str, Any] | None = None, *, path: str | os.PathLike | None = None
+) -> list[tuple[Any, Any]]:
     """Read (for ``path``) and validate an update: the copy plan for ``apply_plan``.
 
     Exactly one of ``tensors`` and ``path`` must be given. Raises ``WeightUpdateError``."""
@@ -174,4 +199,5 @@ def load_update(model: Any, tensors: Mapping[str, Any] | None = None, *,
         raise WeightUpdateError("give exactly one of tensors (a state dict) and path (a safetensors directory or file)")
     if path is not None:
         return plan_update(model, read_safetensors(path), source=str(path))
+    assert tensors is not None
     return plan_update(model, tensors, source="the state dict")

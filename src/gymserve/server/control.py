@@ -43,11 +43,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from gymserve.errors import NotSupportedError, PermissionDeniedError
 
-CONTROL_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/update_weights", "/weight_info",
-                           "/update_weight_version"})
+CONTROL_PATHS = frozenset(
+    {"/pause", "/resume", "/is_paused", "/update_weights", "/weight_info", "/update_weight_version"}
+)
 
-Version = Annotated[StrictInt | Annotated[StrictStr, Field(min_length=1, max_length=256)],
-                    Field(description="an integer, or a name such as \"step-12\" (SGLang's weight_version)")]
+Version = Annotated[
+    StrictInt | Annotated[StrictStr, Field(min_length=1, max_length=256)],
+    Field(description='an integer, or a name such as "step-12" (SGLang\'s weight_version)'),
+]
 
 
 class _Body(BaseModel):
@@ -57,15 +60,21 @@ class _Body(BaseModel):
 class UpdateInfo(_Body):
     """vLLM's ``update_info`` for its disk weight transfer: where the new weights are."""
 
-    path: str = Field(min_length=1, description="a directory in Hugging Face layout (model.safetensors, or shards "
-                      "with model.safetensors.index.json) or one .safetensors file, on the server's machine; full "
-                      "weights or any subset of the tensors")
+    path: str = Field(
+        min_length=1,
+        description="a directory in Hugging Face layout (model.safetensors, or shards "
+        "with model.safetensors.index.json) or one .safetensors file, on the server's machine; full "
+        "weights or any subset of the tensors",
+    )
 
 
 class UpdateWeightsRequest(_Body):
     update_info: UpdateInfo
-    weight_version: Version | None = Field(None, description="the new weights' version (default: the number of "
-                                           "updates so far); gymserve's, vLLM takes it in /finish_weight_update")
+    weight_version: Version | None = Field(
+        None,
+        description="the new weights' version (default: the number of "
+        "updates so far); gymserve's, vLLM takes it in /finish_weight_update",
+    )
 
 
 class UpdateWeightVersionRequest(_Body):
@@ -105,12 +114,20 @@ class _ControlCollector:
     def collect(self):
         name = getattr(self.backend, "name", "backend")
         labels = ["backend", "replica"]
-        version = GaugeMetricFamily("gymserve_weight_version_info", "The weight version serving (value 1; "
-                                    "the version is the label)", labels=[*labels, "version"])
-        updates = CounterMetricFamily("gymserve_weight_updates", "Weight updates applied (renames included)", labels=labels)
+        version = GaugeMetricFamily(
+            "gymserve_weight_version_info",
+            "The weight version serving (value 1; the version is the label)",
+            labels=[*labels, "version"],
+        )
+        updates = CounterMetricFamily(
+            "gymserve_weight_updates", "Weight updates applied (renames included)", labels=labels
+        )
         paused = GaugeMetricFamily("gymserve_generation_paused", "1 while generation is paused", labels=labels)
-        seconds = GaugeMetricFamily("gymserve_weight_update_last_seconds", "Seconds the last weight update took "
-                                    "(read, validate, apply)", labels=labels)
+        seconds = GaugeMetricFamily(
+            "gymserve_weight_update_last_seconds",
+            "Seconds the last weight update took (read, validate, apply)",
+            labels=labels,
+        )
         for s in self.backend.control_status():
             replica = str(s.get("replica", "-"))
             version.add_metric([name, replica, str(s["weight_version"])], 1)
@@ -124,12 +141,23 @@ class _ControlCollector:
         return []
 
 
-_ERRORS = {code: {"description": what, "content": {"application/json": {"schema": {
-    "type": "object", "properties": {"error": {"type": "object"}}, "required": ["error"]}}}}
-    for code, what in ((400, "bad input (the message names the field, tensor or file)"), (401, "missing or wrong key"),
-                       (403, "control routes are closed on this bind (no key set)"),
-                       (409, "a wait pause ended before the calls in flight finished"),
-                       (501, "the backend has no weights of its own"))}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {
+        "description": what,
+        "content": {
+            "application/json": {
+                "schema": {"type": "object", "properties": {"error": {"type": "object"}}, "required": ["error"]}
+            }
+        },
+    }
+    for code, what in (
+        (400, "bad input (the message names the field, tensor or file)"),
+        (401, "missing or wrong key"),
+        (403, "control routes are closed on this bind (no key set)"),
+        (409, "a wait pause ended before the calls in flight finished"),
+        (501, "the backend has no weights of its own"),
+    )
+}
 
 
 def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any = None) -> None:
@@ -140,19 +168,38 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
         if not allowed:
             raise PermissionDeniedError(
                 "control endpoints are closed: this server listens beyond loopback without an API key. Set "
-                "server.admin_api_key (or server.api_key), or bind 127.0.0.1", code="control_closed")
+                "server.admin_api_key (or server.api_key), or bind 127.0.0.1",
+                code="control_closed",
+            )
 
     # Routes go on the app itself (not an included APIRouter) so app.routes lists each one.
     def route(method: str, path: str, summary: str):
-        return app.api_route(path, methods=[method], summary=summary, tags=["training control"],
-                             dependencies=[Depends(guard)], responses=_ERRORS)
+        return app.api_route(
+            path,
+            methods=[method],
+            summary=summary,
+            tags=["training control"],
+            dependencies=[Depends(guard)],
+            responses=_ERRORS,
+        )
 
     @route("POST", "/pause", "Pause generation (vLLM's POST /pause)")
-    async def pause(mode: Annotated[Literal["abort", "wait", "keep"], Query(
-                        description="abort: end calls in flight now (finish_reason abort, tokens kept); wait: let "
-                                    "them finish, then pause; keep: freeze them until /resume")] = "abort",
-                    timeout: Annotated[float | None, Query(gt=0, description="seconds after which generation "
-                                       "resumes by itself (default: local backend's pause_timeout)")] = None):
+    async def pause(
+        mode: Annotated[
+            Literal["abort", "wait", "keep"],
+            Query(
+                description="abort: end calls in flight now (finish_reason abort, tokens kept); wait: let "
+                "them finish, then pause; keep: freeze them until /resume"
+            ),
+        ] = "abort",
+        timeout: Annotated[
+            float | None,
+            Query(
+                gt=0,
+                description="seconds after which generation resumes by itself (default: local backend's pause_timeout)",
+            ),
+        ] = None,
+    ):
         await backend.pause_generation(mode, timeout=timeout)
         return {"status": "paused", "mode": mode, "timeout": timeout}
 
@@ -165,8 +212,11 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
     async def is_paused():
         status = backend.control_status()
         first = status[0] if status else {}
-        return {"is_paused": await backend.is_paused(), "mode": first.get("paused"),
-                "seconds_left": first.get("pause_seconds_left")}
+        return {
+            "is_paused": await backend.is_paused(),
+            "mode": first.get("paused"),
+            "seconds_left": first.get("pause_seconds_left"),
+        }
 
     @route("POST", "/update_weights", "Load new weights from disk (vLLM's POST /update_weights)")
     async def update_weights(body: UpdateWeightsRequest):
@@ -178,8 +228,11 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
     async def weight_info():
         status = backend.control_status()
         if not status:
-            raise NotSupportedError(f"the {getattr(backend, 'name', 'this')} backend has no weights of its own, so no "
-                                    "weight version; ask the upstream server", code="control_not_supported")
+            raise NotSupportedError(
+                f"the {getattr(backend, 'name', 'this')} backend has no weights of its own, so no "
+                "weight version; ask the upstream server",
+                code="control_not_supported",
+            )
         return dict(status[0]) if len(status) == 1 else {"replicas": status}
 
     @route("POST", "/update_weight_version", "Name the serving weights (vLLM's POST /update_weight_version)")

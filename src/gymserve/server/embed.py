@@ -51,8 +51,14 @@ class PolicyServer:
         """The version of the weights serving now."""
         return self.backend.control_status()[0]["weight_version"]
 
-    def update_weights(self, tensors: Mapping[str, Any] | None = None, *, path: str | os.PathLike | None = None,
-                       weight_version: int | str | None = None, timeout: float | None = 600) -> int | str:
+    def update_weights(
+        self,
+        tensors: Mapping[str, Any] | None = None,
+        *,
+        path: str | os.PathLike | None = None,
+        weight_version: int | str | None = None,
+        timeout: float | None = 600,
+    ) -> int | str:
         """Swap in a state dict (``tensors``, name → ``torch.Tensor``; any subset) or the
         safetensors under ``path``; returns the new weight version (see ``LocalControl.update_weights``)."""
         return self._run(self.backend.update_weights(tensors, path=path, weight_version=weight_version), timeout)
@@ -61,8 +67,9 @@ class PolicyServer:
         """Name the serving weights ``new_version`` (after changing the model object yourself, paused)."""
         self._run(self.backend.update_weight_version(new_version), timeout)
 
-    def pause_generation(self, mode: str = "wait", *, timeout: float | None = None,
-                         wait_timeout: float | None = 600) -> None:
+    def pause_generation(
+        self, mode: str = "wait", *, timeout: float | None = None, wait_timeout: float | None = 600
+    ) -> None:
         """Pause in ``mode`` (``abort`` | ``wait`` | ``keep``) for at most ``timeout`` seconds;
         returns once the pause has taken effect (``wait``: the calls in flight have finished)."""
         self._run(self.backend.pause_generation(mode, timeout=timeout), wait_timeout)
@@ -87,10 +94,19 @@ class PolicyServer:
         self.stop()
 
 
-def serve_policy(policy: Any, tokenizer: Any = None, *, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, admin_api_key: str | None = None,
-                 backend_config: Any = None, model_name: str | None = None, weight_version: int | str = 0,
-                 startup_timeout: float = 600) -> PolicyServer:
+def serve_policy(
+    policy: Any,
+    tokenizer: Any = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    backend_config: Any = None,
+    model_name: str | None = None,
+    weight_version: int | str = 0,
+    startup_timeout: float = 600,
+) -> PolicyServer:
     """Start gymserve's HTTP server around ``policy`` in this process; returns a ``PolicyServer``.
 
     ``policy``: a transformers causal LM (``torch.nn.Module`` with a ``config``: served as it is,
@@ -110,8 +126,11 @@ def serve_policy(policy: Any, tokenizer: Any = None, *, host: str = "127.0.0.1",
     from gymserve.config import GymserveConfig, LocalBackendConfig, validate_config
     from gymserve.server.run import start_background_server
 
-    local = backend_config if isinstance(backend_config, LocalBackendConfig) else \
-        validate_config({"backend": {"type": "local", **(backend_config or {})}}).backend
+    local = (
+        backend_config
+        if isinstance(backend_config, LocalBackendConfig)
+        else validate_config({"backend": {"type": "local", **(backend_config or {})}}).backend
+    )
     if isinstance(policy, (str, os.PathLike)):
         local = local.model_copy(update={"model": str(policy)})
     server = {"host": host, "port": port, "api_key": api_key, "admin_api_key": admin_api_key}
@@ -139,13 +158,21 @@ def _engine_for(model: Any, local: Any, model_name: str | None, weight_version: 
     import torch
 
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-        raise ValueError(f"serve_policy needs a transformers causal LM, an Engine, a Backend or a model path; got "
-                         f"{type(model).__name__}")
+        raise ValueError(
+            f"serve_policy needs a transformers causal LM, an Engine, a Backend or a model path; got "
+            f"{type(model).__name__}"
+        )
     from gymserve.engine.transformers_engine import TransformersEngine
 
-    return TransformersEngine(model=model, model_name=model_name, max_batch_size=local.max_batch_size,
-                              context_window=local.context_window, num_threads=local.num_threads,
-                              weight_version=weight_version, pause_timeout=local.pause_timeout)
+    return TransformersEngine(
+        model=model,
+        model_name=model_name,
+        max_batch_size=local.max_batch_size,
+        context_window=local.context_window,
+        num_threads=local.num_threads,
+        weight_version=weight_version,
+        pause_timeout=local.pause_timeout,
+    )
 
 
 def _tokenizer_for(engine: Any):

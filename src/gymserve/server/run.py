@@ -22,7 +22,7 @@ log = logging.getLogger("gymserve.server")
 
 def _server_key(config, field: str = "api_key") -> str | None:
     key = getattr(config.server, field, None)
-    return key.get_secret_value() if hasattr(key, "get_secret_value") else key
+    return key.get_secret_value() if key is not None and hasattr(key, "get_secret_value") else key
 
 
 def run_event_loop(coro):
