@@ -405,7 +405,8 @@ ERROR_MODULES = ("errors.py", "config.py", "backends/__init__.py", "backends/ups
                  "backends/chat_wire.py", "backends/token_stream.py", "backends/azure.py",
                  "backends/pool.py", "backends/openai_backend.py", "backends/local_request.py",
                  "prompting/splice.py", "server/app.py", "server/auth.py", "server/errors.py",
-                 "convert/request_checks.py")
+                 "convert/request_checks.py", "engine/weights.py", "engine/control.py", "engine/base.py",
+                 "backends/base.py", "server/control.py")
 HINT_FUNCTIONS = ("_not_found_hint", "_connection_hint")
 
 

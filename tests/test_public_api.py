@@ -19,13 +19,14 @@ from gymserve.server.run import start_background_server
 ROOT = Path(__file__).resolve().parents[1]
 
 PUBLIC = ["__version__", "GymserveConfig", "GymserveError", "load_config", "open_environments", "run_agent",
-          "start_background_server"]
+          "serve_policy", "start_background_server"]
 DEFINED_IN = {
     "GymserveConfig": "gymserve.config",
     "GymserveError": "gymserve.errors",
     "load_config": "gymserve.config",
     "open_environments": "gymserve.harness.envs",
     "run_agent": "gymserve.harness.agent",
+    "serve_policy": "gymserve.server.embed",
     "start_background_server": "gymserve.server.run",
 }
 
@@ -42,7 +43,7 @@ def test_each_name_is_the_defining_modules_object(name):
 
 
 def test_unknown_name_is_an_attribute_error_listing_the_public_names():
-    with pytest.raises(AttributeError, match="no attribute 'LocalBackend'.*run_agent, start_background_server"):
+    with pytest.raises(AttributeError, match="no attribute 'LocalBackend'.*run_agent, serve_policy, start_background_server"):
         gymserve.LocalBackend  # noqa: B018
     assert not hasattr(gymserve, "nope")
 

@@ -8,6 +8,8 @@ and talk to it over HTTP with the official ``openai`` SDK. From Python, the publ
 - ``load_config`` → ``GymserveConfig``: the YAML config (``docs/reference/configuration.md``);
 - ``start_background_server(config)``: serve in this process, in a thread, until ``.stop()``
   (a context manager; ``.base_url`` ends in ``/v1``);
+- ``serve_policy(model, tokenizer)``: serve a policy a trainer holds, in a thread, and push new
+  weights into it (``docs/concepts/training-control.md``);
 - ``GymserveError``: the root of every error gymserve raises (``gymserve.errors``);
 - ``run_agent`` and ``open_environments``: the RL harness's agent loop and example environments
   (``docs/tutorial.md``).
@@ -30,6 +32,7 @@ _EXPORTS = {
     "load_config": "gymserve.config",
     "open_environments": "gymserve.harness.envs",
     "run_agent": "gymserve.harness.agent",
+    "serve_policy": "gymserve.server.embed",
     "start_background_server": "gymserve.server.run",
 }
 

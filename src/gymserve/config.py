@@ -2,7 +2,7 @@
 
 Shape::
 
-    server:  {host, port, api_key, max_body_bytes, capture_path, max_queue, shutdown_timeout}
+    server:  {host, port, api_key, admin_api_key, max_body_bytes, capture_path, max_queue, shutdown_timeout}
     backend: {type: local | chat | openai | azure | ray, ...}
 
 ``${var}`` in the YAML resolves against the keys of an ``env.yaml`` (beside the config file, or
@@ -41,11 +41,14 @@ class _Model(BaseModel):
 
 
 class ServerConfig(_Model):
-    """gymserve's own HTTP server. ``api_key`` is the key clients must present (None: open)."""
+    """gymserve's own HTTP server. ``api_key`` is the key clients must present (None: open);
+    ``admin_api_key``, when set, is the only key the control routes (pause, weight updates) take."""
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: SecretStr | None = None
+    admin_api_key: SecretStr | None = Field(None, description="key for the control routes (/pause, /update_weights, "
+                                            "...); default: api_key. Without any key they answer 403 beyond loopback")
     max_body_bytes: int = Field(16 << 20, ge=1024)
     capture_path: str | None = None
     max_queue: int = Field(1024, ge=0)
@@ -78,6 +81,8 @@ class LocalBackendConfig(_Model):
     context_window: int | None = Field(None, ge=1)
     num_threads: int | None = Field(None, ge=1)
     reasoning_field: str = "reasoning_content"
+    pause_timeout: float = Field(300.0, gt=0, description="seconds a pause (POST /pause) lasts at most when it "
+                                 "names no timeout; then generation resumes by itself and the log says so")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     engine_args: dict[str, Any] = Field(
         default_factory=dict,

@@ -61,6 +61,39 @@ class SpliceError(InvalidRequestError):
 
 
 
+class WeightUpdateError(InvalidRequestError):
+    """A weight update was refused before anything changed (400, code ``invalid_weights``): an
+    unknown tensor name, a wrong shape or dtype, NaN/inf values, an unreadable file. ``param`` names
+    the tensor or file; the old weights keep serving."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message, param=param, code="invalid_weights")
+
+
+class NotSupportedError(GymserveError):
+    """The backend or engine does not implement this operation (501 Not Implemented), e.g. weight
+    updates on a backend that has no weights of its own; the message says what would."""
+
+    status_code = 501
+    error_type = "not_supported_error"
+
+
+class ConflictError(GymserveError):
+    """The operation cannot happen in the server's current state (409), e.g. a ``wait`` pause whose
+    deadline passed before the in-flight calls finished."""
+
+    status_code = 409
+    error_type = "conflict_error"
+
+
+class PermissionDeniedError(GymserveError):
+    """The route is closed for this server (403), e.g. control endpoints on a non-loopback bind
+    without any API key."""
+
+    status_code = 403
+    error_type = "permission_error"
+
+
 class OverloadedError(GymserveError):
     """The backend's queue is full (429); ``retry_after`` seconds goes in the Retry-After header."""
 

@@ -14,6 +14,16 @@ gymserve adds only the training fields, the names NeMo RL's generation servers u
 
 They ride on the chat assistant message (``choices[0].message``) and on the last Responses output
 item of a model call, and come back on input items/messages of the next turn for the prefix splice.
+
+Beside them, a backend that knows its weights (the local one) says which weights generated the call
+(``VERSION_FIELDS``, named as SGLang names its ``weight_version``):
+
+- ``weight_version``: ``int | str``, the weight version that sampled the first generated token;
+- ``weight_version_spans``: only when the generation spans a weight update,
+  ``[{"version": v, "start": i, "end": j}, ...]`` over ``generation_token_ids`` (token ``k`` for
+  ``i <= k < j`` came from version ``v``), in order and covering every token.
+
+They are informational: nothing reads them back from the next turn's input.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 TRAINING_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+VERSION_FIELDS = ("weight_version", "weight_version_spans")
 _INT = frozenset({int})  # exactly int: bool is a subclass of int but never a token ID
 _NUMBER = frozenset({int, float})
 

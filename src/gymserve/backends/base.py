@@ -116,5 +116,43 @@ class Backend:
         """``{"status": "ok" | "degraded" | "down", ...details}``."""
         return {"status": "ok"}
 
+    # ---- control plane of a policy being trained (server.control; vLLM's names) ---------------
+
+    def _no_control(self, what: str):
+        from gymserve.errors import NotSupportedError
+
+        return NotSupportedError(
+            f"{what} is not supported by the {self.name} backend yet: it serves weights it does not own. "
+            "Use the local backend (backend.type: local) for weight updates and pauses in gymserve, or "
+            "drive your upstream server's own control API", code="control_not_supported")
+
+    async def pause_generation(self, mode: str = "abort", *, timeout: float | None = None) -> None:
+        """Pause in ``mode`` (``abort`` | ``wait`` | ``keep``) for at most ``timeout`` s; see
+        docs/concepts/training-control.md. Raises ``NotSupportedError`` (501) by default."""
+        raise self._no_control("pause_generation")
+
+    async def resume_generation(self) -> None:
+        """End a pause. Raises ``NotSupportedError`` (501) by default."""
+        raise self._no_control("resume_generation")
+
+    async def is_paused(self) -> bool:
+        """Whether generation is paused. Raises ``NotSupportedError`` (501) by default."""
+        raise self._no_control("is_paused")
+
+    async def update_weights(self, tensors: Any = None, *, path: str | None = None,
+                             weight_version: int | str | None = None) -> int | str:
+        """Swap in a state dict (``tensors``) or the safetensors under ``path``, all or nothing;
+        returns the new weight version. Raises ``NotSupportedError`` (501) by default."""
+        raise self._no_control("update_weights")
+
+    async def update_weight_version(self, new_version: int | str) -> None:
+        """Name the serving weights ``new_version``. Raises ``NotSupportedError`` (501) by default."""
+        raise self._no_control("update_weight_version")
+
+    def control_status(self) -> list[dict[str, Any]]:
+        """Per replica ``{"replica", "weight_version", "weight_updates", "paused", ...}`` for
+        ``/health`` and ``/metrics``; empty for a backend without weights of its own."""
+        return []
+
     async def close(self) -> None:
         return None

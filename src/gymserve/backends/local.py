@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
+from gymserve.backends.local_control import LocalControl, version_fields
 from gymserve.backends.local_request import LocalCall, prepare_call
 from gymserve.engine.base import Engine, Generation
 from gymserve.protocol import ChatCompletionDict, ChatRequest
@@ -28,7 +29,7 @@ class _Parsed:
     finish_reason: str
 
 
-class LocalBackend(Backend):
+class LocalBackend(LocalControl, Backend):
     """Serves one in-process ``Engine``; see the module docstring.
 
     ``config`` is a ``gymserve.config.LocalBackendConfig``; ``engine`` and ``tokenizer`` are loaded
@@ -149,6 +150,7 @@ class LocalBackend(Backend):
         message["prompt_token_ids"] = call.prompt.token_ids
         message["generation_token_ids"] = ids
         message["generation_log_probs"] = lps
+        message.update(version_fields(gen, len(ids), self.engine))
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": parsed.finish_reason,
                                   "logprobs": self._logprobs(call, ids, lps, tops) if call.logprobs else None}
         return {
@@ -213,8 +215,11 @@ class LocalBackend(Backend):
 
 
 def chat_finish_reason(engine_finish: str, reasoning_incomplete: bool, has_tool_calls: bool) -> str:
-    """The chat ``finish_reason``: ``length`` when generation stopped at the limit or inside the
-    reasoning span, else ``tool_calls`` when calls were parsed, else ``stop``."""
+    """The chat ``finish_reason``: ``abort`` for a call ended by ``POST /pause?mode=abort`` (vLLM's
+    value), ``length`` when generation stopped at the limit or inside the reasoning span, else
+    ``tool_calls`` when calls were parsed, else ``stop``."""
+    if engine_finish == "abort":
+        return "abort"
     if engine_finish == "length" or reasoning_incomplete:
         return "length"
     return "tool_calls" if has_tool_calls else "stop"

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gymserve.backends.local import chat_finish_reason, usage
+from gymserve.backends.local_control import version_fields
 from gymserve.backends.local_request import LocalCall
 
 
@@ -78,7 +79,7 @@ class _Chunks:
         out = self.text(tail_text) + [self.chunk(d) for d in self.parser.finish(gen.finish_reason)]
         reason = chat_finish_reason(gen.finish_reason, self.parser.reasoning_incomplete, bool(self.parser.call_ids))
         final = self.chunk({"prompt_token_ids": call.prompt.token_ids, "generation_token_ids": ids,
-                            "generation_log_probs": lps}, reason)
+                            "generation_log_probs": lps, **version_fields(gen, len(ids), backend.engine)}, reason)
         if call.logprobs:
             final["choices"][0]["logprobs"] = backend._logprobs(call, ids, lps, tops)
         out.append(final)
@@ -99,18 +100,20 @@ def generation_chunks(backend, call: LocalCall, gen) -> list[dict[str, Any]]:
 
 async def stream_chat(backend, call: LocalCall) -> AsyncIterator[dict[str, Any]]:
     """Yield chat chunks for one prepared local call (see module docstring)."""
-    from gymserve.engine.base import Generation
+    from gymserve.engine.base import Generation, extend_spans
 
     chunks = _Chunks(backend, call)
     detok = IncrementalDetokenizer(backend.tokenizer)
     ids: list[int] = []
     lps: list[float] = []
     tops: list = []
+    spans: list = []
     yield chunks.role()
     finish = "length"
     stream = backend.engine.stream(call.prompt.token_ids, call.sampling)
     try:
         async for step in stream:
+            extend_spans(spans, step.weight_version, len(ids), len(step.token_ids))
             ids += step.token_ids
             lps += step.log_probs
             tops += step.top_logprobs
@@ -121,7 +124,7 @@ async def stream_chat(backend, call: LocalCall) -> AsyncIterator[dict[str, Any]]
                 yield c
     finally:
         await stream.aclose()
-    gen = Generation(ids, lps, finish, tops)
+    gen = Generation(ids, lps, finish, tops, spans)
     kept = backend._trim(gen)
     for c in chunks.end(gen, kept, detok.push(kept[0][len(detok.ids):], final=True)):
         yield c

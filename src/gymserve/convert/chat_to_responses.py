@@ -11,6 +11,7 @@ from typing import Any
 from gymserve.errors import UpstreamError
 from gymserve.protocol import (
     TRAINING_FIELDS,
+    VERSION_FIELDS,
     ChatCompletionDict,
     ResponseDict,
     ResponsesRequest,
@@ -229,6 +230,8 @@ def finish_status(finish_reason: Any) -> tuple[str, dict[str, Any] | None]:
         return "incomplete", {"reason": "max_output_tokens"}
     if finish_reason == "content_filter":
         return "incomplete", {"reason": "content_filter"}
+    if finish_reason == "abort":  # vLLM's, and gymserve's for POST /pause?mode=abort (training-control.md)
+        return "incomplete", {"reason": "abort"}
     return "completed", None
 
 
@@ -297,6 +300,7 @@ def chat_to_response(completion: ChatCompletionDict, request: ResponsesRequest, 
             output.append(message_item(next_id("msg"), "", "incomplete" if status == "incomplete" else "completed"))
         # On the last item, which the next turn's input carries back unchanged.
         output[-1].update(tokens)
+        output[-1].update({f: message[f] for f in VERSION_FIELDS if message.get(f) is not None})
     response = response_envelope(
         request, model=completion.get("model"), status=status, output=output, incomplete_details=details,
         usage=convert_usage(completion.get("usage")), response_id=response_id, created_at=created_at)

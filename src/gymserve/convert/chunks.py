@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from gymserve.convert.chat_to_responses import new_id
-from gymserve.protocol import TRAINING_FIELDS, ChatCompletionDict
+from gymserve.protocol import TRAINING_FIELDS, VERSION_FIELDS, ChatCompletionDict
 
 
 class ChunkAccumulator:
@@ -32,6 +32,7 @@ class ChunkAccumulator:
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.tokens: dict[str, list] = {}
+        self.versions: dict[str, Any] = {}  # weight_version fields (protocol.VERSION_FIELDS), last one wins
 
     def add(self, chunk: dict[str, Any]) -> dict[str, Any]:
         """Fold one chunk; returns what it added: ``{"reasoning", "content", "refusal", "tool_calls":
@@ -98,6 +99,9 @@ class ChunkAccumulator:
                 self.tokens[name] = value
             else:
                 self.tokens[name] = [*self.tokens.get(name, []), *value]
+        for name in VERSION_FIELDS:
+            if obj.get(name) is not None:
+                self.versions[name] = obj[name]
 
     def message_view(self) -> dict[str, Any]:
         """The assistant message so far (reasoning and content only)."""
@@ -115,6 +119,7 @@ class ChunkAccumulator:
         if any(k != "prompt_token_ids" for k in self.tokens):
             # prompt_token_ids alone is a server's own metadata (vLLM's return_token_ids), not a record.
             message.update(self.tokens)
+            message.update(self.versions)
         return {
             "id": self.id or new_id("chatcmpl"),
             "object": "chat.completion",

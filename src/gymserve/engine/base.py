@@ -2,15 +2,32 @@
 
 Everything above the engine (templating, prefix splice, parsers, pinned sampling, context clamp,
 stop-token trimming) is engine-independent; an engine only turns token IDs into token IDs.
+
+The engine also owns the control plane of a policy being trained (``Engine.pause_generation``,
+``update_weights``, ...; named as vLLM names them, see docs/concepts/training-control.md): each
+token it streams says which weight version sampled it (``TokenDelta.weight_version``), and
+``collect`` turns those into ``Generation.weight_version_spans``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
+"""``abort``: ended by ``pause_generation(mode="abort")``, keeping the tokens sampled so far (vLLM's
+finish reason for an aborted request)."""
+
+WeightVersion = int | str
+"""Which weights a token came from: an int the engine counts (0 for the weights it loaded, then one
+more per update), or the string a trainer gave (SGLang's ``weight_version``)."""
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""vLLM's pause modes: ``abort`` ends in-flight calls now, ``wait`` lets them finish, ``keep``
+freezes them until ``resume_generation``."""
+PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 
 
 @dataclass(frozen=True)
@@ -47,22 +64,47 @@ class Generation:
     log_probs: list[float]
     finish_reason: FinishReason
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    weight_version_spans: list[dict[str, Any]] = field(default_factory=list)
+    """``[{"version": v, "start": i, "end": j}, ...]``: token ``token_ids[k]`` for ``i <= k < j`` was
+    sampled by weight version ``v``; in order, covering every token; empty when the engine does not
+    report versions."""
 
 
 @dataclass
 class TokenDelta:
-    """A streamed step: newly sampled IDs and their log-probs; ``finish_reason`` set on the last one."""
+    """A streamed step: newly sampled IDs and their log-probs; ``finish_reason`` set on the last one.
+
+    ``weight_version``: the weights that sampled these tokens (None: the engine does not say). A
+    final delta may carry no tokens (``finish_reason`` ``"abort"``)."""
 
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: FinishReason | None = None
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    weight_version: WeightVersion | None = None
+
+
+def extend_spans(spans: list[dict[str, Any]], version: WeightVersion | None, start: int, count: int) -> None:
+    """Record that ``count`` tokens from index ``start`` on came from ``version`` (in place): the
+    last span grows when the version is the same, else a new span starts."""
+    if version is None or count <= 0:
+        return
+    if spans and spans[-1]["version"] == version and spans[-1]["end"] == start:
+        spans[-1]["end"] = start + count
+    else:
+        spans.append({"version": version, "start": start, "end": start + count})
+
+
+def clip_spans(spans: list[dict[str, Any]], length: int) -> list[dict[str, Any]]:
+    """The spans over the first ``length`` tokens (after the stop token is trimmed)."""
+    return [{**s, "end": min(s["end"], length)} for s in spans if s["start"] < length]
 
 
 async def collect(stream: AsyncIterator[TokenDelta]) -> Generation:
     """A whole ``Generation`` from an engine's token deltas (how engines implement ``generate``)."""
     gen = Generation(token_ids=[], log_probs=[], finish_reason="length")
     async for delta in stream:
+        extend_spans(gen.weight_version_spans, delta.weight_version, len(gen.token_ids), len(delta.token_ids))
         gen.token_ids += delta.token_ids
         gen.log_probs += delta.log_probs
         gen.top_logprobs += delta.top_logprobs
@@ -71,7 +113,42 @@ async def collect(stream: AsyncIterator[TokenDelta]) -> Generation:
     return gen
 
 
-class RunBasedEngine:
+class NoControl:
+    """The control plane of an engine that does not implement it yet: every operation raises
+    ``NotSupportedError`` (501) naming the engine; the weights it loaded stay version 0."""
+
+    engine_name = "this"
+    weight_version: WeightVersion = 0
+
+    def _unsupported(self, what: str):
+        from gymserve.errors import NotSupportedError
+
+        return NotSupportedError(
+            f"{what} is not supported yet by the {self.engine_name} engine; use the transformers engine "
+            "(backend.engine: transformers), or drive your own server's control API through the chat backend",
+            code="control_not_supported")
+
+    async def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
+        raise self._unsupported("pause_generation")
+
+    async def resume_generation(self) -> None:
+        raise self._unsupported("resume_generation")
+
+    async def is_paused(self) -> bool:
+        return False
+
+    async def update_weights(self, tensors: Any = None, *, path: str | os.PathLike | None = None,
+                             weight_version: WeightVersion | None = None) -> WeightVersion:
+        raise self._unsupported("update_weights")
+
+    async def update_weight_version(self, new_version: WeightVersion) -> None:
+        raise self._unsupported("update_weight_version")
+
+    def control_status(self) -> dict[str, Any]:
+        return {"weight_version": self.weight_version, "weight_updates": 0, "paused": None}
+
+
+class RunBasedEngine(NoControl):
     """Shared plumbing for engines with one code path ``_run(prompt_ids, sampling, stream=...)``
     yielding ``TokenDelta``s (the vLLM and TensorRT-LLM adapters)."""
 
@@ -108,6 +185,15 @@ class Engine(Protocol):
     ``context_window``: max prompt + generation tokens. ``vocab_size``: valid IDs are ``[0, vocab_size)``.
     Implementations must keep the event loop free (generate off-thread or in another process) and
     may batch concurrent requests.
+
+    The control plane (names and modes as vLLM's ``AsyncLLM`` has them; engines that lack it
+    inherit ``NoControl``): ``weight_version`` is the version now serving; ``pause_generation``
+    stops sampling in one of the ``PauseMode``s until ``resume_generation`` or ``timeout`` seconds;
+    ``update_weights`` swaps in a state dict (``tensors``: name → tensor) or the safetensors under
+    ``path`` between two decode steps, all or nothing, and returns the new version;
+    ``update_weight_version`` names the weights after the caller changed them itself;
+    ``control_status()`` is ``{"weight_version", "weight_updates", "paused": mode | None, ...}``.
+    Bad updates raise ``WeightUpdateError`` (400) and change nothing.
     """
 
     model_name: str
@@ -115,11 +201,25 @@ class Engine(Protocol):
     eos_token_ids: tuple[int, ...]
     context_window: int
     vocab_size: int
+    weight_version: WeightVersion
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation: ...
 
     def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[TokenDelta]:
         """Yield token deltas as they are sampled; closing the iterator cancels the generation."""
         ...
+
+    async def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None: ...
+
+    async def resume_generation(self) -> None: ...
+
+    async def is_paused(self) -> bool: ...
+
+    async def update_weights(self, tensors: Any = None, *, path: str | os.PathLike | None = None,
+                             weight_version: WeightVersion | None = None) -> WeightVersion: ...
+
+    async def update_weight_version(self, new_version: WeightVersion) -> None: ...
+
+    def control_status(self) -> dict[str, Any]: ...
 
     async def close(self) -> None: ...

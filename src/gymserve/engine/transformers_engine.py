@@ -10,11 +10,18 @@ event loop never blocks on the model and streaming falls out of the same path.
 Log-probs are ``log_softmax`` of the logits the model produced for the sampled position (see
 ``sampling.py``); padding is masked out of attention, so they match a teacher-forced forward pass
 over prompt + generation to float32 rounding.
+
+Serving a policy being trained: pause/resume, weight updates and versions run on the same worker
+thread, between two decode steps (``engine.control`` has the state machine, ``engine.weights`` the
+reading and validation), so no forward pass sees a half-loaded model. After the weights change, the
+KV cache of calls still in the batch is recomputed on the new weights (one single-sequence prefill
+each, as at admission) before their next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import itertools
 import os
@@ -23,10 +30,12 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from gymserve.engine.base import Generation, SamplingParams, TokenDelta, collect
+from gymserve.engine.base import FinishReason, Generation, SamplingParams, TokenDelta, WeightVersion, collect
+from gymserve.engine.control import Command, ControlState, WorkerControl, check_timeout, check_version
 from gymserve.engine.sampling import make_generator, sample_next, top_logprobs
 from gymserve.errors import EngineError
 
@@ -40,6 +49,7 @@ class _Request:
     stop_ids: frozenset[int]
     generator: torch.Generator | None = None
     generated: int = 0
+    tokens: list[int] = field(default_factory=list)  # sampled so far (to recompute the KV cache)
     next_token: int | None = None  # sampled, not yet fed to the model
     cancelled: bool = False
     seq_len: int = 0  # tokens of this sequence in the cache (prompt + fed generation)
@@ -49,29 +59,54 @@ class _Request:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
-class TransformersEngine:
+@dataclass
+class _Batch:
+    """The running batch: its calls, their DynamicCache (grown in place by each decode step) and
+    the ``[B, T]`` attention mask (1 = real token, 0 = left padding)."""
+
+    active: list[_Request] = field(default_factory=list)
+    cache: Any = None
+    mask: torch.Tensor | None = None
+
+    def clear(self) -> None:
+        self.active, self.cache, self.mask = [], None, None
+
+
+class TransformersEngine(WorkerControl):
     """The ``Engine`` over a Hugging Face causal LM directory.
 
     ``model_dir``: a directory ``AutoModelForCausalLM`` loads (config + safetensors).
     ``max_batch_size``: concurrent sequences per decode step; more requests wait in the queue.
     ``context_window``: defaults to the config's ``max_position_embeddings``.
     ``num_threads``: torch intra-op threads (default: all cores).
+    ``model``: serve this already loaded causal LM instead of loading ``model_dir`` (a trainer's own
+    copy; ``model_dir`` then only names it and supplies ``generation_config.json`` when present).
+    ``weight_version``: the version of the weights it starts with. ``pause_timeout``: seconds a
+    pause lasts when the caller gives no timeout.
     """
+
+    engine_name = "transformers"
 
     @classmethod
     def from_config(cls, config, resolved) -> TransformersEngine:
         """The engine for a ``LocalBackendConfig`` and a ``model_store.ResolvedModel``."""
         return cls(resolved.path, model_name=resolved.name, max_batch_size=config.max_batch_size,
-                   context_window=config.context_window, num_threads=config.num_threads)
+                   context_window=config.context_window, num_threads=config.num_threads,
+                   pause_timeout=config.pause_timeout)
 
-    def __init__(self, model_dir: str | Path, *, model_name: str | None = None, max_batch_size: int = 8,
-                 context_window: int | None = None, num_threads: int | None = None, dtype: str = "float32"):
+    def __init__(self, model_dir: str | Path | None = None, *, model_name: str | None = None, max_batch_size: int = 8,
+                 context_window: int | None = None, num_threads: int | None = None, dtype: str = "float32",
+                 model: Any = None, weight_version: WeightVersion = 0, pause_timeout: float = 300.0):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
+        if model_dir is None and model is None:
+            raise ValueError("TransformersEngine needs model_dir (a model directory) or model (a loaded causal LM)")
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
-        self.model_dir = Path(model_dir)
-        self.model_name = model_name or self.model_dir.name
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+        cfg_path = model_dir or getattr(getattr(model, "config", None), "_name_or_path", None) or ""
+        self.model_dir = Path(cfg_path)
+        self.model_name = model_name or self.model_dir.name or "policy"
+        self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=getattr(torch, dtype))
         self.model.eval()
         cfg = self.model.config
         self.model_type = getattr(cfg, "model_type", None) or None
@@ -79,8 +114,8 @@ class TransformersEngine:
         self.context_window = int(context_window or getattr(cfg, "max_position_embeddings", 4096))
         eos: set[int] = set()
         try:
-            gen_cfg = GenerationConfig.from_pretrained(str(model_dir))
-            ids = gen_cfg.eos_token_id
+            gen_cfg = GenerationConfig.from_pretrained(str(cfg_path)) if cfg_path else None
+            ids = gen_cfg.eos_token_id if gen_cfg is not None else cfg.eos_token_id
         except OSError:
             ids = cfg.eos_token_id
         for i in ids if isinstance(ids, list) else [ids]:
@@ -91,7 +126,11 @@ class TransformersEngine:
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed ``past_key_values`` to ``cache``; accept both.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._inbox: queue.Queue[_Request | None] = queue.Queue()
+        self.pause_timeout = check_timeout(pause_timeout)
+        self._control = ControlState(check_version(weight_version))
+        self._waiting: collections.deque[_Request] = collections.deque()  # worker-only: not yet admitted
+        self._update_lock: asyncio.Lock | None = None
+        self._inbox: queue.Queue[_Request | Command | None] = queue.Queue()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="gymserve-engine", daemon=True)
         self._thread.start()
@@ -133,68 +172,127 @@ class TransformersEngine:
     # ---- worker thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        active: list[_Request] = []
-        cache = None  # DynamicCache of the running batch, grown in place by each decode step
-        mask: torch.Tensor | None = None  # [B, T] 1 = real token, 0 = left padding
+        batch = _Batch()
+        ctl = self._control
         with torch.inference_mode():
             while True:
-                block = not active
-                admitted = []
-                while len(active) + len(admitted) < self.max_batch_size:
-                    try:
-                        req = self._inbox.get(block=block)
-                    except queue.Empty:
-                        break
-                    block = False
-                    if req is None:
-                        self._drain(active + [r for r, _ in admitted])
+                busy = (batch.active and ctl.decoding) or (self._waiting and ctl.admitting)
+                for item in self._pull(block=not busy, timeout=ctl.seconds_left()):
+                    if item is None:
+                        self._drain(batch.active)
                         return
-                    if req.cancelled:
-                        continue
-                    try:
-                        req_kv = self._prefill(req)
-                    except Exception as exc:  # noqa: BLE001 - reported to the caller, never kills the worker
-                        req.emit(exc)
-                        continue
-                    if req.next_token is not None:  # else it finished on its first token
-                        admitted.append((req, req_kv))
-                if admitted:
-                    # The cache is rebuilt only when the batch changes; decode steps extend it in place.
-                    kv = _layers(cache) if cache is not None else None
-                    for req, req_kv in admitted:
-                        kv, mask = self._merge(kv, mask, req_kv, req.seq_len)
-                        active.append(req)
-                    cache = self._new_cache(kv)
-                if not active:
-                    continue
-                try:
-                    keep, mask = self._decode_step(active, cache, mask)
-                except Exception as exc:  # noqa: BLE001
-                    for r in active:
-                        r.emit(exc)
-                    active, cache, mask = [], None, None
-                    continue
-                if len(keep) != len(active):
-                    active = [active[i] for i in keep]
-                    if active:
-                        idx = torch.tensor(keep)
-                        kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in _layers(cache)]
-                        kv, mask = self._compact(kv, mask.index_select(0, idx))
-                        cache = self._new_cache(kv)
+                    if isinstance(item, Command):
+                        self._command(item, batch)
                     else:
-                        cache, mask = None, None
+                        self._waiting.append(item)
+                ctl.expire()
+                if not batch.active:
+                    ctl.stale = False
+                elif ctl.stale and ctl.decoding:
+                    self._guarded(batch, self._recompute)
+                if ctl.admitting:
+                    self._admit(batch)
+                if batch.active and ctl.decoding:
+                    self._guarded(batch, self._step)
+                ctl.settle(len(batch.active))
+
+    def _pull(self, *, block: bool, timeout: float | None) -> list:
+        """Everything in the inbox; when ``block``, waits for the first item (at most ``timeout`` s)."""
+        items = []
+        try:
+            if block:
+                items.append(self._inbox.get(timeout=timeout))
+            while True:
+                items.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return items
+
+    def _command(self, cmd: Command, batch: _Batch) -> None:
+        ctl = self._control
+        try:
+            if cmd.kind == "pause":
+                ctl.pause(cmd)  # answered by ctl.settle once it has taken effect
+                if cmd.mode == "abort":
+                    for r in batch.active:  # the tokens sampled so far were emitted already
+                        r.emit(TokenDelta([], [], "abort"))
+                    batch.clear()
+            elif cmd.kind == "resume":
+                ctl.resume()
+                cmd.future.set_result(None)
+            else:
+                cmd.future.set_result(ctl.new_weights(cmd, len(batch.active)))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, never kills the worker
+            if not cmd.future.done():
+                cmd.future.set_exception(exc)
+
+    def _guarded(self, batch: _Batch, step) -> None:
+        """Run ``step(batch)``; a failure ends every call in the batch with the error."""
+        try:
+            step(batch)
+        except Exception as exc:  # noqa: BLE001
+            for r in batch.active:
+                r.emit(exc)
+            batch.clear()
+
+    def _admit(self, batch: _Batch) -> None:
+        admitted: list[tuple[_Request, Any]] = []
+        while self._waiting and len(batch.active) + len(admitted) < self.max_batch_size:
+            req = self._waiting.popleft()
+            if req.cancelled:
+                continue
+            try:
+                req_kv = self._prefill(req)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, never kills the worker
+                req.emit(exc)
+                continue
+            if req.next_token is not None:  # else it finished on its first token
+                admitted.append((req, req_kv))
+        if admitted:
+            # The cache is rebuilt only when the batch changes; decode steps extend it in place.
+            kv = _layers(batch.cache) if batch.cache is not None else None
+            mask = batch.mask
+            for req, req_kv in admitted:
+                kv, mask = self._merge(kv, mask, req_kv, req.seq_len)
+                batch.active.append(req)
+            batch.cache, batch.mask = self._new_cache(kv), mask
+
+    def _recompute(self, batch: _Batch) -> None:
+        """The batch's KV cache again, on the current weights: each call's prompt and fed tokens
+        (its last sampled token is fed by the next step), one single-sequence prefill each."""
+        kv = mask = None
+        for r in batch.active:
+            req_kv, _ = self._encode((r.prompt_ids + r.tokens)[: r.seq_len])
+            kv, mask = self._merge(kv, mask, req_kv, r.seq_len)
+        batch.cache, batch.mask = self._new_cache(kv), mask
+        self._control.stale = False
+
+    def _step(self, batch: _Batch) -> None:
+        keep, batch.mask = self._decode_step(batch.active, batch.cache, batch.mask)
+        if len(keep) != len(batch.active):
+            batch.active = [batch.active[i] for i in keep]
+            if batch.active:
+                idx = torch.tensor(keep)
+                kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in _layers(batch.cache)]
+                kv, batch.mask = self._compact(kv, batch.mask.index_select(0, idx))
+                batch.cache = self._new_cache(kv)
+            else:
+                batch.clear()
 
     def _drain(self, active: list[_Request]) -> None:
         err = EngineError("the engine shut down during generation")
-        for r in active:
+        self._control.fail_all(err)
+        for r in [*active, *self._waiting]:
             r.emit(err)
+        self._waiting.clear()
         while True:
             try:
-                req = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if req is not None:
-                req.emit(err)
+            if isinstance(item, Command):
+                item.future.set_exception(err)
+            elif item is not None:
+                item.emit(err)
 
     def _new_cache(self, kv):
         from transformers import DynamicCache
@@ -207,14 +305,19 @@ class TransformersEngine:
                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[:, -1, :].float()
 
-    def _prefill(self, req: _Request):
-        ids = torch.tensor([req.prompt_ids])
+    def _encode(self, token_ids: list[int]):
+        """One single-sequence forward pass: its per-layer KV and the last position's logits."""
+        ids = torch.tensor([token_ids])
         n = ids.shape[1]
         cache = self._new_cache(None)
         logits = self._forward(ids, torch.ones_like(ids), torch.arange(n).unsqueeze(0), cache)
-        req.seq_len = n
-        self._accept(req, logits[0])
-        return _layers(cache)
+        return _layers(cache), logits[0]
+
+    def _prefill(self, req: _Request):
+        kv, logits = self._encode(req.prompt_ids)
+        req.seq_len = len(req.prompt_ids)
+        self._accept(req, logits)
+        return kv
 
     def _accept(self, req: _Request, logits: torch.Tensor) -> bool:
         """Sample from one position's logits, emit it; True while the sequence goes on."""
@@ -224,13 +327,14 @@ class TransformersEngine:
         logprobs = torch.log_softmax(logits, dim=-1)
         tok = sample_next(logits, req.sampling, req.generator)
         req.generated += 1
-        finish = None
+        finish: FinishReason | None = None
         if tok in req.stop_ids:
             finish = "stop"
         elif req.generated >= req.sampling.max_tokens:
             finish = "length"
         tops = [top_logprobs(logprobs, req.sampling.top_logprobs)] if req.sampling.top_logprobs else []
-        req.emit(TokenDelta([tok], [float(logprobs[tok])], finish, tops))
+        req.tokens.append(tok)
+        req.emit(TokenDelta([tok], [float(logprobs[tok])], finish, tops, self._control.weight_version))
         req.next_token = None if finish else tok
         return finish is None
 

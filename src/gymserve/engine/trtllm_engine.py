@@ -118,6 +118,8 @@ class TRTLLMEngine(RunBasedEngine):
     names one. ``engine_args``: see ``trtllm_llm_kwargs``.
     """
 
+    engine_name = "trtllm"  # in "not supported yet by the trtllm engine" (weight updates, pause)
+
     @classmethod
     def from_config(cls, config, resolved) -> TRTLLMEngine:
         """The engine for a ``LocalBackendConfig`` (its ``engine_args``) and a ``ResolvedModel``."""

@@ -101,6 +101,8 @@ class VLLMEngine(RunBasedEngine):
     ``raw_logprobs`` is refused.
     """
 
+    engine_name = "vllm"  # in "not supported yet by the vllm engine" (weight updates, pause)
+
     @classmethod
     def from_config(cls, config, resolved) -> VLLMEngine:
         """The engine for a ``LocalBackendConfig`` (its ``engine_args``) and a ``ResolvedModel``."""

@@ -123,7 +123,8 @@ class ReasoningParser:
     ``split(text, prompt_tail, finish_reason)`` returns ``(reasoning, rest, incomplete)``.
     ``prompt_tail`` is the end of the real rendered prompt text (a template that pre-fills
     ``<think>`` makes the model emit only ``</think>``); ``finish_reason`` decides the case of an
-    unclosed span: ``"length"`` → it is reasoning and ``incomplete`` is True; ``"stop"`` → the model
+    unclosed span: ``"length"`` (or ``"abort"``, a call ended by a pause) → it is reasoning and
+    ``incomplete`` is True; ``"stop"`` → the model
     skipped thinking, so the text is content. ``rest`` is always a suffix of ``text``.
     """
 

@@ -83,8 +83,9 @@ class ThinkReasoningParser(ReasoningParser):
         if span.body is None:
             return None, text, False
         if span.close is None:
-            if finish_reason == "length" or span.body > 0:  # cut mid-thought, or opened by the model
-                return text[span.body :].strip() or None, "", finish_reason == "length"
+            cut = finish_reason in ("length", "abort")  # stopped by the limit, or by POST /pause?mode=abort
+            if cut or span.body > 0:  # cut mid-thought, or opened by the model
+                return text[span.body :].strip() or None, "", cut
             return None, text[span.body :].lstrip(), False
         return text[span.body : span.close].strip() or None, text[span.rest :].lstrip(), False
 

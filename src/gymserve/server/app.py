@@ -1,8 +1,9 @@
 """The HTTP server: OpenAI-compatible routes over one backend.
 
 Routes: ``POST /v1/responses``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus; ``server.metrics``), and ``GET /``: a small JSON status (name,
-version, backend, model, links), as NeMo Gym's servers answer there. Every model call is timed and
+``GET /metrics`` (Prometheus; ``server.metrics``), ``GET /``: a small JSON status (name,
+version, backend, model, links), as NeMo Gym's servers answer there, and the control routes of
+``server.control`` (pause, resume, weight updates). Every model call is timed and
 counted per backend and replica (``ctx.extra["replica"]``, set by the backend) and, with
 ``capture_path``, written to a JSONL capture file (``server.capture``).
 Bodies are parsed as plain JSON (orjson), checked by ``convert.request_checks.check_request``
@@ -32,6 +33,7 @@ from gymserve.backends.base import Backend, RequestContext
 from gymserve.convert.request_checks import Api, check_request
 from gymserve.errors import GymserveError, InvalidRequestError
 from gymserve.server.capture import CaptureWriter, install_log_redaction
+from gymserve.server.control import CONTROL_PATHS, control_health, install_control
 from gymserve.server.errors import error_response, install_error_handlers
 from gymserve.server.limits import ShuttingDownError, read_body
 from gymserve.server.metrics import Metrics, usage_tokens
@@ -134,12 +136,15 @@ def _error_event(error: dict[str, Any], *, responses: bool, seq: int) -> bytes:
 
 def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_key: str | None = None,
                served_models: list[str] | None = None, capture_path: str | None = None,
-               secrets: tuple[str, ...] = ()) -> FastAPI:
+               secrets: tuple[str, ...] = (), admin_api_key: str | None = None,
+               control_allowed: bool = True) -> FastAPI:
     """Build the FastAPI app over ``backend``. The caller owns the backend's lifetime and calls
     ``close_app`` when the server has stopped (it flushes the capture file).
 
     ``capture_path``: append every model call to this JSONL file (``server.capture``), redacting
-    ``secrets``, the backend's upstream keys and ``server_api_key``.
+    ``secrets``, the backend's upstream keys and ``server_api_key``. ``admin_api_key`` guards the
+    control routes instead of ``server_api_key``; ``control_allowed`` False answers them 403
+    (``server.control.control_allowed`` decides it from the bind address).
     """
     app = FastAPI(title="gymserve", version=__version__,
                   description="Token-exact Responses API and Chat Completions server for RL of LLM agents.")
@@ -154,14 +159,16 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
                               headers={"Retry-After": "1", "Connection": "close"})
 
     install_openapi(app)
-    all_secrets = tuple(s for s in (*getattr(backend, "_secrets", ()), server_api_key, *secrets) if s)
+    all_secrets = tuple(s for s in (*getattr(backend, "_secrets", ()), server_api_key, admin_api_key, *secrets) if s)
     install_log_redaction(all_secrets)
     app.state.capture = capture = (CaptureWriter(capture_path, secrets=all_secrets, on_drop=metrics.capture_dropped.inc)
                                    if capture_path else None)
-    if server_api_key:
+    if server_api_key or admin_api_key:
         from gymserve.server.auth import install_api_key_check
 
-        install_api_key_check(app, server_api_key, on_failure=metrics.auth_failures.inc)
+        install_api_key_check(app, server_api_key, on_failure=metrics.auth_failures.inc, admin_key=admin_api_key,
+                              admin_paths=CONTROL_PATHS)
+    install_control(app, backend, allowed=control_allowed, registry=metrics.registry)
     backend_name = getattr(backend, "name", "backend")
     default_replica = "local" if backend_name == "local" else "-"
 
@@ -245,7 +252,7 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
     async def health():
         if app.state.draining:
             return _json({"status": "draining"}, status=503)
-        info = await backend.health()
+        info = {**await backend.health(), **control_health(backend)}
         return _json(info, status=200 if info.get("status") != "down" else 503)
 
     @app.get("/metrics", include_in_schema=False)

@@ -2,6 +2,10 @@
 ``api_key``) or as ``api-key: <key>`` (Azure's spelling), compared in constant time; every route but
 ``/health`` requires it, unknown routes included (a 404 would tell a stranger what exists).
 
+The control routes (``server.control.CONTROL_PATHS``: pause, weight updates) take the admin key
+instead when ``server.admin_api_key`` is set, so rollout workers holding the server key cannot
+swap the policy; without an admin key they take the server key.
+
 A pure ASGI middleware (no ``BaseHTTPMiddleware``): it looks at the headers only, never reads the
 body, and adds nothing to an authorized request but one ``hmac.compare_digest``.
 """
@@ -14,9 +18,14 @@ import orjson
 
 OPEN_PATHS = frozenset({"/health"})
 
-_BODY = orjson.dumps({"error": {
-    "message": "missing or wrong API key: send 'Authorization: Bearer <key>' (the server was started with an API key)",
-    "type": "authentication_error", "param": None, "code": "invalid_api_key"}})
+def _refusal(message: str) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": "authentication_error", "param": None,
+                                   "code": "invalid_api_key"}})
+
+
+_BODY = _refusal("missing or wrong API key: send 'Authorization: Bearer <key>' (the server was started with an API key)")
+_ADMIN_BODY = _refusal("missing or wrong admin API key: control routes (pause, weight updates) need "
+                       "'Authorization: Bearer <key>' with server.admin_api_key (the server API key when no admin key is set)")
 
 
 def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -35,25 +44,36 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes:
 
 
 class ApiKeyMiddleware:
-    """401 (OpenAI error object, ``WWW-Authenticate: Bearer``) for any request without the key."""
+    """401 (OpenAI error object, ``WWW-Authenticate: Bearer``) for any request without the key.
 
-    def __init__(self, app, key: str, on_failure=None):
+    ``key`` None leaves the non-control routes open; ``admin_key`` guards ``admin_paths`` (default:
+    ``key`` guards them too)."""
+
+    def __init__(self, app, key: str | None, on_failure=None, *, admin_key: str | None = None,
+                 admin_paths: frozenset[str] = frozenset()):
         self.app = app
-        self.expected = key.encode()
+        self.expected = key.encode() if key else None
+        self.admin = admin_key.encode() if admin_key else self.expected
+        self.admin_paths = admin_paths
         self.on_failure = on_failure
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        if hmac.compare_digest(presented_key(scope["headers"]), self.expected):
+        admin = scope["path"] in self.admin_paths
+        expected = self.admin if admin else self.expected
+        if expected is None or hmac.compare_digest(presented_key(scope["headers"]), expected):
             return await self.app(scope, receive, send)
         if self.on_failure is not None:
             self.on_failure()
+        body = _ADMIN_BODY if admin else _BODY
         await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(_BODY)).encode()),
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": _BODY})
+        await send({"type": "http.response.body", "body": body})
 
 
-def install_api_key_check(app, key: str, on_failure=None) -> None:
-    app.add_middleware(ApiKeyMiddleware, key=key, on_failure=on_failure)
+def install_api_key_check(app, key: str | None, on_failure=None, *, admin_key: str | None = None,
+                          admin_paths: frozenset[str] = frozenset()) -> None:
+    """Require ``key`` on every route but ``/health`` and ``admin_key`` (else ``key``) on ``admin_paths``."""
+    app.add_middleware(ApiKeyMiddleware, key=key, on_failure=on_failure, admin_key=admin_key, admin_paths=admin_paths)

@@ -20,9 +20,9 @@ import uvicorn
 log = logging.getLogger("gymserve.server")
 
 
-def _server_key(config) -> str | None:
-    key = getattr(config.server, "api_key", None)
-    return key.get_secret_value() if hasattr(key, "get_secret_value") else key
+def _server_key(config, field: str = "api_key") -> str | None:
+    key = getattr(config.server, field, None)
+    return key.get_secret_value() if key is not None and hasattr(key, "get_secret_value") else key
 
 
 def run_event_loop(coro):
@@ -39,9 +39,12 @@ def run_event_loop(coro):
 def build_app(config, backend):
     """The FastAPI app for ``config`` (a ``GymserveConfig``) over an already built ``backend``."""
     from gymserve.server.app import create_app
+    from gymserve.server.control import control_allowed
 
-    return create_app(backend, max_body_bytes=config.server.max_body_bytes, server_api_key=_server_key(config),
-                      capture_path=config.server.capture_path)
+    keys = _server_key(config), _server_key(config, "admin_api_key")
+    return create_app(backend, max_body_bytes=config.server.max_body_bytes, server_api_key=keys[0],
+                      capture_path=config.server.capture_path, admin_api_key=keys[1],
+                      control_allowed=control_allowed(config.server.host, *keys))
 
 
 class GymserveServer(uvicorn.Server):
@@ -96,10 +99,13 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _warn_exposed(config) -> None:
-    """Warn (log and stderr) when binding beyond loopback without a server API key."""
+    """Warn (log and stderr) when binding beyond loopback without a server API key (the control
+    routes are then closed: ``server.control.control_allowed``)."""
     if config.server.host not in _LOOPBACK and not _server_key(config):
         msg = (f"binding {config.server.host} without a server API key: anyone who can reach this address can use "
                "the model; set server.api_key (or --server-api-key-env NAME)")
+        if not _server_key(config, "admin_api_key"):
+            msg += "; the control routes (/pause, /update_weights, ...) answer 403 until a key is set"
         log.warning(msg)
         if not logging.getLogger().handlers:
             print(f"gymserve: warning: {msg}", file=sys.stderr)
@@ -137,11 +143,13 @@ async def serve_async(config, backend=None) -> None:
 
 @dataclass
 class BackgroundServer:
-    """A server running in a daemon thread with its own event loop; ``base_url`` ends with ``/v1``."""
+    """A server running in a daemon thread with its own event loop; ``base_url`` ends with ``/v1``.
+    ``loop`` is that event loop (run the backend's coroutines on it: ``asyncio.run_coroutine_threadsafe``)."""
 
     base_url: str = ""
     backend: object = None
     app: object = None
+    loop: asyncio.AbstractEventLoop | None = None
     _server: uvicorn.Server | None = None
     _thread: threading.Thread | None = None
     _error: list = field(default_factory=list)
@@ -184,6 +192,7 @@ def start_background_server(config, backend_factory=None, *, startup_timeout: fl
         from gymserve.server.app import close_app
 
         bg.backend = backend
+        bg.loop = asyncio.get_running_loop()
         app = build_app(config, backend)
         bg.app = app
         server = _server_for(config, app)

@@ -1,0 +1,265 @@
+"""The control state of an engine whose worker thread owns the model: pause modes, the pause
+deadline, weight versions.
+
+The async side sends a ``Command`` through the worker's inbox and awaits its future; the worker
+runs it between two decode steps, so no forward pass ever sees a half-applied change. What each
+pause mode (vLLM's names) means for the worker:
+
+========  =======================  ==========================  ===============================
+mode      calls in the batch       calls not yet admitted      the pause call returns
+========  =======================  ==========================  ===============================
+abort     end now, ``abort``       wait for resume             at once
+wait      run to their end         wait for resume             when the batch is empty
+keep      frozen; resume later     wait for resume             at once
+========  =======================  ==========================  ===============================
+
+A pause lasts until ``resume`` or its deadline, after which the worker resumes by itself and logs a
+warning. A weight change (new tensors, or only a new version name after the caller changed the
+weights itself) marks the KV cache of calls still in the batch stale: the engine recomputes it on
+the new weights before their next step, so every token's log-prob is the policy's of the version
+that sampled it, given the whole context (what teacher forcing on that version computes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from gymserve.engine.base import PAUSE_MODES, PauseMode, WeightVersion
+from gymserve.errors import ConflictError, EngineError, InvalidRequestError
+
+log = logging.getLogger("gymserve.engine")
+
+MAX_VERSION_CHARS = 256
+
+
+def check_mode(mode: Any) -> PauseMode:
+    """``mode`` if it is a pause mode, else ``InvalidRequestError`` (400, param ``mode``)."""
+    if mode not in PAUSE_MODES:
+        raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+    return mode
+
+
+def check_timeout(timeout: Any) -> float:
+    """A pause timeout in seconds: a finite number > 0, else ``InvalidRequestError`` (param ``timeout``)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}", param="timeout")
+    return float(timeout)
+
+
+def check_version(version: Any, param: str = "weight_version") -> WeightVersion:
+    """A weight version a caller names: an int or a non-empty string of at most 256 characters."""
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, (int, str))
+        or version == ""
+        or (isinstance(version, str) and len(version) > MAX_VERSION_CHARS)
+    ):
+        raise InvalidRequestError(
+            f"{param} must be an integer or a non-empty string of at most "
+            f"{MAX_VERSION_CHARS} characters, got {version!r}",
+            param=param,
+        )
+    return version
+
+
+@dataclass
+class Command:
+    """One request to the worker. ``kind``: ``pause`` (``mode``, ``timeout``), ``resume``, or
+    ``weights`` (``apply`` copies validated tensors, or is None when only the version changes;
+    ``version``: the caller's name for the new weights, None to count)."""
+
+    kind: str
+    future: Future = field(default_factory=Future)
+    mode: PauseMode | None = None
+    timeout: float | None = None
+    apply: Callable[[], None] | None = None
+    version: WeightVersion | None = None
+
+
+class ControlState:
+    """Worker-side state; other threads read it only through ``status()`` and ``paused``."""
+
+    def __init__(self, weight_version: WeightVersion = 0):
+        self.weight_version: WeightVersion = weight_version
+        self.updates = 0
+        self.mode: PauseMode | None = None
+        self.deadline: float | None = None
+        self.timeout: float | None = None
+        self.stale = False  # the KV cache of calls in the batch predates the current weights
+        self.last_update_seconds: float | None = None
+        self._waiters: list[Future] = []  # pause calls not answered yet (wait mode, batch not empty)
+
+    @property
+    def paused(self) -> PauseMode | None:
+        return self.mode
+
+    @property
+    def admitting(self) -> bool:
+        """Whether calls waiting for the batch may be admitted."""
+        return self.mode is None
+
+    @property
+    def decoding(self) -> bool:
+        """Whether calls in the batch take steps."""
+        return self.mode in (None, "wait")
+
+    def seconds_left(self, now: float | None = None) -> float | None:
+        """Seconds until the pause deadline (None when not paused)."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - (time.monotonic() if now is None else now))
+
+    def pause(self, cmd: Command) -> None:
+        """Enter (or change to) ``cmd.mode``; the future is answered by ``settle``."""
+        self.mode, self.timeout = cmd.mode, cmd.timeout
+        self.deadline = time.monotonic() + float(cmd.timeout or 0)
+        self._waiters.append(cmd.future)
+        log.info("generation paused (mode %s, resumes by itself in %g s unless resumed)", cmd.mode, cmd.timeout)
+
+    def settle(self, in_batch: int) -> None:
+        """Answer the pause calls once the pause has taken effect (for ``wait``: the batch is empty)."""
+        if self.mode is not None and self._waiters and (self.mode != "wait" or in_batch == 0):
+            for fut in self._waiters:
+                if not fut.done():
+                    fut.set_result(None)
+            self._waiters.clear()
+
+    def resume(self, reason: str = "resume_generation") -> None:
+        """Leave the pause; pause calls still waiting get a ``ConflictError`` (409) saying why."""
+        if self.mode is None:
+            return
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(
+                    ConflictError(
+                        f"the {self.mode} pause ended ({reason}) before the calls in flight finished; generation "
+                        "continues. Pause with a longer timeout, or with mode=abort or mode=keep, which take effect at once",
+                        code="pause_ended",
+                    )
+                )
+        self._waiters.clear()
+        self.mode = self.deadline = self.timeout = None
+
+    def expire(self) -> None:
+        """Resume when the deadline has passed, and say so in the log."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            log.warning(
+                "generation pause (mode %s) reached its deadline of %g s without resume_generation; resuming by itself",
+                self.mode,
+                self.timeout,
+            )
+            self.resume(reason=f"its deadline of {self.timeout:g} s passed")
+
+    def new_weights(self, cmd: Command, in_batch: int) -> WeightVersion:
+        """Apply ``cmd`` (the caller measures and validated it) and move to the next version."""
+        if cmd.apply is not None:
+            cmd.apply()
+        self.updates += 1
+        self.weight_version = self.updates if cmd.version is None else cmd.version
+        self.stale = self.stale or in_batch > 0
+        log.info(
+            "weights updated to version %r (%d calls in the batch continue on them)", self.weight_version, in_batch
+        )
+        return self.weight_version
+
+    def status(self) -> dict[str, Any]:
+        """``{"weight_version", "weight_updates", "paused": mode | None, "pause_seconds_left",
+        "last_update_seconds"}`` for ``/health``, ``/is_paused`` and ``/metrics``."""
+        return {
+            "weight_version": self.weight_version,
+            "weight_updates": self.updates,
+            "paused": self.mode,
+            "pause_seconds_left": self.seconds_left(),
+            "last_update_seconds": self.last_update_seconds,
+        }
+
+    def fail_all(self, exc: BaseException) -> None:
+        """At shutdown: answer every waiting pause call with ``exc``."""
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(exc)
+        self._waiters.clear()
+
+
+class WorkerControl:
+    """The async control API of an engine whose worker thread owns ``self.model`` and reads
+    ``self._inbox`` (names as vLLM's ``AsyncLLM`` has them). The engine sets ``self._control`` (a
+    ``ControlState``), ``self._inbox``, ``self._closed``, ``self.pause_timeout`` and
+    ``self._update_lock = None``, and runs each ``Command`` it pulls from the inbox between steps."""
+
+    model: Any
+    pause_timeout: float
+    _control: ControlState
+    _inbox: Any
+    _closed: bool
+    _update_lock: asyncio.Lock | None
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """The version of the weights now serving (0 for the loaded ones; see ``update_weights``)."""
+        return self._control.weight_version
+
+    def control_status(self) -> dict[str, Any]:
+        """See ``ControlState.status``."""
+        return self._control.status()
+
+    async def _send(self, cmd: Command) -> Any:
+        if self._closed:
+            raise EngineError("the engine is shut down")
+        self._inbox.put(cmd)
+        return await asyncio.wrap_future(cmd.future)
+
+    async def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
+        """Stop sampling in ``mode`` (see ``engine.control``) for at most ``timeout`` seconds
+        (default ``pause_timeout``); returns once the pause has taken effect. Calling it while
+        paused changes the mode and restarts the deadline. Raises ``InvalidRequestError`` for a bad
+        mode or timeout, ``ConflictError`` (409) when a ``wait`` pause ends before the batch drained."""
+        timeout = self.pause_timeout if timeout is None else check_timeout(timeout)
+        await self._send(Command("pause", mode=check_mode(mode), timeout=timeout))
+
+    async def resume_generation(self) -> None:
+        """End the pause (a no-op when not paused): frozen calls continue, waiting ones are admitted."""
+        await self._send(Command("resume"))
+
+    async def is_paused(self) -> bool:
+        """Whether generation is paused now."""
+        return self._control.paused is not None
+
+    async def update_weights(
+        self,
+        tensors: Mapping[str, Any] | None = None,
+        *,
+        path: str | os.PathLike | None = None,
+        weight_version: WeightVersion | None = None,
+    ) -> WeightVersion:
+        """Swap in new weights, all or nothing, and return the new version.
+
+        ``tensors``: name → tensor (any subset of ``model.state_dict()``), or ``path``: safetensors
+        in Hugging Face layout (see ``engine.weights``). ``weight_version``: the name of the new
+        weights (default: the count of updates so far, an int). Reading and validation run off the
+        worker; the copy runs on it between two decode steps. Raises ``WeightUpdateError`` (400)
+        naming the tensor or file when anything is wrong; then nothing changed.
+        """
+        from gymserve.engine.weights import apply_plan, load_update
+
+        version = None if weight_version is None else check_version(weight_version)
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        async with self._update_lock:  # one update at a time: each validates against the weights it replaces
+            t0 = time.perf_counter()
+            plan = await asyncio.to_thread(load_update, self.model, tensors, path=path)
+            new = await self._send(Command("weights", apply=lambda: apply_plan(plan), version=version))
+            self._control.last_update_seconds = time.perf_counter() - t0
+        return new
+
+    async def update_weight_version(self, new_version: WeightVersion) -> None:
+        """Name the weights ``new_version`` after the caller changed ``self.model`` itself (paused,
+        so no step saw a half-changed model); calls in the batch get their KV cache recomputed."""
+        await self._send(Command("weights", version=check_version(new_version, "new_version")))

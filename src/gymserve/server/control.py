@@ -1,0 +1,244 @@
+"""HTTP control endpoints for serving a policy being trained: pause, resume, weight updates and
+weight versions.
+
+The routes are named and shaped as vLLM's RL endpoints (``vllm serve`` with its dev endpoints
+enabled); docs/concepts/training-control.md maps each to SGLang's. gymserve's additions are marked.
+
+=================================  =========================================================
+route                              answer
+=================================  =========================================================
+``POST /pause?mode=&timeout=``     ``{"status": "paused", "mode", "timeout"}`` once the pause has taken
+                                   effect; ``timeout`` (seconds, gymserve's) is the deadline after
+                                   which generation resumes by itself
+``POST /resume``                   ``{"status": "resumed"}``
+``GET /is_paused``                 ``{"is_paused", "mode", "seconds_left"}``
+``POST /update_weights``           body ``{"update_info": {"path": DIR}, "weight_version": V}``
+                                   (vLLM's disk transfer; ``weight_version`` is gymserve's, vLLM takes
+                                   it in ``/finish_weight_update``) → ``{"message", "weight_version",
+                                   "seconds"}``
+``GET /weight_info``               ``{"weight_version", "weight_updates", ...}``
+``POST /update_weight_version``    body ``{"new_version": V}`` → ``{"success": true, "new_version": V}``
+=================================  =========================================================
+
+Who may call them: with ``server.admin_api_key`` set, only that key; otherwise the server API key
+when one is set (``server.auth``); on a loopback bind without any key, anyone who can connect. A
+server bound beyond loopback without a key answers every control route 403 (decided at start-up,
+``control_allowed``), so an open port never lets a stranger swap the policy. Errors are OpenAI error
+objects: 400 bad input (``WeightUpdateError`` names the tensor or file), 401, 403, 409 (a ``wait``
+pause that ended before the calls in flight finished), 501 (a backend without weights of its own).
+
+In-process tensors do not travel over HTTP: a trainer in the same process calls
+``backend.update_weights(state_dict)`` (see ``server.embed``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, Query
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from gymserve.errors import NotSupportedError, PermissionDeniedError
+
+CONTROL_PATHS = frozenset(
+    {"/pause", "/resume", "/is_paused", "/update_weights", "/weight_info", "/update_weight_version"}
+)
+
+Version = Annotated[
+    StrictInt | Annotated[StrictStr, Field(min_length=1, max_length=256)],
+    Field(description='an integer, or a name such as "step-12" (SGLang\'s weight_version)'),
+]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is a 400 naming it, never ignored
+
+
+class UpdateInfo(_Body):
+    """vLLM's ``update_info`` for its disk weight transfer: where the new weights are."""
+
+    path: str = Field(
+        min_length=1,
+        description="a directory in Hugging Face layout (model.safetensors, or shards "
+        "with model.safetensors.index.json) or one .safetensors file, on the server's machine; full "
+        "weights or any subset of the tensors",
+    )
+
+
+class UpdateWeightsRequest(_Body):
+    update_info: UpdateInfo
+    weight_version: Version | None = Field(
+        None,
+        description="the new weights' version (default: the number of "
+        "updates so far); gymserve's, vLLM takes it in /finish_weight_update",
+    )
+
+
+class UpdateWeightVersionRequest(_Body):
+    new_version: Version
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def control_allowed(host: str, *keys: str | None) -> bool:
+    """The start-up rule: control routes are served on a loopback bind, or when a key guards them."""
+    return is_loopback(host) or any(keys)
+
+
+def control_health(backend: Any) -> dict[str, Any]:
+    """What ``/health`` adds: ``weight_version`` and ``paused`` (the mode, or None) for one
+    replica, ``replicas_control`` (each replica's status) for several, nothing without weights."""
+    status = backend.control_status()
+    if len(status) == 1:
+        return {"weight_version": status[0]["weight_version"], "paused": status[0]["paused"]}
+    return {"replicas_control": status} if status else {}
+
+
+class _ControlCollector:
+    """``/metrics``: each replica's weight version, updates, pause state and last update time."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+    def collect(self):
+        name = getattr(self.backend, "name", "backend")
+        labels = ["backend", "replica"]
+        version = GaugeMetricFamily(
+            "gymserve_weight_version_info",
+            "The weight version serving (value 1; the version is the label)",
+            labels=[*labels, "version"],
+        )
+        updates = CounterMetricFamily(
+            "gymserve_weight_updates", "Weight updates applied (renames included)", labels=labels
+        )
+        paused = GaugeMetricFamily("gymserve_generation_paused", "1 while generation is paused", labels=labels)
+        seconds = GaugeMetricFamily(
+            "gymserve_weight_update_last_seconds",
+            "Seconds the last weight update took (read, validate, apply)",
+            labels=labels,
+        )
+        for s in self.backend.control_status():
+            replica = str(s.get("replica", "-"))
+            version.add_metric([name, replica, str(s["weight_version"])], 1)
+            updates.add_metric([name, replica], s.get("weight_updates", 0))
+            paused.add_metric([name, replica], 1 if s.get("paused") else 0)
+            if s.get("last_update_seconds") is not None:
+                seconds.add_metric([name, replica], s["last_update_seconds"])
+        yield from (version, updates, paused, seconds)
+
+    def describe(self):
+        return []
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {
+        "description": what,
+        "content": {
+            "application/json": {
+                "schema": {"type": "object", "properties": {"error": {"type": "object"}}, "required": ["error"]}
+            }
+        },
+    }
+    for code, what in (
+        (400, "bad input (the message names the field, tensor or file)"),
+        (401, "missing or wrong key"),
+        (403, "control routes are closed on this bind (no key set)"),
+        (409, "a wait pause ended before the calls in flight finished"),
+        (501, "the backend has no weights of its own"),
+    )
+}
+
+
+def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any = None) -> None:
+    """Mount the control routes on ``app`` over ``backend``; ``allowed`` False answers them 403
+    (see ``control_allowed``). ``registry``: the app's Prometheus registry for the control metrics."""
+
+    def guard() -> None:
+        if not allowed:
+            raise PermissionDeniedError(
+                "control endpoints are closed: this server listens beyond loopback without an API key. Set "
+                "server.admin_api_key (or server.api_key), or bind 127.0.0.1",
+                code="control_closed",
+            )
+
+    # Routes go on the app itself (not an included APIRouter) so app.routes lists each one.
+    def route(method: str, path: str, summary: str):
+        return app.api_route(
+            path,
+            methods=[method],
+            summary=summary,
+            tags=["training control"],
+            dependencies=[Depends(guard)],
+            responses=_ERRORS,
+        )
+
+    @route("POST", "/pause", "Pause generation (vLLM's POST /pause)")
+    async def pause(
+        mode: Annotated[
+            Literal["abort", "wait", "keep"],
+            Query(
+                description="abort: end calls in flight now (finish_reason abort, tokens kept); wait: let "
+                "them finish, then pause; keep: freeze them until /resume"
+            ),
+        ] = "abort",
+        timeout: Annotated[
+            float | None,
+            Query(
+                gt=0,
+                description="seconds after which generation resumes by itself (default: local backend's pause_timeout)",
+            ),
+        ] = None,
+    ):
+        await backend.pause_generation(mode, timeout=timeout)
+        return {"status": "paused", "mode": mode, "timeout": timeout}
+
+    @route("POST", "/resume", "Resume generation (vLLM's POST /resume)")
+    async def resume():
+        await backend.resume_generation()
+        return {"status": "resumed"}
+
+    @route("GET", "/is_paused", "Whether generation is paused (vLLM's GET /is_paused)")
+    async def is_paused():
+        status = backend.control_status()
+        first = status[0] if status else {}
+        return {
+            "is_paused": await backend.is_paused(),
+            "mode": first.get("paused"),
+            "seconds_left": first.get("pause_seconds_left"),
+        }
+
+    @route("POST", "/update_weights", "Load new weights from disk (vLLM's POST /update_weights)")
+    async def update_weights(body: UpdateWeightsRequest):
+        t0 = time.perf_counter()
+        version = await backend.update_weights(path=body.update_info.path, weight_version=body.weight_version)
+        return {"message": "Weights updated", "weight_version": version, "seconds": round(time.perf_counter() - t0, 6)}
+
+    @route("GET", "/weight_info", "The weight version serving (vLLM's GET /weight_info)")
+    async def weight_info():
+        status = backend.control_status()
+        if not status:
+            raise NotSupportedError(
+                f"the {getattr(backend, 'name', 'this')} backend has no weights of its own, so no "
+                "weight version; ask the upstream server",
+                code="control_not_supported",
+            )
+        return dict(status[0]) if len(status) == 1 else {"replicas": status}
+
+    @route("POST", "/update_weight_version", "Name the serving weights (vLLM's POST /update_weight_version)")
+    async def update_weight_version(body: UpdateWeightVersionRequest):
+        await backend.update_weight_version(body.new_version)
+        return {"success": True, "new_version": body.new_version}
+
+    if registry is not None:
+        registry.register(_ControlCollector(backend))

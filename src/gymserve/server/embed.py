@@ -1,0 +1,184 @@
+"""Serving a policy from inside a trainer's process: gymserve's HTTP server around a model the
+trainer owns, and a handle to push new weights into it.
+
+``serve_policy(model, tokenizer)`` is the one call (the shape of NeMo RL's in-process generation
+server: ``start_server(...) → (thread, base_url, server)``): it starts the server in a daemon thread
+(``server.run.start_background_server``) and returns a ``PolicyServer`` whose ``base_url`` agents
+and environments use as their OpenAI base URL, whose ``stop()`` shuts it down cleanly, and whose
+control methods (vLLM's names, see ``server.control``) run on the server's event loop and block
+the calling thread until done::
+
+    server = serve_policy(model, tokenizer)             # a copy the trainer keeps for serving
+    ...collect rollouts from server.base_url...
+    server.update_weights(trainer_model.state_dict())   # atomic; returns the new version
+    server.stop()
+
+A trainer that changes the served model object itself pauses first so no decode step sees it
+half-changed: ``pause_generation("keep")``, change the weights, ``update_weight_version(v)``,
+``resume_generation()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gymserve.server.run import BackgroundServer
+
+
+@dataclass
+class PolicyServer:
+    """A running gymserve server over an in-process policy. ``base_url`` ends with ``/v1``;
+    ``backend`` is the served ``LocalBackend`` (or the backend given). Each control method waits
+    at most ``timeout`` seconds (``TimeoutError`` beyond) and raises what the backend raises
+    (``WeightUpdateError`` for a refused update: the old weights keep serving)."""
+
+    base_url: str
+    backend: Any
+    _server: BackgroundServer
+
+    def _run(self, coro, timeout: float | None):
+        if self._server.loop is None or not self._server.loop.is_running():
+            coro.close()
+            raise RuntimeError("the gymserve server is stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self._server.loop).result(timeout)
+
+    @property
+    def weight_version(self) -> int | str:
+        """The version of the weights serving now."""
+        return self.backend.control_status()[0]["weight_version"]
+
+    def update_weights(
+        self,
+        tensors: Mapping[str, Any] | None = None,
+        *,
+        path: str | os.PathLike | None = None,
+        weight_version: int | str | None = None,
+        timeout: float | None = 600,
+    ) -> int | str:
+        """Swap in a state dict (``tensors``, name → ``torch.Tensor``; any subset) or the
+        safetensors under ``path``; returns the new weight version (see ``LocalControl.update_weights``)."""
+        return self._run(self.backend.update_weights(tensors, path=path, weight_version=weight_version), timeout)
+
+    def update_weight_version(self, new_version: int | str, *, timeout: float | None = 60) -> None:
+        """Name the serving weights ``new_version`` (after changing the model object yourself, paused)."""
+        self._run(self.backend.update_weight_version(new_version), timeout)
+
+    def pause_generation(
+        self, mode: str = "wait", *, timeout: float | None = None, wait_timeout: float | None = 600
+    ) -> None:
+        """Pause in ``mode`` (``abort`` | ``wait`` | ``keep``) for at most ``timeout`` seconds;
+        returns once the pause has taken effect (``wait``: the calls in flight have finished)."""
+        self._run(self.backend.pause_generation(mode, timeout=timeout), wait_timeout)
+
+    def resume_generation(self, *, timeout: float | None = 60) -> None:
+        """End the pause."""
+        self._run(self.backend.resume_generation(), timeout)
+
+    def is_paused(self) -> bool:
+        """Whether generation is paused."""
+        return self._run(self.backend.is_paused(), 10)
+
+    def stop(self, timeout: float = 30) -> None:
+        """Stop the server (in-flight calls get ``server.shutdown_timeout`` to finish) and close the
+        backend; the engine's worker thread ends with it."""
+        self._server.stop(timeout)
+
+    def __enter__(self) -> PolicyServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve_policy(
+    policy: Any,
+    tokenizer: Any = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    backend_config: Any = None,
+    model_name: str | None = None,
+    weight_version: int | str = 0,
+    startup_timeout: float = 600,
+) -> PolicyServer:
+    """Start gymserve's HTTP server around ``policy`` in this process; returns a ``PolicyServer``.
+
+    ``policy``: a transformers causal LM (``torch.nn.Module`` with a ``config``: served as it is,
+    on the transformers engine), an ``Engine``, a ``Backend``, or a model directory / ``.gguf`` /
+    ``"embedded"`` (loaded like ``backend.model``). ``tokenizer``: the policy's Hugging Face
+    tokenizer (with its chat template); needed for a model or an engine, loaded from the model's
+    ``name_or_path`` when omitted. ``backend_config``: a ``LocalBackendConfig`` or its dict
+    (sampling, parsers, ``max_batch_size``, ``pause_timeout``...). ``host``/``port``: the bind
+    address (port 0: a free one); ``api_key``/``admin_api_key`` as ``server.api_key`` /
+    ``server.admin_api_key``. ``model_name``: the name clients see; ``weight_version``: the
+    version of the weights it starts with.
+
+    Raises what building the backend raises (``ValueError`` for an unusable ``policy``,
+    ``ConfigError`` for a bad ``backend_config``), ``TimeoutError`` after ``startup_timeout`` s.
+    """
+    from gymserve.backends.base import Backend
+    from gymserve.config import GymserveConfig, LocalBackendConfig, validate_config
+    from gymserve.server.run import start_background_server
+
+    local = (
+        backend_config
+        if isinstance(backend_config, LocalBackendConfig)
+        else validate_config({"backend": {"type": "local", **(backend_config or {})}}).backend
+    )
+    if isinstance(policy, (str, os.PathLike)):
+        local = local.model_copy(update={"model": str(policy)})
+    server = {"host": host, "port": port, "api_key": api_key, "admin_api_key": admin_api_key}
+    config = GymserveConfig.model_validate({"server": server, "backend": local.model_dump()})
+
+    def build() -> Backend:
+        from gymserve.backends.local import LocalBackend
+
+        if isinstance(policy, Backend):
+            return policy
+        if isinstance(policy, (str, os.PathLike)):
+            return LocalBackend.from_config(local)
+        engine = policy if _is_engine(policy) else _engine_for(policy, local, model_name, weight_version)
+        return LocalBackend(local, engine, tokenizer if tokenizer is not None else _tokenizer_for(engine))
+
+    bg = start_background_server(config, build, startup_timeout=startup_timeout)
+    return PolicyServer(base_url=bg.base_url, backend=bg.backend, _server=bg)
+
+
+def _is_engine(obj: Any) -> bool:
+    return all(hasattr(obj, a) for a in ("stream", "generate", "eos_token_ids", "context_window"))
+
+
+def _engine_for(model: Any, local: Any, model_name: str | None, weight_version: int | str):
+    import torch
+
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise ValueError(
+            f"serve_policy needs a transformers causal LM, an Engine, a Backend or a model path; got "
+            f"{type(model).__name__}"
+        )
+    from gymserve.engine.transformers_engine import TransformersEngine
+
+    return TransformersEngine(
+        model=model,
+        model_name=model_name,
+        max_batch_size=local.max_batch_size,
+        context_window=local.context_window,
+        num_threads=local.num_threads,
+        weight_version=weight_version,
+        pause_timeout=local.pause_timeout,
+    )
+
+
+def _tokenizer_for(engine: Any):
+    from transformers import AutoTokenizer
+
+    source = getattr(getattr(getattr(engine, "model", None), "config", None), "_name_or_path", None)
+    if not source:
+        raise ValueError("serve_policy needs the tokenizer: pass tokenizer=AutoTokenizer.from_pretrained(...)")
+    return AutoTokenizer.from_pretrained(source)
