@@ -407,3 +407,37 @@ def test_a_broken_gguf_names_the_file(tmp_path, cache):
     assert msg.startswith(f"converting {bad} to safetensors failed: ")
     assert msg.endswith(f"Nothing was written to {cache / 'gguf' / 'broken-64'}; fix the cause and re-run")
 
+
+# ---------------------------------------------------------------------------------------------
+# gymserve demo on a fresh cache
+
+
+def test_demo_on_a_fresh_cache_beside_another_first_run(tmp_path, cache, monkeypatch, capsys):
+    """``gymserve demo`` on an empty cache while another first run (a test session, say) prepares the
+    same model: before the cache was locked, whichever finished first deleted the GGUF the other was
+    still converting, and the demo ended with ``TypeError: expected str, bytes or os.PathLike object,
+    not NoneType``. Here the embedded wheels hold a tiny real GGUF, converted by transformers."""
+    from tiny_gguf import write_tiny_gguf
+
+    import gymserve.engine.model_store as ms
+    from gymserve.demo import run_demo
+
+    spec = make_wheels(tmp_path / "wheels", write_tiny_gguf(tmp_path / "tiny.gguf").read_bytes(),
+                       prefix=f"tiny_{uuid.uuid4().hex[:8]}_")
+    for name in ("EMBEDDED_PARTS", "EMBEDDED_PART_MODULES", "EMBEDDED_GGUF_SIZE", "EMBEDDED_GGUF_SHA256",
+                 "EMBEDDED_SAFETENSORS_SIZE"):
+        monkeypatch.setattr(ms, name, getattr(ms, name))
+    monkeypatch.syspath_prepend(spec["path"])
+    store_worker.apply(spec)
+
+    other: list[object] = []
+    beside = threading.Thread(target=lambda: other.append(ms.embedded_model_dir()))
+    beside.start()
+    code = run_demo(None, None, 4, requests=("What's the weather in Paris?",), max_steps=1)
+    beside.join(120)
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert other == [cache / "embedded" / "Qwen2.5-Coder-0.5B-Instruct"]
+    assert "serving Qwen2.5-Coder-0.5B-Instruct in process" in captured.out and "verdict: PASS" in captured.out
+    assert captured.err.count("[3/4] loading and de-quantizing the weights: done in") == 1  # one of the two converted
+    assert not (cache / "embedded" / "model.gguf").exists()
