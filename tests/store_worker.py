@@ -50,7 +50,6 @@ def apply(spec: dict) -> None:
 
     sys.path.insert(0, spec["path"])
     ms.EMBEDDED_PARTS = tuple(tuple(p) for p in spec["parts"])
-    ms.EMBEDDED_PART_MODULES = tuple(p[0] for p in spec["parts"])
     ms.EMBEDDED_GGUF_SIZE = spec["size"]
     ms.EMBEDDED_GGUF_SHA256 = spec["sha256"]
     ms.EMBEDDED_SAFETENSORS_SIZE = 4 * spec["size"]

