@@ -68,14 +68,17 @@ def _os_error(exc: OSError, what: str, where: Path) -> ModelStoreError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return ModelStoreError(
             f"{what} failed: no space left on the device holding {where}{_space_hint(where)}; free some "
-            "space or set GYMSERVE_CACHE to a directory on a larger disk, then re-run")
+            "space or set GYMSERVE_CACHE to a directory on a larger disk, then re-run"
+        )
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
         return ModelStoreError(
             f"{what} failed: cannot write {exc.filename or where} ({exc.strerror}); make {where} writable "
-            "or set GYMSERVE_CACHE to a writable directory, then re-run")
+            "or set GYMSERVE_CACHE to a writable directory, then re-run"
+        )
     return ModelStoreError(
         f"{what} failed at {exc.filename or where}: {exc.strerror or exc}; re-run to try again (a failed run "
-        "leaves nothing behind)")
+        "leaves nothing behind)"
+    )
 
 
 @contextmanager
@@ -121,8 +124,14 @@ def _publish(tmp: Path, dest: Path) -> None:
         tmp.rename(dest)
 
 
-def prepare_entry(dest: Path, build: Callable[[Path], object], *, is_complete: Callable[[Path], bool],
-                  what: str, legacy: Iterable[Path] = ()) -> Path:
+def prepare_entry(
+    dest: Path,
+    build: Callable[[Path], object],
+    *,
+    is_complete: Callable[[Path], bool],
+    what: str,
+    legacy: Iterable[Path] = (),
+) -> Path:
     """Return ``dest`` complete, building it with ``build(tmp)`` at most once at a time (see above).
 
     ``build`` receives a path that does not exist yet, in ``dest``'s directory, and must create the
@@ -153,7 +162,8 @@ def prepare_entry(dest: Path, build: Callable[[Path], object], *, is_complete: C
             if not is_complete(tmp):
                 raise ModelStoreError(
                     f"{what} produced an incomplete result at {tmp} (a bug: please report it); it was "
-                    "removed, re-run to try again")
+                    "removed, re-run to try again"
+                )
             _publish(tmp, dest)
         except ModelStoreError:
             _remove(tmp)
@@ -164,8 +174,8 @@ def prepare_entry(dest: Path, build: Callable[[Path], object], *, is_complete: C
         except Exception as exc:
             _remove(tmp)
             raise ModelStoreError(
-                f"{what} failed: {type(exc).__name__}: {exc}. Nothing was written to {dest}; fix the cause "
-                "and re-run") from exc
+                f"{what} failed: {type(exc).__name__}: {exc}. Nothing was written to {dest}; fix the cause and re-run"
+            ) from exc
         except BaseException:
             _remove(tmp)
             raise

