@@ -131,6 +131,9 @@ def test_an_incomplete_entry_is_rebuilt(fake_wheels, model_cache):
         f.truncate(1000)
     assert embedded_model_dir() == out
     assert hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() == expected_result(fake_wheels)
+    (out / "model.safetensors").write_bytes(b"\xff" * 64)  # not a safetensors file at all
+    assert embedded_model_dir() == out
+    assert hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() == expected_result(fake_wheels)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,11 +140,14 @@ def safetensors_complete(path: Path) -> bool:
     """Whether ``path`` is a whole safetensors file: its size equals 8 + header + the data the header
     declares (format: https://huggingface.co/docs/safetensors, "Format"). Reads only the header."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
+            if n > size:  # garbage where the header length should be
+                return False
             header = json.loads(f.read(n))
         end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        return path.stat().st_size == 8 + n + end
+        return size == 8 + n + end
     except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
         return False
 
