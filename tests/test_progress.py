@@ -72,3 +72,22 @@ def test_the_estimate_is_quoted_the_same_everywhere():
     root = Path(__file__).resolve().parents[1]
     for doc in ("README.md", "docs/model-servers/local.md"):
         assert f"({EMBEDDED_PREPARE_TIME})" in (root / doc).read_text(), doc
+
+
+def test_an_unsized_terminal_gets_plain_lines():
+    """A pseudo-terminal nobody gave a size (0 columns) is a terminal tqdm draws nothing on."""
+    import os
+    import select
+
+    from gymserve.engine.progress import Progress
+
+    master, slave = os.openpty()
+    with os.fdopen(slave, "w") as tty:
+        assert tty.isatty() and os.get_terminal_size(slave).columns == 0
+        with Progress("[1/1] step", 2, "tensors", stream=tty) as bar:
+            bar.update(2)
+    text = ""
+    while select.select([master], [], [], 0.5)[0]:  # a pty hands over what was written in pieces
+        text += os.read(master, 4096).decode()
+    os.close(master)
+    assert text.replace("\r\n", "\n") == "gymserve: [1/1] step...\ngymserve: [1/1] step: done in 0 s\n"

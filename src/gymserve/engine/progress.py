@@ -19,6 +19,7 @@ streams see them); stdout stays free for what a command prints as its result.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -47,9 +48,16 @@ def _amount(value: float, unit: str) -> str:
 
 def _is_tty(stream: TextIO) -> bool:
     try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # closed or not a real file
+        if not stream.isatty():
+            return False
+    except (AttributeError, ValueError):  # closed, or not a file
         return False
+    try:
+        # A terminal nobody sized (0 columns: some CI runners, `script` without a terminal) gets
+        # plain lines: tqdm would draw nothing there.
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, ValueError, OSError):  # says it is a terminal but has no descriptor
+        return True
 
 
 class Progress:
