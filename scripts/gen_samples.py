@@ -47,8 +47,9 @@ WIDTH = 100
 
 def sample_pattern(name: str) -> re.Pattern[str]:
     """The span of sample ``name`` in a page: group 1 the start marker line, group 2 the body."""
-    return re.compile(rf"(<!-- sample: {re.escape(name)}\b[^\n]*-->\n)(.*?)(?=<!-- end sample: {re.escape(name)} -->)",
-                      re.S)
+    return re.compile(
+        rf"(<!-- sample: {re.escape(name)}\b[^\n]*-->\n)(.*?)(?=<!-- end sample: {re.escape(name)} -->)", re.S
+    )
 
 
 def replace_sample(path: Path, name: str, body: str) -> None:
@@ -57,16 +58,17 @@ def replace_sample(path: Path, name: str, body: str) -> None:
     text = path.read_text(encoding="utf-8")
     pattern = sample_pattern(name)
     if len(pattern.findall(text)) != 1:
-        raise SystemExit(f"gen_samples: {path.relative_to(ROOT)} needs exactly one '<!-- sample: {name} -->' ... "
-                         f"'<!-- end sample: {name} -->' pair")
+        raise SystemExit(
+            f"gen_samples: {path.relative_to(ROOT)} needs exactly one '<!-- sample: {name} -->' ... "
+            f"'<!-- end sample: {name} -->' pair"
+        )
     path.write_text(pattern.sub(lambda m: m.group(1) + body, text), encoding="utf-8")
     print(f"wrote sample {name} into {path.relative_to(ROOT)}")
 
 
 def _gymserve(*args: str) -> str:
     """Run ``gymserve ARGS`` with this interpreter; its stdout (stderr, with progress, passes through)."""
-    done = subprocess.run([sys.executable, "-m", "gymserve.cli", *args], stdout=subprocess.PIPE, text=True,
-                          cwd=ROOT)
+    done = subprocess.run([sys.executable, "-m", "gymserve.cli", *args], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     if done.returncode != 0:
         sys.stdout.write(done.stdout)
         raise SystemExit(f"gen_samples: gymserve {' '.join(args)} exited {done.returncode}; no sample written")
@@ -77,8 +79,10 @@ def _recorded(build: Callable[[], str]) -> str:
     """``build()``'s fenced block, after a line with the machine's cores and load during the run."""
     before = os.getloadavg()[0]
     block = build()
-    note = (f"Recorded by `scripts/gen_samples.py` on {os.cpu_count()} cores, load average "
-            f"{before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end.")
+    note = (
+        f"Recorded by `scripts/gen_samples.py` on {os.cpu_count()} cores, load average "
+        f"{before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end."
+    )
     return f"{note}\n\n{block}"
 
 
@@ -97,8 +101,9 @@ def served(config_text: str) -> Iterator[str]:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "gymserve.yaml"
         config.write_text(config_text, encoding="utf-8")
-        proc = subprocess.Popen([sys.executable, "-m", "gymserve.cli", "serve", "--config", str(config),
-                                 "--port", str(port)], cwd=ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gymserve.cli", "serve", "--config", str(config), "--port", str(port)], cwd=ROOT
+        )
         try:
             deadline = time.monotonic() + 1800  # a first start converts the model
             while True:
@@ -139,8 +144,9 @@ def first_call_items(rollout: dict[str, Any]) -> list[dict[str, Any]]:
     end = next(i for i, it in enumerate(output) if "prompt_token_ids" in it)
     items = output[: end + 1]
     calls = {it.get("call_id") for it in items if it.get("type") == "function_call"}
-    return items + [it for it in output[end + 1:] if it.get("type") == "function_call_output"
-                    and it.get("call_id") in calls]
+    return items + [
+        it for it in output[end + 1 :] if it.get("type") == "function_call_output" and it.get("call_id") in calls
+    ]
 
 
 def _wrap(head: str, parts: list[str], tail: str, indent: str) -> list[str]:
@@ -160,8 +166,9 @@ def format_items(items: list[dict[str, Any]]) -> str:
     """JSON for a list of items: scalar fields first, each list field on its own wrapped lines."""
     out = ["["]
     for n, item in enumerate(items):
-        scalars = [f"{json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}" for k, v in item.items()
-                   if not isinstance(v, list)]
+        scalars = [
+            f"{json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}" for k, v in item.items() if not isinstance(v, list)
+        ]
         lists = [(k, v) for k, v in item.items() if isinstance(v, list)]
         end = "}" + ("," if n < len(items) - 1 else "")
         out += _wrap("  {", scalars, "," if lists else end, "   ")
@@ -197,7 +204,9 @@ SAMPLES = {"demo": (GETTING_STARTED, demo_sample), "rollout": (TUTORIAL, rollout
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("names", nargs="*", metavar="NAME", help=f"samples to regenerate: {', '.join(SAMPLES)} (default: all)")
+    p.add_argument(
+        "names", nargs="*", metavar="NAME", help=f"samples to regenerate: {', '.join(SAMPLES)} (default: all)"
+    )
     names = p.parse_args(argv).names or list(SAMPLES)
     unknown = [n for n in names if n not in SAMPLES]
     if unknown:

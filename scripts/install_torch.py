@@ -38,8 +38,10 @@ from importlib import metadata
 from pathlib import Path
 
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-_PROBE = ("import json, torch; print(json.dumps({'version': torch.__version__, 'cuda': torch.version.cuda, "
-          "'hip': getattr(torch.version, 'hip', None), 'path': torch.__file__}))")
+_PROBE = (
+    "import json, torch; print(json.dumps({'version': torch.__version__, 'cuda': torch.version.cuda, "
+    "'hip': getattr(torch.version, 'hip', None), 'path': torch.__file__}))"
+)
 
 
 def _say(text: str) -> None:
@@ -85,8 +87,10 @@ def install(spec: str, index: str, try_local: bool) -> str:
             return "the environment (already installed)"
         # torch's own dependencies are small pure-Python packages: any index has them.
         if not _pip(f"torch=={version}"):
-            raise SystemExit(f"install_torch: torch {version} was installed from a local wheel, but its "
-                             "dependencies could not be installed (pip's message above)")
+            raise SystemExit(
+                f"install_torch: torch {version} was installed from a local wheel, but its "
+                "dependencies could not be installed (pip's message above)"
+            )
         return "a local wheel that pip found without an index (its find-links)"
     if try_local:
         _say(f"no local wheel for {spec} (pip --no-index found none); installing it from {index}")
@@ -95,7 +99,8 @@ def install(spec: str, index: str, try_local: bool) -> str:
             f"install_torch: pip could not install {spec} from {index} (pip's message above). "
             "If this machine cannot reach that index, put the CPU wheel in a directory and set "
             f"PIP_FIND_LINKS=DIR, set TORCH_INDEX to a mirror of {CPU_INDEX}, or install torch "
-            "yourself into the venv and run make install TORCH=")
+            "yourself into the venv and run make install TORCH="
+        )
     return index
 
 
@@ -109,8 +114,9 @@ def probe() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--torch", default="torch==2.13.0",
-                   help="pip requirement for torch; empty: keep the torch already installed")
+    p.add_argument(
+        "--torch", default="torch==2.13.0", help="pip requirement for torch; empty: keep the torch already installed"
+    )
     p.add_argument("--index", default=CPU_INDEX, help=f"index to install from (default {CPU_INDEX})")
     p.add_argument("--try-local", action="store_true", help="first try a wheel pip finds without an index")
     p.add_argument("--constraints", required=True, type=Path, help="file to write torch==<installed> to")
@@ -121,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         pinned = args.constraints.read_text(encoding="utf-8").strip().removeprefix("torch==")
         now = installed_torch_version()
         if now != pinned:
-            _say(f"torch changed from {pinned} to {now} while installing gymserve's extras; remove the venv "
-                 "and run make install again")
+            _say(
+                f"torch changed from {pinned} to {now} while installing gymserve's extras; remove the venv "
+                "and run make install again"
+            )
             return 1
         _say(f"torch {now} unchanged after installing gymserve")
         return 0
@@ -130,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.torch.strip():
         source = install(args.torch, args.index, args.try_local)
     elif installed_torch_version() is None:
-        _say("TORCH is empty (use the torch already installed), but this environment has no torch: install "
-             f"one first ({sys.executable} -m pip install torch ...), or leave TORCH unset for the CPU build")
+        _say(
+            "TORCH is empty (use the torch already installed), but this environment has no torch: install "
+            f"one first ({sys.executable} -m pip install torch ...), or leave TORCH unset for the CPU build"
+        )
         return 1
     else:
         source = "the environment (TORCH is empty: kept as installed)"
@@ -140,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     size_mb = _dir_size(Path(info["path"]).parent) / 1e6
     _say(f"{sentence}; from {source}; {size_mb:.0f} MB on disk")
     if not cpu:
-        _say("warning: it also runs on the CPU, but with its GPU libraries it takes several GB. For the CPU "
-             f"build, remove the venv and run: make install TORCH_INDEX={CPU_INDEX}")
+        _say(
+            "warning: it also runs on the CPU, but with its GPU libraries it takes several GB. For the CPU "
+            f"build, remove the venv and run: make install TORCH_INDEX={CPU_INDEX}"
+        )
     args.constraints.parent.mkdir(parents=True, exist_ok=True)
     pinned = installed_torch_version()
     args.constraints.write_text(f"torch=={pinned}\n", encoding="utf-8")

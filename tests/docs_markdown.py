@@ -52,7 +52,7 @@ def blocks_of(path: Path) -> list[Block]:
         body = []
         i += 1
         while i < len(lines) and not lines[i].strip().startswith(fence):
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
             i += 1
         i += 1
         prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
@@ -109,7 +109,6 @@ def config_blocks() -> list[tuple[Block, str | None]]:
         else:
             out.append((b, env.get(b.path)))
     return out
-
 
 
 CONFIGS = config_blocks()

@@ -45,8 +45,19 @@ import sys
 from urllib.parse import urlsplit
 
 import pytest
+
 from docs_markdown import (
-    ALL_BLOCKS, CONFIGS, DOCS, ROOT, Block, blocks, blocks_of, commands_of, env_assignments, ids, make_targets,
+    ALL_BLOCKS,
+    CONFIGS,
+    DOCS,
+    ROOT,
+    Block,
+    blocks,
+    blocks_of,
+    commands_of,
+    env_assignments,
+    ids,
+    make_targets,
     server_routes,
 )
 
@@ -165,7 +176,6 @@ def test_yaml_config_block_loads(block, env, tmp_path, monkeypatch):
 def _serve_through_fake_azure(block: Block, config) -> None:
     """The Azure config, pointed at the fake Azure resource, answers the API it is configured for."""
     from fakes import FakeServer, azure_handler
-
     from gymserve.backends import build_backend
     from gymserve.backends.base import RequestContext
 

@@ -24,8 +24,18 @@ import re
 import typing
 
 from docs_markdown import (
-    ALL_BLOCKS, CONFIGS, DOCS, ROOT, blocks, commands_of, doc_files, inline_code, make_targets, prose_of,
-    server_routes, tables_of,
+    ALL_BLOCKS,
+    CONFIGS,
+    DOCS,
+    ROOT,
+    blocks,
+    commands_of,
+    doc_files,
+    inline_code,
+    make_targets,
+    prose_of,
+    server_routes,
+    tables_of,
 )
 
 LOCAL_PAGE = DOCS / "model-servers" / "local.md"
@@ -52,7 +62,8 @@ def test_local_engine_table_is_the_engine_registry():
     documented = [_code(c) for c in table.column("`engine`")]
     assert sorted(documented) == sorted(ENGINES.names()), (
         f"{_rel(LOCAL_PAGE)} '## Engines' lists {documented}; the registry has {list(ENGINES.names())}: "
-        "add a row for each engine (and its page) or remove the row of one that is gone")
+        "add a row for each engine (and its page) or remove the row of one that is gone"
+    )
 
 
 # ----------------------------------------------------------------------------------------- backends
@@ -92,17 +103,25 @@ def test_the_embedded_model_is_named_as_the_server_lists_it():
 
     assert resolve_model("embedded").name == EMBEDDED_MODEL_NAME  # what the local backend serves it as
     family = re.compile(r"Qwen2\.5[- ]Coder[- ]0\.5B[\w.-]*", re.I)
-    bad = [f"{_rel(p)}: {m.group(0)!r}" for p in doc_files() for m in family.finditer(p.read_text(encoding="utf-8"))
-           if m.group(0) != EMBEDDED_MODEL_NAME]
+    bad = [
+        f"{_rel(p)}: {m.group(0)!r}"
+        for p in doc_files()
+        for m in family.finditer(p.read_text(encoding="utf-8"))
+        if m.group(0) != EMBEDDED_MODEL_NAME
+    ]
     assert not bad, f"the embedded model is listed as {EMBEDDED_MODEL_NAME!r}, not: {bad}"
 
 
 def _requested_models(code: str) -> list[str]:
     """Strings passed as ``model=`` in a Python snippet: literals, or names assigned a literal."""
     tree = ast.parse(code)
-    consts = {t.id: node.value.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
-              and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-              for t in node.targets if isinstance(t, ast.Name)}
+    consts = {
+        t.id: node.value.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     out = []
     for node in ast.walk(tree):
         for kw in node.keywords if isinstance(node, ast.Call) else []:
@@ -116,7 +135,9 @@ def _requested_models(code: str) -> list[str]:
 def _configured_names(page_text: str) -> set[str]:
     """Model names a page configures a server with: ``model:``/``policy_model_name:`` values and
     ``--model``/``--served-model-name`` arguments."""
-    pattern = r"(?:\bmodel|policy_model_name|served_model_name):\s*\"?([\w./-]+)|--(?:served-model-name|model)\s+([\w./-]+)"
+    pattern = (
+        r"(?:\bmodel|policy_model_name|served_model_name):\s*\"?([\w./-]+)|--(?:served-model-name|model)\s+([\w./-]+)"
+    )
     return {a or b for a, b in re.findall(pattern, page_text)}
 
 
@@ -127,13 +148,14 @@ def test_requests_ask_for_a_model_the_server_lists():
     for b in blocks("python"):
         for name in _requested_models(b.code):
             if name == "embedded":
-                bad.append(f"{b.where}: model='embedded' is the config spelling; /v1/models lists "
-                           f"{EMBEDDED_MODEL_NAME!r}")
+                bad.append(
+                    f"{b.where}: model='embedded' is the config spelling; /v1/models lists {EMBEDDED_MODEL_NAME!r}"
+                )
             elif not b.mark and name != EMBEDDED_MODEL_NAME and name not in _configured_names(b.path.read_text()):
                 bad.append(f"{b.where}: model={name!r} is neither the embedded model nor configured on this page")
     for b in blocks("json"):
         if re.search(r'"model":\s*"embedded"', b.code):
-            bad.append(f"{b.where}: \"model\": \"embedded\" in a request body")
+            bad.append(f'{b.where}: "model": "embedded" in a request body')
     assert not bad, "\n".join(bad)
 
 
@@ -155,10 +177,13 @@ def test_routes_named_in_the_docs_exist():
 def test_http_api_route_table_is_the_apps_routes():
     [table] = [t for t in tables_of(HTTP_API_PAGE) if t.header[0] == "route"]
     documented = {tuple(_code(c).split(" ", 1)) for c in table.column("route")}
-    served = {(m, p) for p, methods in server_routes().items() if p not in SCHEMA_ROUTES
-              for m in methods if m != "HEAD"}
-    assert documented == served, (f"{_rel(HTTP_API_PAGE)} route table: missing {sorted(served - documented)}, "
-                                  f"not served {sorted(documented - served)}")
+    served = {
+        (m, p) for p, methods in server_routes().items() if p not in SCHEMA_ROUTES for m in methods if m != "HEAD"
+    }
+    assert documented == served, (
+        f"{_rel(HTTP_API_PAGE)} route table: missing {sorted(served - documented)}, "
+        f"not served {sorted(documented - served)}"
+    )
 
 
 # ------------------------------------------------------------------------------------ flags, make
@@ -209,19 +234,28 @@ def test_gymserve_and_make_commands_in_prose_exist():
                 if sub is None:
                     bad.append(f"{_rel(path)}: `{span}`: no subcommand {words[1]!r}")
                     continue
-                unknown = [w for w in words[2:] if w.startswith("--") and w.split("=")[0] not in
-                           _flags(sub) | _flags(parser)]
+                unknown = [
+                    w for w in words[2:] if w.startswith("--") and w.split("=")[0] not in _flags(sub) | _flags(parser)
+                ]
                 bad += [f"{_rel(path)}: `{span}`: gymserve {words[1]} has no {w}" for w in unknown]
             elif words[0] == "make":
-                bad += [f"{_rel(path)}: `{span}`: no Makefile target {w!r}" for w in words[1:]
-                        if not w.startswith("-") and "=" not in w and w not in make_targets()]
+                bad += [
+                    f"{_rel(path)}: `{span}`: no Makefile target {w!r}"
+                    for w in words[1:]
+                    if not w.startswith("-") and "=" not in w and w not in make_targets()
+                ]
     assert not bad, "\n".join(bad)
 
 
 def test_flags_in_prose_exist():
     known = _known_flags()
-    bad = [f"{_rel(path)}: `{span}`" for path in _prose_pages() for span in inline_code(path)
-           for word in span.split()[:1] if word.startswith("--") and word.split("=")[0] not in known]
+    bad = [
+        f"{_rel(path)}: `{span}`"
+        for path in _prose_pages()
+        for span in inline_code(path)
+        for word in span.split()[:1]
+        if word.startswith("--") and word.split("=")[0] not in known
+    ]
     assert not bad, f"flags no gymserve command, documented command or script has: {bad}"
 
 

@@ -22,6 +22,7 @@ import re
 import sys
 
 import pytest
+
 from docs_markdown import DOCS, ROOT, doc_files, prose_of
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -37,10 +38,16 @@ def sample_body(name: str) -> str:
     """The code inside sample ``name``'s fence, from the page ``gen_samples.SAMPLES`` names."""
     path = gen_samples.SAMPLES[name][0]
     [body] = gen_samples.sample_pattern(name).findall(path.read_text(encoding="utf-8"))
-    m = re.fullmatch(r"Recorded by `scripts/gen_samples.py` on \d+ cores, load average [\d.]+ at the start and "
-                     r"[\d.]+ at the end\.\n\n```(\w+)\n(.*)```\n", body[1], re.S)
-    assert m, (f"sample {name} in {path.relative_to(ROOT)} is not the script's note and one fenced block: "
-               f"run scripts/gen_samples.py {name}")
+    m = re.fullmatch(
+        r"Recorded by `scripts/gen_samples.py` on \d+ cores, load average [\d.]+ at the start and "
+        r"[\d.]+ at the end\.\n\n```(\w+)\n(.*)```\n",
+        body[1],
+        re.S,
+    )
+    assert m, (
+        f"sample {name} in {path.relative_to(ROOT)} is not the script's note and one fenced block: "
+        f"run scripts/gen_samples.py {name}"
+    )
     return m.group(2)
 
 
@@ -59,15 +66,21 @@ DEMO_GRAMMAR = [
     ("model", r"model (?P<name>\S+) at (?P<url>\S+); running (?P<n>\d+) requests with the weather tools"),
     ("checks", r"=== checks"),
     ("request", r"=== (?P<request>.+)"),
-    ("turn", r"--- turn (?P<k>\d+): prompt (?P<p>\d+) tokens, generated (?P<g>\d+) tokens, [\d.]+ s, "
-             r"status (?P<status>completed|incomplete)"),
+    (
+        "turn",
+        r"--- turn (?P<k>\d+): prompt (?P<p>\d+) tokens, generated (?P<g>\d+) tokens, [\d.]+ s, "
+        r"status (?P<status>completed|incomplete)",
+    ),
     ("stop", r"--- stop: (?P<reason>\w+), reward (?P<reward>\d\.\d\d|n/a)(?:, error: .*)?"),
     ("call", r"  function_call: (?P<name>\w+)\((?P<args>.*)\)  call_id=(?P<call_id>\S+)"),
     ("item", r"  (?P<kind>function_call_output|message|reasoning|[a-z_]+): (?P<text>.*)"),
     ("no_items", r"  \(no output items\)"),
     ("contiguity", r"contiguity: (?P<ok>\d+)/(?P<total>\d+) rollouts token-contiguous \((?P<multi>\d+) multi-turn\)"),
-    ("log_probs", r"log-probs: (?P<k>\d+) generated tokens teacher-forced, max \|diff\| = (?P<diff>\S+) "
-                  r"\(tolerance (?P<tol>\S+), [\d.]+ s\)"),
+    (
+        "log_probs",
+        r"log-probs: (?P<k>\d+) generated tokens teacher-forced, max \|diff\| = (?P<diff>\S+) "
+        r"\(tolerance (?P<tol>\S+), [\d.]+ s\)",
+    ),
     ("verdict", r"verdict: (?P<verdict>PASS|FAIL)"),
     ("blank", r""),
 ]
@@ -118,8 +131,9 @@ def tiny_demo(tiny_model_dir) -> str:
 
 def test_demo_sample_is_in_the_demos_format(tiny_demo):
     sample, now = parse_demo(sample_body("demo")), parse_demo(tiny_demo)
-    assert [r["request"] for r in sample["rollouts"]] == [r["request"] for r in now["rollouts"]], \
+    assert [r["request"] for r in sample["rollouts"]] == [r["request"] for r in now["rollouts"]], (
         "the demo's requests changed: run scripts/gen_samples.py demo"
+    )
     assert set(sample["checks"]) == set(now["checks"]) == {"contiguity", "log_probs", "verdict"}
 
 
@@ -170,8 +184,9 @@ def test_rollout_sample_is_a_real_model_call(tokenizer):
     with_fields = [i for i, it in enumerate(items) if "prompt_token_ids" in it]
     outputs = [it for it in items if it["type"] == "function_call_output"]
     calls = [it for it in items if it["type"] == "function_call"]
-    assert len(with_fields) == 1 and with_fields[0] == len(items) - len(outputs) - 1, \
+    assert len(with_fields) == 1 and with_fields[0] == len(items) - len(outputs) - 1, (
         "the training fields sit on the model call's last output item"
+    )
     assert calls and [o["call_id"] for o in outputs] == [c["call_id"] for c in calls]
     for call in calls:
         assert set(call) <= set(ResponseFunctionToolCall.model_fields) | set(TRAINING_FIELDS), sorted(call)
@@ -195,11 +210,20 @@ def test_rollout_sample_is_a_real_model_call(tokenizer):
 
 
 def test_sample_json_formatter_round_trips():
-    items = [{"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
-              "arguments": "{\"city\": \"Zürich\"}", "status": "completed",
-              "prompt_token_ids": list(range(151600, 151700)), "generation_token_ids": [1, 2, 3],
-              "generation_log_probs": [-0.000123456789, -1.5, 0.0]},
-             {"type": "function_call_output", "call_id": "call_1", "output": "{\"temperature_c\": 18}"}]
+    items = [
+        {
+            "type": "function_call",
+            "id": "fc_1",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Zürich"}',
+            "status": "completed",
+            "prompt_token_ids": list(range(151600, 151700)),
+            "generation_token_ids": [1, 2, 3],
+            "generation_log_probs": [-0.000123456789, -1.5, 0.0],
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature_c": 18}'},
+    ]
     text = gen_samples.format_items(items)
     assert json.loads(text) == items
     assert max(len(line) for line in text.splitlines()) <= gen_samples.WIDTH

@@ -21,8 +21,13 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make
 
 
 def make_n(*args: str) -> list[str]:
-    done = subprocess.run(["make", "-n", "-B", "install", "VENV=/tmp/gymserve-venv", *args], cwd=ROOT,
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        ["make", "-n", "-B", "install", "VENV=/tmp/gymserve-venv", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return done.stdout.splitlines()
 
 
@@ -37,7 +42,7 @@ def test_torch_is_installed_first_then_pinned_for_the_extras():
     check = _index(lines, "scripts/install_torch.py --check")
     assert torch_step < extras < check
     assert '--torch "torch==2.13.0"' in lines[torch_step] and "--try-local" in lines[torch_step]
-    assert "--index \"https://download.pytorch.org/whl/cpu\"" in lines[torch_step]
+    assert '--index "https://download.pytorch.org/whl/cpu"' in lines[torch_step]
     assert "-c /tmp/gymserve-venv/torch-constraints.txt" in lines[extras]
     assert "--constraints /tmp/gymserve-venv/torch-constraints.txt" in lines[torch_step]
 
@@ -80,7 +85,11 @@ def test_describe_build():
     finally:
         sys.path.pop(0)
     assert install_torch.describe_build({"version": "2.13.0+cpu", "cuda": None, "hip": None}) == (
-        True, "torch 2.13.0+cpu is a CPU build (torch.version.cuda is None)")
+        True,
+        "torch 2.13.0+cpu is a CPU build (torch.version.cuda is None)",
+    )
     assert install_torch.describe_build({"version": "2.13.0", "cuda": "13.0", "hip": None}) == (
-        False, "torch 2.13.0 is a CUDA 13.0 build, not the CPU build")
+        False,
+        "torch 2.13.0 is a CUDA 13.0 build, not the CPU build",
+    )
     assert install_torch.describe_build({"version": "2.13.0+rocm6.4", "cuda": None, "hip": "6.4"})[0] is False
