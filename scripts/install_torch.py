@@ -49,8 +49,8 @@ def _say(text: str) -> None:
 
 
 def _pip(*args: str, quiet_failure: bool = False) -> bool:
-    """Run ``python -m pip install -q ARGS``; True on success. ``quiet_failure`` hides pip's output
-    (an expected miss, e.g. no local wheel) unless it succeeds."""
+    """Run ``python -m pip install -q ARGS``; True on success. ``quiet_failure``: an attempt that may
+    miss (no local wheel), so pip's output is not shown."""
     cmd = [sys.executable, "-m", "pip", "install", "-q", *args]
     if quiet_failure:
         return subprocess.run(cmd, capture_output=True, text=True).returncode == 0

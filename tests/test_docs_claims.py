@@ -300,3 +300,28 @@ def test_tool_parser_tables_name_registered_parsers():
             for col in [h for h in table.header if "`tool_parser`" in h]:
                 bad += [f"{_rel(path)}: {c}" for c in table.column(col) if _code(c) not in known]
     assert not bad, f"unregistered tool-call parsers: {bad}"
+
+
+def _agrees(quoted: str, actual: float) -> bool:
+    """``quoted`` is ``actual`` rounded to the decimals it shows."""
+    decimals = len(quoted.partition(".")[2])
+    return abs(float(quoted) - actual) <= 0.5 * 10**-decimals + 1e-12
+
+
+def test_streaming_latency_quoted_on_the_local_page_is_the_benchmarks():
+    """The numbers local.md quotes from ``bench/ttft.py`` are those of the recorded run."""
+    import json
+
+    rows = {r["request"]: r for r in json.loads((DOCS / "assets" / "perf" / "ttft.json").read_text())["rows"]}
+    text, tool = rows["text"], rows["tool call"]
+    prose = " ".join(prose_of(LOCAL_PAGE).split())
+    m = re.search(
+        r"`response\.created` arrives after (\d+) ms \(([\d.]+) of the total\); the first text delta at ([\d.]+); "
+        r"for a tool call the first argument delta at ([\d.]+)",
+        prose,
+    )
+    assert m, "local.md no longer quotes bench/ttft.py's numbers in the sentence this test reads"
+    ms, first_event, first_text, first_args = m.groups()
+    assert _agrees(ms, text["first event"] * 1000) and _agrees(first_event, text["first event"] / text["total"])
+    assert _agrees(first_text, text["first output"] / text["total"])
+    assert _agrees(first_args, tool["first output"] / tool["total"])
