@@ -66,6 +66,24 @@ def test_local_engine_table_is_the_engine_registry():
     )
 
 
+def test_engine_pages_quote_the_engines_install_message():
+    """An engine page that says what gymserve prints without the engine's package quotes it exactly."""
+    import sys
+
+    from gymserve.engine import ENGINES
+
+    [table] = [t for t in tables_of(LOCAL_PAGE) if t.heading == "## Engines"]
+    checked = 0
+    for name, page in zip(table.column("`engine`"), table.column("page")):
+        link = re.search(r"\]\(([\w.-]+\.md)\)", page)
+        hint = getattr(sys.modules[ENGINES.get(_code(name)).__module__], "INSTALL_HINT", None)
+        if link and hint:
+            text = " ".join((LOCAL_PAGE.parent / link.group(1)).read_text(encoding="utf-8").split())
+            assert f"`{hint}`" in text, f"{link.group(1)} should quote the engine's message: {hint}"
+            checked += 1
+    assert checked, "no engine page quotes an install message"
+
+
 # ----------------------------------------------------------------------------------------- backends
 def _backend_config_classes() -> tuple[type, ...]:
     from gymserve.config import GymserveConfig
