@@ -1,8 +1,21 @@
 # One entry point for people and CI. Every target installs what it needs first.
-# torch is installed first and pinned: a looser requirement can pull a multi-GB CUDA build.
+#
+# torch is installed first, as its CPU build, and then pinned: on PyPI the Linux torch wheel is the
+# CUDA build (~19 nvidia/triton packages, several GB), and any looser requirement would pull it.
+#   make install                         a local CPU wheel pip finds offline (find-links), else
+#                                        torch from PyTorch's CPU index (TORCH_INDEX)
+#   make install TORCH_INDEX=URL         only that index (a mirror, or the index of a CUDA build)
+#   make install TORCH=torch==2.6.0      another torch requirement (or a wheel file path)
+#   make install TORCH=                  keep the torch already installed in $(VENV)
+# scripts/install_torch.py does this and reports which build was installed; the constraints file
+# it writes keeps `pip install -e ".[local,...]"` from replacing torch.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# A TORCH_INDEX given by the user means that index only; the default tries a local wheel first.
+TORCH_TRY_LOCAL := $(if $(filter file,$(origin TORCH_INDEX)),--try-local,)
+CONSTRAINTS := $(VENV)/torch-constraints.txt
 
 .PHONY: install test test-fast lint format demo docs bench
 
@@ -11,8 +24,9 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[local,test,docs,lint]"
+	$(PY) scripts/install_torch.py --torch "$(TORCH)" --index "$(TORCH_INDEX)" $(TORCH_TRY_LOCAL) --constraints $(CONSTRAINTS)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[local,test,docs,lint]"
+	$(PY) scripts/install_torch.py --check --constraints $(CONSTRAINTS)
 	touch $@
 
 test: install
@@ -41,5 +55,5 @@ docs: install
 # Benchmarks: regenerates docs/performance.md and docs/assets/perf/ (full mode: tens of minutes;
 # builds .venv-peer and .venv-nemo for the peers on first use). BENCH_ARGS=--quick for a short run.
 bench: install
-	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[bench]"
 	$(PY) bench/run_all.py $(BENCH_ARGS)

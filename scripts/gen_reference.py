@@ -18,6 +18,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from gymserve.engine import ENGINES
+from gymserve.engine.model_store import EMBEDDED_MODEL_NAME
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_PAGE = ROOT / "docs" / "reference" / "configuration.md"
 CLI_PAGE = ROOT / "docs" / "reference" / "cli.md"
@@ -40,9 +43,10 @@ NOTES: dict[tuple[str, str], str] = {
     ("SamplingConfig", "stop_token_ids"): "Extra token IDs that end a generation, besides the model's EOS IDs.",
     ("SamplingConfig", "on_mismatch"): "`reject`: a request sending another temperature/top_p/top_k/seed gets a 400; "
                                        "`override`: the config's values are used silently.",
-    ("LocalBackendConfig", "model"): "`embedded` (the bundled Qwen2.5-Coder-0.5B-Instruct), a Hugging Face model "
-                                     "directory, or a `.gguf` file.",
-    ("LocalBackendConfig", "engine"): "Inference engine; `transformers` is the one available.",
+    ("LocalBackendConfig", "model"): f"`embedded` (the bundled {EMBEDDED_MODEL_NAME}, which `/v1/models` lists "
+                                     "under that name), a Hugging Face model directory, or a `.gguf` file.",
+    ("LocalBackendConfig", "engine"): "Inference engine, one of " + ", ".join(f"`{n}`" for n in ENGINES.names())
+                                      + " ([engines](../model-servers/local.md#engines)).",
     ("LocalBackendConfig", "chat_template"): "Jinja template file (or text) replacing the tokenizer's.",
     ("LocalBackendConfig", "chat_template_kwargs"): "Default template variables (e.g. `enable_thinking`); a "
                                                     "request's own override them key by key.",

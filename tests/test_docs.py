@@ -40,17 +40,27 @@ import contextlib
 import io
 import json
 import re
-import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
+from docs_markdown import (
+    ALL_BLOCKS,
+    CONFIGS,
+    DOCS,
+    ROOT,
+    Block,
+    blocks,
+    blocks_of,
+    commands_of,
+    env_assignments,
+    ids,
+    make_targets,
+    server_routes,
+)
+
 LANGUAGES = {"bash", "python", "yaml", "json", "text"}
 LOCAL_URL = "http://127.0.0.1:8000/v1"
 AZURE_URL = "https://RESOURCE.openai.azure.com"
@@ -60,63 +70,6 @@ AZURE_VERSION = "2025-04-01-preview"
 AZURE_DEPLOYMENT = "my-gpt-4o"
 DOC_COMMANDS_NOT_RUN = {"vllm", "trtllm-serve", "llama-server", "transformers", "pip", "export", "cd", "cat",
                         "python", "python3", "source", "."}
-
-
-@dataclass
-class Block:
-    path: Path
-    line: int
-    lang: str
-    code: str
-    mark: str
-
-    @property
-    def where(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
-
-
-def doc_files() -> list[Path]:
-    return sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]
-
-
-_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)(?P<info>.*)$")
-_MARK = re.compile(r"<!--\s*test:\s*(?P<mark>.*?)\s*-->")
-
-
-def blocks_of(path: Path) -> list[Block]:
-    """Fenced code blocks of one Markdown file, with the test mark just above each."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    out: list[Block] = []
-    i = 0
-    while i < len(lines):
-        m = _FENCE.match(lines[i])
-        if not m:
-            i += 1
-            continue
-        indent, fence, info = m.group("indent"), m.group("fence"), m.group("info").strip()
-        start = i
-        body = []
-        i += 1
-        while i < len(lines) and not lines[i].strip().startswith(fence):
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
-            i += 1
-        i += 1
-        prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
-        mark = _MARK.search(prev)
-        lang = info.split()[0].lstrip(".{").rstrip("}") if info else ""
-        out.append(Block(path, start + 1, lang, "\n".join(body) + "\n", mark.group("mark") if mark else ""))
-    return out
-
-
-ALL_BLOCKS = [b for p in doc_files() for b in blocks_of(p)]
-
-
-def blocks(lang: str) -> list[Block]:
-    return [b for b in ALL_BLOCKS if b.lang == lang and b.mark != "skip"]
-
-
-def ids(bs: list[Block]) -> list[str]:
-    return [b.where for b in bs]
 
 
 # ---------------------------------------------------------------------------------------- general
@@ -161,44 +114,6 @@ def test_generated_reference_is_up_to_date():
 
 
 # ------------------------------------------------------------------------------------------- bash
-def commands_of(code: str) -> list[list[str]]:
-    """Command argv lists of a bash block: comments dropped, continuations joined, ``&&`` split."""
-    joined = re.sub(r"\\\n\s*", " ", code)
-    out = []
-    for line in joined.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        argv = shlex.split(line, comments=True)
-        cmd: list[str] = []
-        for tok in argv + ["&&"]:
-            if tok in ("&&", "||", ";"):
-                if cmd:
-                    out.append(cmd)
-                cmd = []
-            else:
-                cmd.append(tok)
-    return out
-
-
-def _env_assignments(argv: list[str]) -> list[str]:
-    """``A=1 B=2 cmd ...`` → ``cmd ...``."""
-    while argv and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", argv[0]):
-        argv = argv[1:]
-    return argv
-
-
-def _make_targets() -> set[str]:
-    text = (ROOT / "Makefile").read_text(encoding="utf-8")
-    return set(re.findall(r"^([A-Za-z0-9_.-]+):", text, re.M))
-
-
-def _server_routes() -> set[str]:
-    from gymserve.backends.base import Backend
-    from gymserve.server.app import create_app
-
-    app = create_app(Backend())
-    return {r.path for r in app.routes} | {"/openapi.json", "/docs"}
 
 
 @pytest.mark.parametrize("block", blocks("bash"), ids=ids(blocks("bash")))
@@ -208,7 +123,7 @@ def test_bash_block(block):
     syntax = subprocess.run(["bash", "-n"], input=block.code, capture_output=True, text=True)
     assert syntax.returncode == 0, f"{block.where}: {syntax.stderr}"
     for argv in commands_of(block.code):
-        argv = _env_assignments(argv)
+        argv = env_assignments(argv)
         word = argv[0]
         if word == "gymserve":
             if "--help" in argv or "-h" in argv:
@@ -225,7 +140,7 @@ def test_bash_block(block):
                     pytest.fail(f"{block.where}: `{' '.join(argv)}` does not parse (exit {exc.code}): "
                                 f"{err.getvalue()}")
         elif word == "make":
-            missing = [t for t in argv[1:] if not t.startswith("-") and "=" not in t and t not in _make_targets()]
+            missing = [t for t in argv[1:] if not t.startswith("-") and "=" not in t and t not in make_targets()]
             assert not missing, f"{block.where}: no Makefile target {missing}"
         elif word == "curl":
             urls = [a for a in argv if a.startswith("http")]
@@ -233,27 +148,13 @@ def test_bash_block(block):
             for url in urls:
                 parts = urlsplit(url)
                 if parts.port == 8000:
-                    assert parts.path in _server_routes(), f"{block.where}: gymserve has no route {parts.path}"
+                    assert parts.path in server_routes(), f"{block.where}: gymserve has no route {parts.path}"
         else:
             assert word in DOC_COMMANDS_NOT_RUN, (
                 f"{block.where}: no test rule for command {word!r}; add one in tests/test_docs.py")
 
 
 # ------------------------------------------------------------------------------------------- yaml
-def _config_blocks() -> list[tuple[Block, str | None]]:
-    """(config block, text of the page's latest env.yaml block before it)."""
-    out, env = [], {}
-    for b in blocks("yaml"):
-        if b.code.lstrip().startswith("# env.yaml"):
-            env[b.path] = b.code
-        else:
-            out.append((b, env.get(b.path)))
-    return out
-
-
-CONFIGS = _config_blocks()
-
-
 @pytest.mark.parametrize("block, env", CONFIGS, ids=[b.where for b, _ in CONFIGS])
 def test_yaml_config_block_loads(block, env, tmp_path, monkeypatch):
     from gymserve.config import load_config
@@ -275,7 +176,6 @@ def test_yaml_config_block_loads(block, env, tmp_path, monkeypatch):
 def _serve_through_fake_azure(block: Block, config) -> None:
     """The Azure config, pointed at the fake Azure resource, answers the API it is configured for."""
     from fakes import FakeServer, azure_handler
-
     from gymserve.backends import build_backend
     from gymserve.backends.base import RequestContext
 
@@ -347,13 +247,18 @@ def test_worked_examples(name):
 
 # ----------------------------------------------------------------------------------------- python
 @pytest.fixture(scope="module")
-def docs_server(tiny_model_dir):
+def docs_server(tiny_model_dir, tmp_path_factory):
+    """The local backend on the tiny model, served under the embedded model's name (a directory's
+    name is the served name), so snippets ask for the model by the name a reader's server lists."""
     from gymserve.backends.local import LocalBackend
     from gymserve.config import GymserveConfig, LocalBackendConfig, ServerConfig
+    from gymserve.engine.model_store import EMBEDDED_MODEL_NAME
     from gymserve.server.run import start_background_server
 
+    model_dir = tmp_path_factory.mktemp("docs-model") / EMBEDDED_MODEL_NAME
+    model_dir.symlink_to(tiny_model_dir, target_is_directory=True)
     cfg = GymserveConfig(server=ServerConfig(port=0),
-                         backend=LocalBackendConfig(model=str(tiny_model_dir), context_window=2048))
+                         backend=LocalBackendConfig(model=str(model_dir), context_window=2048))
     srv = start_background_server(cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend))
     yield srv
     srv.stop()
@@ -398,6 +303,31 @@ def test_python_block(block, request, monkeypatch):
     assert not block.mark, f"{block.where}: unknown test mark {block.mark!r}"
     server = request.getfixturevalue("docs_server")
     _run_snippet(block, code.replace(LOCAL_URL, server.base_url), monkeypatch)
+
+
+def _get(server, path: str):
+    import httpx
+
+    return httpx.get(server.base_url.removesuffix("/v1") + path, timeout=30)
+
+
+def test_local_health_answer_is_as_documented(docs_server):
+    """The keys local.md shows for the local backend's ``/health`` are in the real answer."""
+    page = (DOCS / "model-servers" / "local.md").read_text(encoding="utf-8")
+    [shown] = re.findall(r"`/health` answers `(\{.*?\})`", page, re.S)
+    health = _get(docs_server, "/health").json()
+    missing = [k for k in re.findall(r'"(\w+)":', shown) if k not in health]
+    assert not missing, f"local.md shows /health keys the answer lacks: {missing} (answer: {sorted(health)})"
+    assert (health["status"], health["backend"]) == ("ok", "local")
+
+
+def test_metric_names_in_the_docs_are_exposed(docs_server):
+    text = _get(docs_server, "/metrics").text
+    exposed = set(re.findall(r"^# TYPE (\S+)", text, re.M))
+    exposed |= {f"{n}{s}" for n in exposed for s in ("_bucket", "_count", "_sum")}
+    documented = {name for p in DOCS.rglob("*.md")
+                  for name in re.findall(r"`(gymserve_\w+)`", p.read_text(encoding="utf-8"))}
+    assert documented and documented <= exposed, f"not exposed by /metrics: {sorted(documented - exposed)}"
 
 
 # ----------------------------------------------------------------------------------------- errors
@@ -465,7 +395,7 @@ def test_docs_mention_no_unknown_parser_names():
     used = []
     for b in blocks("bash"):
         for argv in commands_of(b.code):
-            argv = _env_assignments(argv)
+            argv = env_assignments(argv)
             if argv[0] == "gymserve":
                 used += [(b, argv[i + 1]) for i, a in enumerate(argv[:-1])
                          if a in ("--tool-call-parser", "--reasoning-parser")]
