@@ -144,8 +144,7 @@ def plan_update(model: Any, tensors: Mapping[str, Any], *, source: str = "the up
                     f"(tensor.to({old.dtype})) before the update",
                 )
             )
-        elif new.is_floating_point() and not bool(torch.isfinite(new).all()):
-            bad = int((~torch.isfinite(new)).sum())
+        elif new.is_floating_point() and (bad := _non_finite(new)):
             problems.append((name, f"tensor {name!r}: {bad} NaN or infinite values"))
         else:
             plan.append((name, old, new))
@@ -159,6 +158,17 @@ def plan_update(model: Any, tensors: Mapping[str, Any], *, source: str = "the up
             param=problems[0][0],
         )
     return [(old, new) for _, old, new in plan]
+
+
+def _non_finite(t: Any) -> int:
+    """How many elements of ``t`` are NaN or infinite. A sum is non-finite whenever an element is
+    (and is one reduction at memory speed), so the element-wise count runs only then (or when a
+    finite sum overflowed the dtype, e.g. float16)."""
+    import torch
+
+    if bool(torch.isfinite(t.sum())):
+        return 0
+    return int((~torch.isfinite(t)).sum())
 
 
 def _tied_conflicts(plan: list[tuple[str, Any, Any]]) -> list[tuple[str, str]]:

@@ -68,10 +68,10 @@ class PolicyServer:
         self._run(self.backend.update_weight_version(new_version), timeout)
 
     def pause_generation(
-        self, mode: str = "wait", *, timeout: float | None = None, wait_timeout: float | None = 600
+        self, mode: str = "abort", *, timeout: float | None = None, wait_timeout: float | None = 600
     ) -> None:
-        """Pause in ``mode`` (``abort`` | ``wait`` | ``keep``) for at most ``timeout`` seconds;
-        returns once the pause has taken effect (``wait``: the calls in flight have finished)."""
+        """Pause in ``mode`` (``abort``, vLLM's default, | ``wait`` | ``keep``) for at most ``timeout``
+        seconds; returns once the pause has taken effect (``wait``: the calls in flight have finished)."""
         self._run(self.backend.pause_generation(mode, timeout=timeout), wait_timeout)
 
     def resume_generation(self, *, timeout: float | None = 60) -> None:
