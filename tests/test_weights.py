@@ -138,5 +138,9 @@ def test_a_valid_update_copies_in_place(model, tmp_path):
     save_file({NORM: torch.full((64,), 3.0)}, str(tmp_path / "model.safetensors"))
     apply_plan(load_update(model, path=tmp_path))
     assert torch.equal(model.state_dict()[NORM], torch.full((64,), 3.0))
+    # Finite values whose sum overflows float32 are still finite (the fast check's fallback).
+    huge = torch.full((64,), 1e37)
+    apply_plan(plan_update(model, {NORM: huge}))
+    assert torch.equal(model.state_dict()[NORM], huge)
     with pytest.raises(WeightUpdateError, match="exactly one of"):
         load_update(model, {NORM: torch.ones(64)}, path=tmp_path)
