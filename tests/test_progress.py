@@ -72,7 +72,8 @@ def test_the_estimate_is_quoted_the_same_everywhere():
 
     root = Path(__file__).resolve().parents[1]
     for doc in ("README.md", "docs/model-servers/local.md"):
-        assert f"({EMBEDDED_PREPARE_TIME})" in (root / doc).read_text(), doc
+        text = " ".join((root / doc).read_text().split())  # prose wraps anywhere
+        assert EMBEDDED_PREPARE_TIME in text, doc
 
 
 def test_an_unsized_terminal_gets_plain_lines():

@@ -124,11 +124,11 @@ def run_demo(
     try:
         if base_url is None:
             from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, ServerConfig
-            from gymserve.engine.model_store import EMBEDDED_PREPARE_TIME, resolve_model
+            from gymserve.engine.model_store import resolve_model
             from gymserve.server.run import start_background_server
 
-            print(f"preparing the model (a first run converts the embedded model once, {EMBEDDED_PREPARE_TIME}; "
-                  "progress on stderr)...", file=out)
+            # The model store says on stderr, with its estimate, when a first run prepares the model.
+            print("preparing the model (the first run assembles and converts the embedded model)...", file=out)
             resolved = resolve_model(model)
             teacher_spec = str(resolved.path)
             t0 = time.perf_counter()
