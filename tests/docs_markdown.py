@@ -131,9 +131,45 @@ def prose_of(path: Path) -> str:
     return re.sub(r"<!--.*?-->", "", "\n".join(out), flags=re.S)
 
 
+# A table column headed by one of these (and not by gymserve) quotes that server: its flags and
+# routes are the other server's, as in a comparison table.
+_OTHER_SERVER = re.compile(r"\b(vLLM|SGLang|TensorRT-LLM|trtllm-serve|llama\.cpp|llama-server|Ray Serve)\b")
+
+
+def _split_row(line: str) -> list[str]:
+    """The cells of a table row: split at pipes that are neither escaped nor inside inline code."""
+    cells, cell, in_code, prev = [], "", False, ""
+    for ch in line.strip()[1:].removesuffix("|"):
+        if ch == "`":
+            in_code = not in_code
+        if ch == "|" and not in_code and prev != "\\":
+            cells.append(cell.strip())
+            cell = ""
+        else:
+            cell += ch
+        prev = ch
+    return [*cells, cell.strip()]
+
+
+def own_prose(path: Path) -> str:
+    """The prose that speaks for gymserve: ``prose_of(path)`` without the table columns whose header
+    names another server and not gymserve."""
+    out, keep = [], None
+    for line in prose_of(path).splitlines():
+        if not line.startswith("|"):
+            out.append(line)
+            keep = None
+            continue
+        cells = _split_row(line)
+        if keep is None:  # the header row
+            keep = [not _OTHER_SERVER.search(c) or "gymserve" in c for c in cells]
+        out.append(" | ".join(c for c, k in zip(cells, keep) if k))
+    return "\n".join(out)
+
+
 def inline_code(path: Path) -> list[str]:
-    """The inline code spans (`` `...` ``) of a page's prose, a span broken over lines joined by a space."""
-    return [" ".join(span.split()) for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", prose_of(path))]
+    """The inline code spans (`` `...` ``) of ``own_prose(path)``, a span broken over lines joined by a space."""
+    return [" ".join(span.split()) for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", own_prose(path))]
 
 
 @dataclass
@@ -154,7 +190,7 @@ def tables_of(path: Path) -> list[Table]:
     heading, current = "", None
     for line in prose_of(path).splitlines() + [""]:
         if line.startswith("|"):
-            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip()[1:].removesuffix("|"))]
+            cells = _split_row(line)
             if current is None:
                 current = [cells]
             else:

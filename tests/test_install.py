@@ -93,3 +93,14 @@ def test_describe_build():
         "torch 2.13.0 is a CUDA 13.0 build, not the CPU build",
     )
     assert install_torch.describe_build({"version": "2.13.0+rocm6.4", "cuda": None, "hip": "6.4"})[0] is False
+
+
+def test_getting_started_quotes_the_makefiles_install_commands():
+    """The extras and the constraints file Getting started says ``make install`` uses are the Makefile's."""
+    import re
+
+    page = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    [quoted] = re.findall(r'`pip install -c \.venv/torch-constraints\.txt -e "(\.\[[\w,]+\])"`', page)
+    [extras] = [x for x in make_n() if "-c /tmp/gymserve-venv/torch-constraints.txt -e" in x]
+    assert f'-e "{quoted}"' in extras, f"docs say {quoted}; the Makefile runs: {extras}"
+    assert "`.venv/torch-constraints.txt`" in page
