@@ -44,10 +44,10 @@ def context_length(text: str) -> int:
     return number * {"": 1, "k": 1000, "K": 1024}[suffix]
 
 
-def from_env(flag: str) -> Callable[[str], str]:
+def from_env(flag: str) -> Callable[[str, str | None], str]:
     """A converter reading the environment variable a ``--*-env`` flag names; ``FlagError`` if unset."""
 
-    def read(name: str) -> str:
+    def read(name: str, kind: str | None) -> str:
         value = os.environ.get(name)
         if not value:
             raise FlagError(f"{flag} {name}: that environment variable is not set (or empty); export it, "
@@ -61,8 +61,8 @@ def from_env(flag: str) -> Callable[[str], str]:
 class Flag:
     """One flag. ``key``: the dotted config key, or ``{backend type: key}`` where it differs by type.
     ``kinds``: backend types it applies to (None: every one). ``engines``: local engines it applies
-    to (None: every one). ``convert``: value -> config value (``kind`` is passed when it takes two
-    arguments). ``options``: ``add_argument`` keyword arguments."""
+    to (None: every one). ``convert(value, kind)``: the config value (``kind`` None when the backend
+    type is not known yet). ``options``: ``add_argument`` keyword arguments."""
 
     names: tuple[str, ...]
     key: str | Mapping[str, str]
@@ -106,7 +106,7 @@ UPSTREAM = (
         "action": "append", "metavar": "URL",
         "help": "upstream base URL ending in /v1 (implies --backend chat); repeat for replicas; azure: the "
                 "resource endpoint"},
-        kinds=REMOTE, convert=lambda urls, kind: urls if kind == "chat" else _one_url(urls, kind)),
+        kinds=REMOTE, convert=lambda urls, kind: _one_url(urls, kind) if kind in ("openai", "azure") else urls),
     Flag(("--api-version",), "backend.api_version", {
         "help": "azure: the api-version query parameter sent on every request"}, kinds=frozenset({"azure"})),
     Flag(("--api-key-env",), "backend.api_key", {
@@ -251,7 +251,7 @@ def overrides(args: argparse.Namespace, flags: Iterable[Flag], kind: str | None)
         if kind is not None and flag.kinds is not None and kind not in flag.kinds:
             raise _not_for(flag, kind)
         if flag.convert is not None:
-            value = flag.convert(value, kind) if flag.convert.__code__.co_argcount == 2 else flag.convert(value)
+            value = flag.convert(value, kind)
         key = flag.key_for(kind or "chat")
         if key in out:
             raise FlagError(f"{given[key]} and {flag.names[0]} both set {key}; give one of them")
