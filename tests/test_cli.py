@@ -44,8 +44,15 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _gymserve(*argv: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gymserve.cli", *argv], capture_output=True, text=True,
-                          env=_env(), timeout=300, cwd=ROOT, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "gymserve.cli", *argv],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        cwd=ROOT,
+        **kwargs,
+    )
 
 
 def _config(*argv: str, flags=SERVE_FLAGS, **kwargs):
@@ -95,14 +102,42 @@ def test_positional_model_and_its_alias(tmp_path):
 
 
 def test_engine_and_sampling_flags_land_in_the_config(tmp_path):
-    c = _config("serve", str(tmp_path), "--max-model-len", "2k", "--seed", "7", "--temperature", "0",
-                "--top-p", "0.9", "--top-k", "20", "--stop-token-ids", "5", "6", "--sampling-on-mismatch", "override",
-                "--max-num-seqs", "3", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    c = _config(
+        "serve",
+        str(tmp_path),
+        "--max-model-len",
+        "2k",
+        "--seed",
+        "7",
+        "--temperature",
+        "0",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "20",
+        "--stop-token-ids",
+        "5",
+        "6",
+        "--sampling-on-mismatch",
+        "override",
+        "--max-num-seqs",
+        "3",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+    )
     b = c.backend
     assert (b.context_window, b.max_batch_size, b.tool_parser, b.reasoning_parser) == (2000, 3, "hermes", "qwen3")
     s = b.sampling
-    assert (s.temperature, s.top_p, s.top_k, s.seed, s.stop_token_ids, s.on_mismatch) == (0.0, 0.9, 20, 7, [5, 6],
-                                                                                         "override")
+    assert (s.temperature, s.top_p, s.top_k, s.seed, s.stop_token_ids, s.on_mismatch) == (
+        0.0,
+        0.9,
+        20,
+        7,
+        [5, 6],
+        "override",
+    )
     assert _config("serve", "--max-model-len", "32K").backend.context_window == 32768
     assert _config("serve", "--max-model-len", "4096").backend.context_window == 4096
     gpu = _config("serve", "--engine", "vllm", "-tp", "2", "--gpu-memory-utilization", "0.8")
@@ -111,22 +146,34 @@ def test_engine_and_sampling_flags_land_in_the_config(tmp_path):
 
 def test_flags_override_the_file_and_keep_the_rest_of_it(tmp_path):
     path = tmp_path / "gymserve.yaml"
-    path.write_text("server: {port: 9001}\nbackend:\n  type: local\n  context_window: 256\n"
-                    "  sampling: {temperature: 0.5, seed: 1}\n")
+    path.write_text(
+        "server: {port: 9001}\nbackend:\n  type: local\n  context_window: 256\n"
+        "  sampling: {temperature: 0.5, seed: 1}\n"
+    )
     c = _config("serve", "--config", str(path), "--seed", "9", "--port", "9002")
     assert (c.backend.context_window, c.backend.sampling.temperature, c.backend.sampling.seed) == (256, 0.5, 9)
     assert c.server.port == 9002
 
 
 def test_training_field_switch_and_served_names_for_a_chat_backend(tmp_path):
-    c = _config("serve", "policy", "--base-url", "http://127.0.0.1:9/v1", "--return-token-id-information",
-                "--served-model-name", "public", "old-name")
+    c = _config(
+        "serve",
+        "policy",
+        "--base-url",
+        "http://127.0.0.1:9/v1",
+        "--return-token-id-information",
+        "--served-model-name",
+        "public",
+        "old-name",
+    )
     assert c.backend.return_token_id_information is True
     assert (c.backend.served_model_name, c.served_model_names) == ("public", ["public", "old-name"])
     path = tmp_path / "chat.yaml"
     path.write_text("backend: {type: chat, base_urls: [http://127.0.0.1:9/v1], return_token_id_information: true}\n")
-    assert _config("serve", "--config", str(path), "--no-return-token-id-information").backend.return_token_id_information \
+    assert (
+        _config("serve", "--config", str(path), "--no-return-token-id-information").backend.return_token_id_information
         is False
+    )
 
 
 def test_a_flag_for_another_backend_is_named_not_ignored(capsys):
@@ -166,15 +213,36 @@ def test_launch_takes_the_same_flags_for_its_replicas(tmp_path):
 
     path = tmp_path / "ray.yaml"
     path.write_text("backend:\n  type: ray\n  local: {sampling: {temperature: 0.5}}\n")
-    c = _config("launch", str(tmp_path), "--config", str(path), "--replicas", "2", "--seed", "3",
-                "--max-model-len", "1024", "--served-model-name", "policy", "--api-key", KEY, flags=launch_flags(),
-                kind="ray")
+    c = _config(
+        "launch",
+        str(tmp_path),
+        "--config",
+        str(path),
+        "--replicas",
+        "2",
+        "--seed",
+        "3",
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        "policy",
+        "--api-key",
+        KEY,
+        flags=launch_flags(),
+        kind="ray",
+    )
     assert isinstance(c.backend, RayBackendConfig) and c.backend.replicas == 2
     local = c.backend.local
     assert (local.model, local.context_window, local.sampling.temperature, local.sampling.seed) == (
-        str(tmp_path), 1024, 0.5, 3)
+        str(tmp_path),
+        1024,
+        0.5,
+        3,
+    )
     assert c.served_model_names == ["policy"] and c.server.api_key.get_secret_value() == KEY
-    serve = _config("serve", "--replicas", "3", "--temperature", "0", flags=SERVE_FLAGS + _serve_ray_flags(), kind="ray")
+    serve = _config(
+        "serve", "--replicas", "3", "--temperature", "0", flags=SERVE_FLAGS + _serve_ray_flags(), kind="ray"
+    )
     assert (serve.backend.replicas, serve.backend.local.sampling.temperature) == (3, 0.0)
 
 
@@ -217,8 +285,24 @@ class _Lines:
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     """``gymserve serve TINY --port 0 ...`` as a user types it; yields (base_url, the 'serving' line)."""
-    argv = [sys.executable, "-m", "gymserve.cli", "serve", str(tiny_model_dir), "--port", "0", "--api-key", KEY,
-            "--served-model-name", "policy", "policy-v0", "--max-model-len", "384", "--temperature", "0"]
+    argv = [
+        sys.executable,
+        "-m",
+        "gymserve.cli",
+        "serve",
+        str(tiny_model_dir),
+        "--port",
+        "0",
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        "policy",
+        "policy-v0",
+        "--max-model-len",
+        "384",
+        "--temperature",
+        "0",
+    ]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env(), cwd=ROOT)
     out = _Lines(proc.stderr)
     try:
@@ -261,9 +345,12 @@ def test_served_model_names_in_models_and_answers(served):
     response = client.responses.create(model="policy", input="Hi", max_output_tokens=3)
     assert response.model == "policy"
     # --temperature 0 is pinned: a request asking for another temperature is refused, naming the field.
-    with pytest.raises(openai.BadRequestError, match="temperature=0.7 differs from the server's pinned temperature=0.0"):
-        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-                                       temperature=0.7)
+    with pytest.raises(
+        openai.BadRequestError, match="temperature=0.7 differs from the server's pinned temperature=0.0"
+    ):
+        client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0.7
+        )
 
 
 def test_busy_port_exits_naming_the_flag_before_loading_anything(tiny_model_dir):
@@ -302,8 +389,11 @@ def test_an_unexpected_error_is_one_line_and_a_traceback_file(crashing_store, ca
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     # What failed and where: the demo's step that called the (here broken) model store.
-    assert re.match(r"gymserve demo: unexpected error at gymserve/harness/demo\.py:\d+ in run_demo: TypeError: expected str, "
-                    r"bytes or os\.PathLike object, not NoneType; ", lines[0]), lines[0]
+    assert re.match(
+        r"gymserve demo: unexpected error at gymserve/harness/demo\.py:\d+ in run_demo: TypeError: expected str, "
+        r"bytes or os\.PathLike object, not NoneType; ",
+        lines[0],
+    ), lines[0]
     logs = list(crashing_store.glob("demo-*.log"))
     assert len(logs) == 1 and f"the full traceback is in {logs[0]}" in lines[0] and "--debug" in lines[0]
     text = logs[0].read_text()
@@ -327,8 +417,10 @@ def test_known_errors_keep_their_message(tmp_path, capsys, monkeypatch):
     bad = tmp_path / "bad.yaml"
     bad.write_text("backend: {type: chat, base_urls: [localhost:8000/v1]}\n")
     assert cli.main(["check", "--config", str(bad)]) == 2
-    assert "gymserve check: invalid configuration:\n  backend.base_urls: base_urls must start with http://" in \
-        capsys.readouterr().err
+    assert (
+        "gymserve check: invalid configuration:\n  backend.base_urls: base_urls must start with http://"
+        in capsys.readouterr().err
+    )
     # An upstream that does not answer: the URL and the cause, no exception class on its own.
     assert cli.main(["demo", "--base-url", "http://127.0.0.1:9/v1"]) == 2
     err = capsys.readouterr().err

@@ -38,8 +38,14 @@ def _known_types() -> tuple[type[BaseException], ...]:
     from gymserve.registry import UnknownNameError
     from gymserve.server.run import BindError
 
-    types: list[type[BaseException]] = [ConfigError, ModelStoreError, GymserveError, UnknownNameError, BindError,
-                                        ImportError]
+    types: list[type[BaseException]] = [
+        ConfigError,
+        ModelStoreError,
+        GymserveError,
+        UnknownNameError,
+        BindError,
+        ImportError,
+    ]
     for module, name in (("openai", "APIError"), ("httpx", "HTTPError"), ("pydantic", "ValidationError")):
         mod = sys.modules.get(module)  # only classes already imported can have been raised
         if mod is not None and hasattr(mod, name):
@@ -118,9 +124,10 @@ def write_traceback(exc: BaseException, command: str) -> Path | None:
     """Write ``exc``'s full traceback (and the command line) to a new file under ``<cache>/logs/``
     (or the temp directory when the cache is not writable); returns its path, None when neither is."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    text = (f"gymserve {command} failed at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-            f"argv: {sys.argv!r}\npython: {sys.version.split()[0]}\n\n"
-            + "".join(traceback.format_exception(exc)))
+    text = (
+        f"gymserve {command} failed at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        f"argv: {sys.argv!r}\npython: {sys.version.split()[0]}\n\n" + "".join(traceback.format_exception(exc))
+    )
     for directory in _log_dirs():
         try:
             directory.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 from gymserve.cli.flags import (
     CHECK_FLAGS,
@@ -47,8 +48,12 @@ def _common() -> argparse.ArgumentParser:
     before it."""
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level")
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="on failure, print the full traceback (default: one line, the traceback to a log file)")
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="on failure, print the full traceback (default: one line, the traceback to a log file)",
+    )
     return common
 
 
@@ -60,20 +65,31 @@ MODEL_FIRST = "%(prog)s [MODEL] [options]"
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree (also used to generate docs/reference/cli.md)."""
     common = _common()
-    sub_options = {"allow_abbrev": False, "parents": [common]}
+    sub_options: dict[str, Any] = {"allow_abbrev": False, "parents": [common]}
     parser = argparse.ArgumentParser(
-        prog="gymserve", allow_abbrev=False, parents=[common],
-        description="Token-exact Responses API and Chat Completions serving for RL of LLM agents.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}",
-                        help="print the version (gymserve.__version__) and exit")
+        prog="gymserve",
+        allow_abbrev=False,
+        parents=[common],
+        description="Token-exact Responses API and Chat Completions serving for RL of LLM agents.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {version()}",
+        help="print the version (gymserve.__version__) and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     from gymserve.ray_cluster.cli import add_launch_parser, add_status_parser, serve_ray_flags
 
     serve = sub.add_parser(
-        "serve", help="serve /v1/responses and /v1/chat/completions over a backend", usage=MODEL_FIRST,
+        "serve",
+        help="serve /v1/responses and /v1/chat/completions over a backend",
+        usage=MODEL_FIRST,
         description="Serve MODEL (default: the embedded model) or an upstream at /v1/responses and "
-                    "/v1/chat/completions, like `vllm serve MODEL`. Flags override --config.", **sub_options)
+        "/v1/chat/completions, like `vllm serve MODEL`. Flags override --config.",
+        **sub_options,
+    )
     add_config_flags(serve)
     add_serving_flags(serve, SERVE_FLAGS)
     add_flags(serve, serve_ray_flags(), "replicas on Ray (as gymserve launch)")
@@ -81,13 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_parser(sub, **sub_options)
     add_status_parser(sub, **sub_options)
 
-    check = sub.add_parser("check", help="probe a configured backend and say what works and what to change",
-                           usage=MODEL_FIRST, **sub_options)
+    check = sub.add_parser(
+        "check",
+        help="probe a configured backend and say what works and what to change",
+        usage=MODEL_FIRST,
+        **sub_options,
+    )
     add_config_flags(check)
     add_serving_flags(check, CHECK_FLAGS)
 
-    demo = sub.add_parser("demo", help="run the weather agent on the embedded model and verify the rollout",
-                          **sub_options)
+    demo = sub.add_parser(
+        "demo", help="run the weather agent on the embedded model and verify the rollout", **sub_options
+    )
     demo.add_argument("--base-url", help="use a running Responses endpoint instead of the embedded model")
     demo.add_argument("--model", help="model name at --base-url, or a local model for the in-process server")
     demo.add_argument("--verify-model", help="local model directory for teacher forcing with --base-url")
@@ -101,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--concurrency", type=int, default=8, help="rollouts in flight at once")
     roll.add_argument("--resume", action="store_true", help="skip tasks whose rollout is already in --output")
 
-    ver = sub.add_parser("verify-rollouts", help="check token contiguity and recompute log-probs by teacher forcing",
-                         **sub_options)
+    ver = sub.add_parser(
+        "verify-rollouts", help="check token contiguity and recompute log-probs by teacher forcing", **sub_options
+    )
     ver.add_argument("path", help="rollouts JSONL")
     ver.add_argument("--model", help="model to recompute log-probs with (default: the embedded model)")
     return parser
@@ -126,8 +148,7 @@ def run_server(config) -> int:
     from gymserve.server.run import run_event_loop, serve_async
 
     what = _describe(config)
-    print(f"gymserve: starting the {what} (the server answers once it prints 'serving')", file=sys.stderr,
-          flush=True)
+    print(f"gymserve: starting the {what} (the server answers once it prints 'serving')", file=sys.stderr, flush=True)
 
     def started(base_url: str) -> None:
         print(f"gymserve: serving the {what} on {base_url}", file=sys.stderr, flush=True)
@@ -142,8 +163,10 @@ def _serve(args: argparse.Namespace) -> int:
     from gymserve.ray_cluster.cli import serve_ray_flags
 
     if args.backend not in (None, "local"):
-        raise FlagError(f"--replicas serves replicas of the local engine on Ray; it does not apply to the "
-                        f"{args.backend} backend (for replicas of a chat server, repeat --base-url)")
+        raise FlagError(
+            f"--replicas serves replicas of the local engine on Ray; it does not apply to the "
+            f"{args.backend} backend (for replicas of a chat server, repeat --base-url)"
+        )
     args.backend = None
     return run_server(config_from_args(args, SERVE_FLAGS + serve_ray_flags(), kind="ray"))
 
@@ -151,8 +174,10 @@ def _serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gymserve`` console script; returns the exit code (see the module docstring)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     from gymserve.failures import DEBUG_ENV, report
 
     if getattr(args, "debug", False):
@@ -188,8 +213,14 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "rollout":
         from gymserve.harness.rollout import main_rollout
 
-        return main_rollout(args.input, args.output, base_url=args.base_url, concurrency=args.concurrency,
-                            resume=args.resume, model=args.model)
+        return main_rollout(
+            args.input,
+            args.output,
+            base_url=args.base_url,
+            concurrency=args.concurrency,
+            resume=args.resume,
+            model=args.model,
+        )
     if args.command == "verify-rollouts":
         from gymserve.harness.verify import main_verify
 
