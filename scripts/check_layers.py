@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     # 5 — the HTTP server and what runs one.
     "gymserve.server": 5,
     "gymserve.check": 5,
+    "gymserve.failures": 5,  # how a failure is reported (names server.run's BindError); harness and cli use it
     # 6 — the RL harness: agents, environments, rollouts, verification, the demo (clients of the server).
     "gymserve.harness": 6,
     # 7 — command line and the package's public face.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import typing
 from pathlib import Path
@@ -67,7 +68,6 @@ NOTES: dict[tuple[str, str], str] = {
                                                           "log-probs (vLLM ≥ 0.10.2) and return them as training fields.",
     ("_RemoteBackendConfig", "api_key"): "Upstream key (`Authorization: Bearer`; Azure: `api-key` header).",
     ("_RemoteBackendConfig", "model"): "Model name sent upstream (Azure: falls back as the deployment name).",
-    ("_RemoteBackendConfig", "served_model_name"): "Name clients see in answers and `/v1/models`.",
     ("_RemoteBackendConfig", "num_concurrent_requests"): "Upstream calls in flight at once; more wait (see "
                                                          "`server.max_queue`).",
     ("_RemoteBackendConfig", "timeout"): "Seconds per upstream call.",
@@ -264,28 +264,50 @@ def _help_of(parser: argparse.ArgumentParser, name: str) -> str:
     return ""
 
 
+_CONFIG_KEY = re.compile(r"\s*\[config: ([^\]]+)\]$")
+
+
+def _action_row(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    if action.option_strings:
+        flags = ", ".join(f"`{s}`" for s in action.option_strings)
+    else:
+        flags = f"`{action.metavar or action.dest}` (positional)"
+    if action.nargs == 0:
+        value = "flag"
+    elif action.choices:
+        value = " \\| ".join(f"`{c}`" for c in action.choices)
+    else:
+        value = (action.metavar or action.dest).upper()
+    if isinstance(action, argparse._AppendAction):
+        value += " (repeatable)"
+    if action.nargs == "+":
+        value += " ..."
+    default = "" if action.default in (None, False, argparse.SUPPRESS) else f"`{action.default}`"
+    if action.required:
+        default = "**required**"
+    text = action.help or ""
+    if "%(" in text:  # argparse's own placeholders, as --help renders them
+        text = text % {**vars(action), "prog": parser.prog}
+    match = _CONFIG_KEY.search(text)
+    key = ", ".join(f"`{k.strip()}`" for k in match.group(1).split(",")) if match else ""
+    text = _CONFIG_KEY.sub("", text)
+    return f"| {flags} | {value} | {default} | {key} | {_cell(_rst_to_md(text))} |"
+
+
 def _options_table(parser: argparse.ArgumentParser) -> str:
-    rows = ["| option | value | default | meaning |", "|---|---|---|---|"]
-    for action in parser._actions:
-        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+    """One table per argparse group (the ungrouped options first), each with the config key a flag sets."""
+    untitled = ("positional arguments", "options")
+    groups = [("", [a for g in parser._action_groups if g.title in untitled for a in g._group_actions])]
+    groups += [(g.title, g._group_actions) for g in parser._action_groups if g.title not in untitled]
+    out = []
+    for title, actions in groups:
+        actions = [a for a in actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+        if not actions:
             continue
-        if action.option_strings:
-            flags = ", ".join(f"`{s}`" for s in action.option_strings)
-        else:
-            flags = f"`{action.dest}` (positional)"
-        if action.nargs == 0:
-            value = "flag"
-        elif action.choices:
-            value = " \\| ".join(f"`{c}`" for c in action.choices)
-        else:
-            value = (action.metavar or action.dest).upper()
-        if isinstance(action, argparse._AppendAction):
-            value += " (repeatable)"
-        default = "" if action.default in (None, False, argparse.SUPPRESS) else f"`{action.default}`"
-        if action.required:
-            default = "**required**"
-        rows.append(f"| {flags} | {value} | {default} | {_cell(_rst_to_md(action.help or ''))} |")
-    return "\n".join(rows)
+        rows = ["| option | value | default | config key | meaning |", "|---|---|---|---|---|"]
+        rows += [_action_row(parser, a) for a in actions]
+        out.append((f"**{title}**\n\n" if title else "") + "\n".join(rows))
+    return "\n\n".join(out)
 
 
 def cli_page() -> str:

@@ -120,10 +120,10 @@ def test_capture_records_every_call_redacted(two_replicas, tmp_path):
 
 
 def test_capture_flag_and_config():
-    from gymserve.cli import _serve_overrides, build_parser
+    from gymserve.cli import build_parser, serve_overrides
 
     args = build_parser().parse_args(["serve", "--capture", "/tmp/x.jsonl"])
-    assert _serve_overrides(args)["server"]["capture_path"] == "/tmp/x.jsonl"
+    assert serve_overrides(args)["server"]["capture_path"] == "/tmp/x.jsonl"
 
 
 def test_capture_writer_never_blocks_and_counts_drops(tmp_path):

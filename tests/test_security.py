@@ -99,17 +99,18 @@ def test_key_comparison_is_constant_time(monkeypatch):
 
 
 def test_cli_server_key_comes_from_the_named_environment_variable(monkeypatch):
-    from gymserve.cli import _serve_overrides, build_parser
+    from gymserve.cli import build_parser, serve_overrides
+    from gymserve.cli.flags import FlagError
 
     monkeypatch.setenv("MY_SERVER_KEY", SERVER_KEY)
     monkeypatch.setenv("MY_UPSTREAM_KEY", UPSTREAM_KEY)
     args = build_parser().parse_args(["serve", "--base-url", "http://127.0.0.1:9/v1", "--server-api-key-env",
                                       "MY_SERVER_KEY", "--api-key-env", "MY_UPSTREAM_KEY"])
-    out = _serve_overrides(args)
+    out = serve_overrides(args)
     assert out["server"]["api_key"] == SERVER_KEY and out["backend"]["api_key"] == UPSTREAM_KEY
     args = build_parser().parse_args(["serve", "--server-api-key-env", "NOT_SET_ANYWHERE_42"])
-    with pytest.raises(SystemExit, match="NOT_SET_ANYWHERE_42"):
-        _serve_overrides(args)
+    with pytest.raises(FlagError, match="--server-api-key-env NOT_SET_ANYWHERE_42: that environment variable"):
+        serve_overrides(args)
 
 
 # ------------------------------------------------------------------------------- binding

@@ -41,7 +41,8 @@ class _Model(BaseModel):
 
 
 class ServerConfig(_Model):
-    """gymserve's own HTTP server. ``api_key`` is the key clients must present (None: open);
+    """gymserve's own HTTP server. ``api_key`` is the key clients must present (None: open; the CLI
+    falls back to the ``GYMSERVE_API_KEY`` environment variable, as ``vllm serve`` reads ``VLLM_API_KEY``);
     ``admin_api_key``, when set, is the only key the control routes (pause, weight updates) take."""
 
     host: str = "127.0.0.1"
@@ -55,19 +56,51 @@ class ServerConfig(_Model):
     shutdown_timeout: float = Field(30.0, gt=0, description="seconds in-flight requests get to finish after SIGTERM")
 
 
+class _ServedModelNames(_Model):
+    """The names clients use for the model, as ``vllm serve --served-model-name NAME [NAME ...]``:
+    the first is what answers report in ``model`` and ``/v1/models`` lists first; the others are
+    aliases, listed after it. ``served_model_name`` also takes a list (vLLM's form), which is split
+    into the name and ``served_model_aliases``."""
+
+    served_model_name: str | None = Field(
+        None, description="Name clients see in answers (`model`) and `/v1/models` (default: the model's own "
+                          "name). A list is the name followed by aliases, as `--served-model-name A B`.")
+    served_model_aliases: list[str] = Field(
+        default_factory=list, description="Other names `/v1/models` lists for the same model (vLLM lists every "
+                                          "`--served-model-name`).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_list(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("served_model_name"), (list, tuple)):
+            names = [str(n) for n in data["served_model_name"]]
+            if not names or not all(n.strip() for n in names):
+                raise ValueError("served_model_name: give at least one non-empty name")
+            data = {**data, "served_model_name": names[0],
+                    "served_model_aliases": [*names[1:], *(data.get("served_model_aliases") or [])]}
+        return data
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """``[served_model_name, *aliases]`` without repeats; empty when no name is configured."""
+        if not self.served_model_name:
+            return []
+        return list(dict.fromkeys([self.served_model_name, *self.served_model_aliases]))
+
+
 class SamplingConfig(_Model):
     """Local-engine sampling defaults. ``on_mismatch``: a request asking for other values is
     rejected (``"reject"``) or served with these (``"override"``)."""
 
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1)
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     on_mismatch: Literal["reject", "override"] = "reject"
 
 
-class LocalBackendConfig(_Model):
+class LocalBackendConfig(_ServedModelNames):
     """The engine runs in this process (token-exact). ``model``: "embedded", a directory or a .gguf."""
 
     type: Literal["local"] = "local"
@@ -108,12 +141,11 @@ _NEMO_GYM_IGNORED = frozenset({
 })
 
 
-class _RemoteBackendConfig(_Model):
+class _RemoteBackendConfig(_ServedModelNames):
     """Options shared by every backend that calls a remote HTTP API."""
 
     api_key: SecretStr | None = Field(None, validation_alias=AliasChoices("api_key", "policy_api_key", "openai_api_key"))
     model: str | None = Field(None, validation_alias=AliasChoices("model", "policy_model_name", "openai_model"))
-    served_model_name: str | None = None
     num_concurrent_requests: int = Field(64, ge=1)
     timeout: float = Field(600.0, gt=0)
     max_retries: int = Field(3, ge=0)
@@ -344,9 +376,23 @@ class RayBackendConfig(_Model):
         local = dict(data.get("local") or {})
         for key in list(data):
             if key in LocalBackendConfig.model_fields and key not in ("type", "local") and key not in cls.model_fields:
-                local[key] = data.pop(key)
+                # Merged, not replaced: a flag's flat ``sampling.seed`` must not drop the file's
+                # ``local: {sampling: {temperature}}``.
+                local[key] = _merged(local.get(key), data.pop(key))
         data["local"] = local
         return data
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """The replicas' served names (``local.served_model_names``)."""
+        return self.local.served_model_names
+
+
+def _merged(base: Any, top: Any) -> Any:
+    """``top`` over ``base``, dicts merged key by key (recursively)."""
+    if isinstance(base, dict) and isinstance(top, dict):
+        return {**base, **{k: _merged(base.get(k), v) for k, v in top.items()}}
+    return top
 
 
 BackendConfig = Annotated[
@@ -366,6 +412,12 @@ class GymserveConfig(_Model):
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     backend: BackendConfig = Field(default_factory=LocalBackendConfig)
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """Every name ``/v1/models`` lists (``backend.served_model_name`` then its aliases); empty when
+        none is configured (the backend then names its model itself)."""
+        return list(self.backend.served_model_names)
 
     @field_validator("backend", mode="before")
     @classmethod

@@ -48,6 +48,8 @@ class LocalBackend(LocalControl, Backend):
 
         self.config = config
         self.engine = engine
+        # What clients see (``--served-model-name``); the engine's own name still drives parser inference.
+        self.model_name = getattr(config, "served_model_name", None) or engine.model_name
         self.tokenizer = tokenizer
         chat_template = None
         if config.chat_template:
@@ -82,7 +84,7 @@ class LocalBackend(LocalControl, Backend):
     def describe(self) -> dict[str, Any]:
         """What ``/health`` and the start-up banner say about this backend."""
         return {
-            "backend": "local", "model": self.engine.model_name,
+            "backend": "local", "model": self.model_name,
             "tool_call_parser": getattr(self.tool_parser, "name", None),
             "tool_call_parser_reason": self.tool_parser_reason,
             "reasoning_parser": getattr(self.reasoning_parser, "name", None),
@@ -98,7 +100,7 @@ class LocalBackend(LocalControl, Backend):
         return {**request, **fill} if fill else request
 
     async def models(self) -> list[str]:
-        return [self.engine.model_name]
+        return [self.model_name]
 
     async def health(self) -> dict[str, Any]:
         return {"status": "ok", **self.describe()}
@@ -155,7 +157,7 @@ class LocalBackend(LocalControl, Backend):
                                   "logprobs": self._logprobs(call, ids, lps, tops) if call.logprobs else None}
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.engine.model_name, "choices": [choice],
+            "model": self.model_name, "choices": [choice],
             "usage": usage(len(call.prompt.token_ids), len(gen.token_ids)),
         }
 

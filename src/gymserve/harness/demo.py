@@ -140,13 +140,12 @@ def run_demo(
                   file=out)
             base_url, model = server.base_url, None
         name, results = asyncio.run(_run_agents(base_url, model, requests, max_output_tokens, max_steps, out))
-    except Exception as exc:  # noqa: BLE001 - the CLI reports, it does not trace back
-        from gymserve.engine.model_store import ModelStoreError
+    except Exception as exc:  # noqa: BLE001 - known failures are reported here; bugs go to the CLI's report
+        from gymserve.failures import classify, report
 
-        # A ModelStoreError's message is complete (what, where, how to retry); others need their type.
-        why = str(exc) if isinstance(exc, ModelStoreError) else f"{type(exc).__name__}: {exc}"
-        print(f"gymserve demo: {why}", file=sys.stderr)
-        return 2
+        if classify(exc) == "bug":
+            raise
+        return report(exc, "demo")
     finally:
         if server is not None:
             server.stop()

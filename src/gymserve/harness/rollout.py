@@ -345,9 +345,12 @@ def main_rollout(
             print(f"\ninterrupted: finished rollouts are in {output_path}; rerun with --resume to continue",
                   file=sys.stderr)
             return 130
-        except Exception as exc:  # noqa: BLE001 - the CLI reports, it does not trace back
-            print(f"gymserve rollout: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 2
+        except Exception as exc:  # noqa: BLE001 - known failures are reported here; bugs go to the CLI's report
+            from gymserve.failures import classify, report
+
+            if classify(exc) == "bug":
+                raise
+            return report(exc, "rollout")
     finally:
         if server is not None:
             server.stop()

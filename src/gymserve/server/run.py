@@ -7,12 +7,16 @@ queues belong to that loop; it is closed when the server stops.
 from __future__ import annotations
 
 import asyncio
-import gc
 import contextlib
+import errno
+import gc
+import ipaddress
 import logging
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -37,20 +41,108 @@ def run_event_loop(coro):
 
 
 def build_app(config, backend):
-    """The FastAPI app for ``config`` (a ``GymserveConfig``) over an already built ``backend``."""
+    """The FastAPI app for ``config`` (a ``GymserveConfig``) over an already built ``backend``;
+    ``/v1/models`` lists ``config.served_model_names`` when set, else what the backend names."""
     from gymserve.server.app import create_app
     from gymserve.server.control import control_allowed
 
     keys = _server_key(config), _server_key(config, "admin_api_key")
     return create_app(backend, max_body_bytes=config.server.max_body_bytes, server_api_key=keys[0],
                       capture_path=config.server.capture_path, admin_api_key=keys[1],
-                      control_allowed=control_allowed(config.server.host, *keys))
+                      control_allowed=control_allowed(config.server.host, *keys),
+                      served_models=getattr(config, "served_model_names", None) or None)
+
+
+class BindError(OSError):
+    """The server could not listen on ``host:port``; the message names ``--port``/``--host`` and the fix.
+
+    An ``OSError`` whose ``errno`` is the cause's (``EADDRINUSE``, ``EACCES``, ``EADDRNOTAVAIL``, ...);
+    ``str()`` is the message alone, without uvicorn's bare ``[Errno 98]``.
+    """
+
+    def __init__(self, host: str, port: int, cause: OSError):
+        self.host, self.port = host, port
+        where = f"{host}:{port}"
+        if cause.errno == errno.EADDRINUSE:
+            message = (f"cannot listen on {where}: port {port} is already in use by another process (find it with "
+                       f"`ss -ltnp 'sport = :{port}'` or `lsof -i :{port}`); stop it, or pass another --port "
+                       f"(server.port in the config; --port 0 picks a free one)")
+        elif cause.errno == errno.EACCES:
+            message = (f"cannot listen on {where}: permission denied (ports below 1024 need root); pass "
+                       f"--port 1024 or higher (server.port in the config)")
+        elif isinstance(cause, socket.gaierror) or cause.errno == errno.EADDRNOTAVAIL:
+            message = (f"cannot listen on {where}: {host!r} is not an address of this machine "
+                       f"({cause.strerror or cause}); pass --host 127.0.0.1 (loopback) or 0.0.0.0 (every interface)")
+        else:
+            message = f"cannot listen on {where}: {cause.strerror or cause}; check --host and --port"
+        super().__init__(cause.errno, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _addresses(host: str, port: int) -> list[tuple[int, tuple]]:
+    """``[(family, sockaddr)]`` for ``host``. An IP literal (the usual 127.0.0.1, 0.0.0.0, ::) is
+    read without ``getaddrinfo``: a lookup in this process before Ray starts made a restarting Ray
+    replica fail calls instead of queueing them (tests/test_ray.py's killed-replica test)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except socket.gaierror as exc:
+            raise BindError(host, port, exc) from exc
+        return list(dict.fromkeys((fam, addr) for fam, _, _, _, addr in infos))
+    if ip.version == 6:
+        return [(socket.AF_INET6, (host, port, 0, 0))]
+    return [(socket.AF_INET, (host, port))]
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise ``BindError`` now when ``host:port`` cannot be bound, so a clash fails in a second,
+    before a model loads, not after. Binds (as asyncio's ``create_server`` does: ``SO_REUSEADDR``,
+    IPv6 sockets IPv6-only) and closes at once; uvicorn binds for real once the backend is up.
+    Port 0 is not checked: any free port will do."""
+    if port == 0:
+        return
+    for family, addr in _addresses(host, port):
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as exc:
+                raise BindError(host, port, exc) from exc
+
+
+def base_url_of(server: uvicorn.Server) -> str:
+    """``http://HOST:PORT/v1`` of a started server's first socket (the real port when 0 was asked for)."""
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
 
 class GymserveServer(uvicorn.Server):
     """uvicorn's server, plus: the moment shutdown starts (SIGTERM/SIGINT or ``should_exit``), the
     app is marked draining, so a request that still reaches it (on a kept-alive connection) gets a
-    503 ``shutting_down`` while in-flight ones finish (at most ``server.shutdown_timeout`` s)."""
+    503 ``shutting_down`` while in-flight ones finish (at most ``server.shutdown_timeout`` s).
+
+    ``on_started(server)``, when set, runs once the sockets listen and the app is ready: the one
+    moment "serving on ..." is true.
+    """
+
+    on_started: Callable[[GymserveServer], None] | None = None
+
+    async def startup(self, sockets=None) -> None:
+        try:
+            await super().startup(sockets)
+        except SystemExit:
+            # uvicorn exits when it cannot bind (the port was taken after check_port): name it.
+            check_port(self.config.host, self.config.port)
+            raise
+        if self.started and not self.should_exit and self.on_started is not None:
+            self.on_started(self)
 
     def handle_exit(self, sig, frame) -> None:
         self._drain()
@@ -111,12 +203,16 @@ def _warn_exposed(config) -> None:
             print(f"gymserve: warning: {msg}", file=sys.stderr)
 
 
-async def serve_async(config, backend=None) -> None:
-    """Build the backend (unless given), serve until SIGINT/SIGTERM, then close the backend."""
+async def serve_async(config, backend=None, *, on_started: Callable[[str], None] | None = None) -> None:
+    """Check ``server.host:port`` is free, build the backend (unless given), serve until
+    SIGINT/SIGTERM, then close the backend. ``on_started(base_url)`` runs once the port accepts
+    connections (``base_url``: ``http://HOST:PORT/v1``, the real port when 0 was asked for).
+    Raises ``BindError`` before any model loads when the port cannot be bound."""
     from gymserve.backends import build_backend
 
     from gymserve.server.app import close_app
 
+    check_port(config.server.host, config.server.port)
     backend = backend or build_backend(config)
     _warn_exposed(config)
     if hasattr(backend, "describe"):
@@ -128,6 +224,8 @@ async def serve_async(config, backend=None) -> None:
                   f"{info.get('reasoning_parser') or 'none'}", file=sys.stderr)
     app = build_app(config, backend)
     server = _server_for(config, app)
+    if on_started is not None:
+        server.on_started = lambda started: on_started(base_url_of(started))
     # Start-up objects (model, tokenizer, schemas) never die: freezing them keeps the cyclic GC from
     # rescanning them on every collection that request churn triggers.
     gc.collect()
@@ -171,11 +269,12 @@ def start_background_server(config, backend_factory=None, *, startup_timeout: fl
     """Start a server for ``config`` in a thread and wait until it accepts connections.
 
     ``config.server.port`` 0 picks a free port. ``backend_factory()`` may supply the backend (tests);
-    by default it is built from ``config.backend``. Raises the backend's start-up error, or
-    ``TimeoutError`` after ``startup_timeout`` seconds.
+    by default it is built from ``config.backend``. Raises ``BindError`` when the port cannot be
+    bound, the backend's start-up error, or ``TimeoutError`` after ``startup_timeout`` seconds.
     """
     bg = BackgroundServer()
     ready = threading.Event()
+    check_port(config.server.host, config.server.port)
 
     async def main():
         try:
@@ -198,13 +297,9 @@ def start_background_server(config, backend_factory=None, *, startup_timeout: fl
         server = _server_for(config, app)
         server.install_signal_handlers = lambda: None  # only the main thread may own signals
         bg._server = server
+        server.on_started = lambda started: (setattr(bg, "base_url", base_url_of(started)), ready.set())
         task = asyncio.create_task(server.serve())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.01)
-        if server.started:
-            port = server.servers[0].sockets[0].getsockname()[1]
-            bg.base_url = f"http://{config.server.host}:{port}/v1"
-        ready.set()
+        task.add_done_callback(lambda _task: ready.set())
         try:
             await task
         finally:
@@ -227,5 +322,6 @@ def start_background_server(config, backend_factory=None, *, startup_timeout: fl
     if bg._error:
         raise bg._error[0]
     if not bg.base_url:
-        raise RuntimeError(f"gymserve could not bind {config.server.host}:{config.server.port}")
+        raise RuntimeError(f"gymserve stopped during start-up on {config.server.host}:{config.server.port} "
+                           "before it served a request (see the log above)")
     return bg
