@@ -48,19 +48,6 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def _target(config: Any) -> str:
-    from gymserve.backends.upstream_errors import redact_url
-
-    b = config.backend
-    if b.type == "chat":
-        return ", ".join(redact_url(u) for u in b.base_urls)
-    if b.type == "openai":
-        return redact_url(b.base_url)
-    if b.type == "azure":
-        return f"chat {redact_url(b.chat_base)} | responses {redact_url(b.responses_base)} (api-version {b.api_version})"
-    return f"local model {b.model}"
-
-
 async def _probe(name: str, fn, describe, *, required: bool = True) -> CheckResult:
     start = time.perf_counter()
     try:
@@ -94,15 +81,14 @@ async def run_check(config: Any) -> CheckReport:
 
     backend = build_backend(config)
     b = config.backend
-    report = CheckReport(b.type, _target(config))
+    report = CheckReport(backend.name, backend.describe()["target"])
     ctx = RequestContext(request_id="gymserve-check")
     model = getattr(b, "model", None) or "default"
-    max_field = getattr(b, "max_tokens_field", None) or ("max_tokens" if b.type in ("chat", "local") else "max_completion_tokens")
+    max_field = backend.convert_options().max_tokens_field
     try:
-        if hasattr(backend, "upstream_models"):
-            report.results.append(await _probe(
-                "models", backend.upstream_models, lambda ids: f"{len(ids)} model(s): {', '.join(ids[:5])}",
-                required=False))
+        report.results.append(await _probe(
+            "models", backend.upstream_models, lambda ids: f"{len(ids)} model(s): {', '.join(ids[:5])}",
+            required=False))
         chat_req = {"model": model, "messages": [{"role": "user", "content": "Say OK."}], max_field: 1}
         report.results.append(await _probe("chat", lambda: backend.chat(chat_req, ctx), _chat_detail,
                                            required=not (b.type == "azure" and b.api == "responses")))

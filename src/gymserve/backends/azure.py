@@ -29,6 +29,7 @@ from gymserve.backends.base import RequestContext
 from gymserve.backends.chat import ChatBackend, secret_value
 from gymserve.backends.openai_backend import OpenAIBackend
 from gymserve.backends.pool import Replica
+from gymserve.backends.upstream_errors import redact_url
 from gymserve.errors import InvalidRequestError
 from gymserve.protocol import ResponseDict, ResponsesRequest
 
@@ -41,6 +42,10 @@ class AzureBackend(OpenAIBackend):
     def _replica_bases(self) -> list[str]:
         cfg = self.config
         return [cfg.responses_base if cfg.api == "responses" else cfg.chat_base]
+
+    def _target(self) -> str:
+        cfg = self.config
+        return f"chat {redact_url(cfg.chat_base)} | responses {redact_url(cfg.responses_base)} (api-version {cfg.api_version})"
 
     def _make_client(self, base_url: str) -> Any:
         from openai import AsyncAzureOpenAI

@@ -1,18 +1,24 @@
-"""The backend interface: one class per kind of upstream, one shape.
+"""The backend contract: everything the server (and ``gymserve check``) may use of a backend.
 
 ``chat`` answers a Chat Completions request; ``responses`` answers a Responses request, by default
 by converting to chat and back (Responses-native clouds override it). Streaming variants yield
 already-shaped chunks/events. Replica pools, session affinity, retries and concurrency limits live
-in the backends, once.
+in the backends, once. Nothing outside ``gymserve.backends`` (and ``gymserve.ray_cluster``) reads
+a backend attribute this class does not declare.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest
+
+if TYPE_CHECKING:
+    from gymserve.backends.pool import Limiter
+    from gymserve.convert import ConvertOptions
 
 
 @dataclass
@@ -20,7 +26,8 @@ class RequestContext:
     """Per-request facts that are not part of the OpenAI body.
 
     ``session_id``: from the ``X-Session-ID`` header or the session cookie; routes a rollout's turns
-    to one replica. ``request_id``: for logs and capture.
+    to one replica. ``request_id``: for logs and capture. ``extra``: what the backend reports back
+    about the call (``extra["replica"]``: the replica that served it, for metrics and capture).
     """
 
     session_id: str | None = None
@@ -28,93 +35,96 @@ class RequestContext:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class Backend:
-    """Base class. Subclasses implement ``chat`` (and ``chat_stream``); the Responses methods default
-    to convert → chat → convert back via ``gymserve.convert``."""
+class Backend(ABC):
+    """One kind of upstream behind the server's routes.
 
-    name: str = "backend"
+    An abstract base class rather than a ``typing.Protocol``: the Responses methods have one shared
+    implementation (``backends.responses_over_chat``) that backends inherit instead of copying, and
+    a backend missing a method fails when it is built (``TypeError`` naming the method) rather than
+    on the first request that needs it.
 
+    Declared state: ``name`` (the registry name: ``/health``, metrics labels, logs); ``limiter``
+    (the ``pool.Limiter`` bounding calls in flight, read by the queue-depth metrics; None when the
+    backend has none); ``secrets`` (credentials the server must redact from logs and capture).
+
+    Errors: every method raises ``gymserve.errors.GymserveError`` subclasses only; the server turns
+    them into OpenAI error objects with their status.
+    """
+
+    name: ClassVar[str] = "backend"
+    limiter: Limiter | None = None
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: Any, *, max_queue: int) -> Backend:
+        """Build the backend from its config model (``gymserve.config``: the ``backend`` section);
+        ``max_queue`` bounds the requests waiting for a slot (``OverloadedError``, 429, beyond).
+        ``build_backend`` calls it through the ``BACKENDS`` registry."""
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """Credential values (API keys, tokens) to replace by ``***`` wherever the server writes text."""
+        return ()
+
+    # ---- Chat Completions ----------------------------------------------------------------------
+
+    @abstractmethod
     async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
-        raise NotImplementedError
+        """A ``ChatCompletion`` dict (training fields on ``choices[0].message``) for ``request``."""
 
+    @abstractmethod
     def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
-        """Yield ``ChatCompletionChunk``-shaped dicts."""
-        raise NotImplementedError
+        """``ChatCompletionChunk`` dicts for ``request``; the training fields ride on the finish chunk."""
+
+    # ---- Responses API -------------------------------------------------------------------------
 
     async def responses(self, request: ResponsesRequest, ctx: RequestContext) -> ResponseDict:
-        """Convert → ``chat`` → convert back. A prompt that fills the context window ends the
-        rollout cleanly on every backend (case CL-01): an empty Response with status
-        ``incomplete``, not an error (the chat endpoint of the local backend keeps its 400)."""
-        from gymserve.convert import chat_to_response, context_exceeded_response, responses_to_chat
-        from gymserve.errors import ContextLengthExceededError
+        """A ``Response`` dict: by default convert → chat → convert back (see
+        ``responses_over_chat``); a prompt that fills the context window gives the empty
+        ``incomplete`` Response (case CL-01)."""
+        from gymserve.backends.responses_over_chat import responses_over_chat
 
-        request = self.fill_responses_defaults(request)
-        chat_request = responses_to_chat(request, self.convert_options())
-        try:
-            completion = await self.chat(chat_request, ctx)
-        except ContextLengthExceededError:
-            return context_exceeded_response(request)
-        return chat_to_response(completion, request)
+        return await responses_over_chat(self, request, ctx)
 
-    async def responses_stream(self, request: ResponsesRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
-        """Responses streaming events built from the chat stream (``convert.stream.ResponseStreamBuilder``).
+    def responses_stream(self, request: ResponsesRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """Responses streaming events: by default built from ``chat_stream`` (see
+        ``responses_over_chat``). The first chat chunk is awaited before ``response.created`` is
+        yielded, so a request the backend rejects fails as a plain 4xx, not inside a 200 stream."""
+        from gymserve.backends.responses_over_chat import responses_stream_over_chat
 
-        The first chat chunk is awaited before ``response.created`` is yielded, so a request the
-        backend rejects fails as a plain 4xx rather than as an event inside a 200 stream.
-        """
-        from gymserve.backends.chat_wire import completion_to_chunks
-        from gymserve.convert import context_exceeded_chat_completion, responses_to_chat
-        from gymserve.convert.stream import ResponseStreamBuilder
-        from gymserve.errors import ContextLengthExceededError, GymserveError
-
-        request = self.fill_responses_defaults(request)
-        chat_request = responses_to_chat(request, self.convert_options())
-        chat_request["stream"] = True
-        chat_request["stream_options"] = {"include_usage": True}
-        chunks: AsyncIterator[dict[str, Any]] | None = aiter(self.chat_stream(chat_request, ctx))
-        try:
-            first = await anext(chunks, None)
-            replay = [first] if first is not None else []
-        except ContextLengthExceededError:
-            # As in ``responses``: the chunks of the empty, length-terminated completion (CL-01).
-            chunks, replay = None, completion_to_chunks(context_exceeded_chat_completion(chat_request, ""))
-        builder = ResponseStreamBuilder(request)
-        for event in builder.start():
-            yield event
-        try:
-            for chunk in replay:
-                for event in builder.feed(chunk):
-                    yield event
-            if chunks is not None:
-                async for chunk in chunks:
-                    for event in builder.feed(chunk):
-                        yield event
-            events = builder.finish()  # may find the upstream's token fields unusable
-        except GymserveError as exc:
-            for event in builder.fail(exc.message):
-                yield event
-            return
-        for event in events:
-            yield event
+        return responses_stream_over_chat(self, request, ctx)
 
     def fill_responses_defaults(self, request: ResponsesRequest) -> ResponsesRequest:
         """The request as this backend will run it, so the Response echoes the real parameters
         (e.g. the server's pinned temperature). Default: unchanged."""
         return request
 
-    def convert_options(self):
+    def convert_options(self) -> ConvertOptions:
         """How this backend wants Responses requests rendered as chat (``gymserve.convert.ConvertOptions``)."""
         from gymserve.convert import ConvertOptions
 
         return ConvertOptions()
 
+    # ---- models, health, lifetime --------------------------------------------------------------
+
+    @abstractmethod
     async def models(self) -> list[str]:
         """Model names this backend serves (for ``GET /v1/models``)."""
-        raise NotImplementedError
+
+    async def upstream_models(self) -> list[str]:
+        """What the upstream itself lists (remote backends: ``GET {base}/models`` of one replica,
+        raising the translated error); ``gymserve check`` probes it. Default: ``models()``."""
+        return await self.models()
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Static facts for ``/health``, the start-up banner and ``gymserve check``: at least
+        ``backend`` (the name) and ``target`` (what it serves from, credentials removed); the local
+        engine adds ``model``, ``tool_call_parser`` (+ ``_reason``), ``reasoning_parser``..."""
 
     async def health(self) -> dict[str, Any]:
-        """``{"status": "ok" | "degraded" | "down", ...details}``."""
-        return {"status": "ok"}
+        """``{"status": "ok" | "degraded" | "down", ...details}``. Default: ok with ``describe()``."""
+        return {"status": "ok", **self.describe()}
 
     # ---- control plane of a policy being trained (server.control; vLLM's names) ---------------
 
@@ -155,4 +165,5 @@ class Backend:
         return []
 
     async def close(self) -> None:
+        """Release clients, engines and background tasks (idempotent)."""
         return None

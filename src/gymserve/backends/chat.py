@@ -69,7 +69,7 @@ class ChatBackend(Backend):
 
     def __init__(self, config: Any, *, max_queue: int = 1024):
         self.config = config
-        self._secrets = tuple(s for s in (secret_value(getattr(config, f, None)) for f in ("api_key", "azure_ad_token")) if s)
+        self._secret_values = tuple(s for s in (secret_value(getattr(config, f, None)) for f in ("api_key", "azure_ad_token")) if s)
         replicas = [Replica(url, self._make_client(url)) for url in self._replica_bases()]
         self._json_clients = {url: self._make_json_client() for url in self._replica_bases()} if self.lean_http else {}
         self.pool = ReplicaPool(replicas, probe=self._probe, interval=getattr(config, "health_check_interval", 0))
@@ -85,9 +85,25 @@ class ChatBackend(Backend):
 
             self._reasoning_parser = get_reasoning_parser(config.reasoning_parser)
 
+    @classmethod
+    def from_config(cls, config: Any, *, max_queue: int = 1024) -> ChatBackend:
+        return cls(config, max_queue=max_queue)
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        return self._secret_values
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "target": self._target(), "model": self.config.model,
+                "tool_call_parser": getattr(self._tool_parser, "name", None),
+                "reasoning_parser": getattr(self._reasoning_parser, "name", None)}
+
     # ------------------------------------------------------------------ per-backend hooks
     def _replica_bases(self) -> list[str]:
         return list(self.config.base_urls)
+
+    def _target(self) -> str:
+        return ", ".join(redact_url(u) for u in self.config.base_urls)
 
     def _make_client(self, base_url: str) -> Any:
         from openai import AsyncOpenAI
@@ -141,7 +157,7 @@ class ChatBackend(Backend):
                                   api_version=self.api_version, timeout=self._probe_timeout) from None
 
     def _translate(self, exc: BaseException, url: str, kind: str) -> GymserveError:
-        return translate_error(exc, url=url, kind=kind, backend=self.name, secrets=self._secrets,
+        return translate_error(exc, url=url, kind=kind, backend=self.name, secrets=self._secret_values,
                                api_version=self.api_version, timeout=self.config.timeout)
 
     async def _call(self, kind: str, body: dict[str, Any] | None, ctx: RequestContext, *, stream: bool = False,
@@ -397,3 +413,4 @@ def _tool_parser(name: str, model: str | None):
 
         name, _ = infer_tool_call_parser(None, model, None)
     return get_tool_call_parser(name)
+

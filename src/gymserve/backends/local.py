@@ -84,7 +84,7 @@ class LocalBackend(LocalControl, Backend):
     def describe(self) -> dict[str, Any]:
         """What ``/health`` and the start-up banner say about this backend."""
         return {
-            "backend": "local", "model": self.model_name,
+            "backend": "local", "target": f"local model {self.config.model}", "model": self.model_name,
             "tool_call_parser": getattr(self.tool_parser, "name", None),
             "tool_call_parser_reason": self.tool_parser_reason,
             "reasoning_parser": getattr(self.reasoning_parser, "name", None),
@@ -101,9 +101,6 @@ class LocalBackend(LocalControl, Backend):
 
     async def models(self) -> list[str]:
         return [self.model_name]
-
-    async def health(self) -> dict[str, Any]:
-        return {"status": "ok", **self.describe()}
 
     async def close(self) -> None:
         await self.engine.close()

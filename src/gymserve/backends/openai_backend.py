@@ -17,7 +17,7 @@ from typing import Any
 from gymserve.backends.base import RequestContext
 from gymserve.backends.chat import ChatBackend, secret_value
 from gymserve.backends.chat_wire import completion_to_chunks, strip_training_fields
-from gymserve.backends.upstream_errors import UpstreamContextLengthError
+from gymserve.backends.upstream_errors import UpstreamContextLengthError, redact_url
 from gymserve.protocol import ChatRequest, ResponseDict, ResponsesRequest
 
 log = logging.getLogger("gymserve.backends")
@@ -31,6 +31,9 @@ class OpenAIBackend(ChatBackend):
 
     def _replica_bases(self) -> list[str]:
         return [self.config.base_url]
+
+    def _target(self) -> str:
+        return redact_url(self.config.base_url)
 
     def _make_client(self, base_url: str) -> Any:
         from openai import AsyncOpenAI

@@ -178,6 +178,10 @@ class RayBackend(Backend):
         log.info("ray backend: %d replicas of %s on %s", len(self.replicas), self.model_name,
                  sorted({r.node for r in self.replicas}))
 
+    @classmethod
+    def from_config(cls, config, *, max_queue: int = 1024) -> RayBackend:
+        return cls(config, max_queue=max_queue)
+
     # ---- start-up and shutdown ----------------------------------------------------------------
 
     def _bundle(self) -> dict[str, float]:
@@ -291,8 +295,13 @@ class RayBackend(Backend):
         in_flight, sessions, node, restarts, ...}]}`` after probing every replica now."""
         await self.pool.check_all()
         status = self.pool.status()["status"]
-        return {"status": status, "backend": "ray", "model": self.model_name, **self.description,
-                "replicas": [r.row() for r in self.replicas]}
+        return {"status": status, **self.describe(), "replicas": [r.row() for r in self.replicas]}
+
+    def describe(self) -> dict[str, Any]:
+        """``{"backend": "ray", "target", "model", "tool_call_parser", "reasoning_parser", "context_window"}``."""
+        where = self.config.ray_address or "a local Ray instance"
+        return {"backend": "ray", "target": f"{len(self.replicas)} replicas on {where}", "model": self.model_name,
+                **self.description}
 
     async def models(self) -> list[str]:
         return [self.model_name]

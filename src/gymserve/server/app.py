@@ -159,7 +159,7 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
                               headers={"Retry-After": "1", "Connection": "close"})
 
     install_openapi(app)
-    all_secrets = tuple(s for s in (*getattr(backend, "_secrets", ()), server_api_key, admin_api_key, *secrets) if s)
+    all_secrets = tuple(s for s in (*backend.secrets, server_api_key, admin_api_key, *secrets) if s)
     install_log_redaction(all_secrets)
     app.state.capture = capture = (CaptureWriter(capture_path, secrets=all_secrets, on_drop=metrics.capture_dropped.inc)
                                    if capture_path else None)
@@ -169,7 +169,7 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
         install_api_key_check(app, server_api_key, on_failure=metrics.auth_failures.inc, admin_key=admin_api_key,
                               admin_paths=CONTROL_PATHS)
     install_control(app, backend, allowed=control_allowed, registry=metrics.registry)
-    backend_name = getattr(backend, "name", "backend")
+    backend_name = backend.name
     default_replica = "local" if backend_name == "local" else "-"
 
     def record(route: str, ctx: RequestContext | None, body: Any, t0: float, status: int, *,

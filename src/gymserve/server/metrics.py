@@ -79,8 +79,7 @@ class Metrics:
         self._errors: dict[tuple, Any] = {}
         self._in_flight: dict[str, Any] = {}
         if backend is not None:
-            name = getattr(backend, "name", "backend")
-            r.register(_QueueCollector(name, lambda: getattr(backend, "limiter", None)))
+            r.register(_QueueCollector(backend.name, lambda: backend.limiter))
 
     def _child(self, route: str, backend: str, replica: str, status: int):
         key = (route, backend, replica, status)

@@ -215,13 +215,12 @@ async def serve_async(config, backend=None, *, on_started: Callable[[str], None]
     check_port(config.server.host, config.server.port)
     backend = backend or build_backend(config)
     _warn_exposed(config)
-    if hasattr(backend, "describe"):
-        info = backend.describe()
-        if info.get("tool_call_parser"):
-            # `auto` must say what it chose (and why), as `vllm serve` users expect to see.
-            print(f"gymserve: tool-call parser {info['tool_call_parser']} "
-                  f"({info.get('tool_call_parser_reason') or 'configured'}); reasoning parser "
-                  f"{info.get('reasoning_parser') or 'none'}", file=sys.stderr)
+    info = backend.describe()
+    if info.get("tool_call_parser"):
+        # `auto` must say what it chose (and why), as `vllm serve` users expect to see.
+        print(f"gymserve: tool-call parser {info['tool_call_parser']} "
+              f"({info.get('tool_call_parser_reason') or 'configured'}); reasoning parser "
+              f"{info.get('reasoning_parser') or 'none'}", file=sys.stderr)
     app = build_app(config, backend)
     server = _server_for(config, app)
     if on_started is not None:
