@@ -206,3 +206,18 @@ def test_azure_gateway_bases_without_endpoint():
     b = validate_config({"backend": {"type": "azure_openai", "chat_base_url": "https://GATEWAY/azure/",
                                      "responses_base_url": "https://GATEWAY/azure/v1", "api_version": "V"}}).backend
     assert b.chat_base == "https://GATEWAY/azure" and b.responses_base == "https://GATEWAY/azure/v1"
+
+
+def test_every_backend_type_has_a_config_model_and_a_backend_class():
+    """``BACKENDS`` (what build_backend, the CLI and the messages read) and the config's backend
+    models name the same kinds, and each entry is a ``Backend``."""
+    from typing import get_args
+
+    from gymserve.backends import BACKENDS, Backend
+    from gymserve.config import BackendConfig
+
+    models = get_args(get_args(BackendConfig)[0])
+    assert [get_args(m.model_fields["type"].annotation)[0] for m in models] == list(BACKENDS.names())
+    assert all(issubclass(BACKENDS.get(name), Backend) for name in BACKENDS.names())
+    with pytest.raises(ConfigError, match="backend.type must be one of local, chat, openai, azure, ray"):
+        validate_config({"backend": {"type": "nope"}})

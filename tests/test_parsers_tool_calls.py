@@ -308,6 +308,16 @@ def test_registry_names_and_instances():
     assert isinstance(parser, ToolCallParser) and parser.name == "hermes"
 
 
+def test_every_registered_parser_is_named_as_registered():
+    """Each registry entry resolves to a class of its kind whose ``name`` is the registered name."""
+    from gymserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ReasoningParser
+
+    for registry, kind in ((TOOL_CALL_PARSERS, ToolCallParser), (REASONING_PARSERS, ReasoningParser)):
+        for name in registry.names():
+            cls = registry.get(name)
+            assert issubclass(cls, kind) and cls.name == name, (registry.kind, name, cls)
+
+
 def test_unknown_parser_name_lists_the_choices():
     with pytest.raises(ValueError) as err:
         get_tool_call_parser("nope")
@@ -318,7 +328,7 @@ def test_unknown_parser_name_lists_the_choices():
 def test_register_adds_a_parser_and_refuses_a_taken_name(monkeypatch):
     from gymserve.parsers import base
 
-    monkeypatch.setattr(base, "_TOOL_CALL_PARSERS", dict(base._TOOL_CALL_PARSERS))  # undone after the test
+    monkeypatch.setattr(base, "TOOL_CALL_PARSERS", base.TOOL_CALL_PARSERS.copy())  # undone after the test
 
     @register("test_only_upper")
     class Upper(ToolCallParser):

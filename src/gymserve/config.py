@@ -30,6 +30,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from gymserve.registry import Registry
+
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names each key path and what to change."""
@@ -395,6 +397,15 @@ def _merged(base: Any, top: Any) -> Any:
     return top
 
 
+# backend.type -> the Backend class (gymserve.backends), by name: config sits below the backends, so
+# the entries are imported only when ``build_backend`` asks. Same order as ``BackendConfig``.
+BACKENDS: Registry[Any] = Registry("backend")
+BACKENDS.register("local", "gymserve.backends.local:LocalBackend")
+BACKENDS.register("chat", "gymserve.backends.chat:ChatBackend")
+BACKENDS.register("openai", "gymserve.backends.openai_backend:OpenAIBackend")
+BACKENDS.register("azure", "gymserve.backends.azure:AzureBackend")
+BACKENDS.register("ray", "gymserve.ray_cluster.backend:RayBackend")
+
 BackendConfig = Annotated[
     Union[LocalBackendConfig, ChatBackendConfig, OpenAIBackendConfig, AzureBackendConfig, RayBackendConfig],
     Field(discriminator="type"),
@@ -430,16 +441,17 @@ class GymserveConfig(_Model):
 
 
 def _format_errors(exc: ValidationError, prefix: str = "") -> str:
+    kinds = BACKENDS.names()
     lines = []
     for err in exc.errors(include_url=False, include_input=False):
         loc = [str(p) for p in err["loc"]]
         # The discriminated union puts the tag ("azure") in the path; users never wrote it.
-        if len(loc) >= 2 and loc[0] == "backend" and loc[1] in ("local", "chat", "openai", "azure", "ray"):
+        if len(loc) >= 2 and loc[0] == "backend" and loc[1] in kinds:
             loc.pop(1)
         path = prefix + ".".join(loc) if loc else prefix.rstrip(".") or "config"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "union_tag_invalid":
-            msg = "backend.type must be one of local, chat, openai, azure, ray"
+            msg = f"backend.type must be one of {', '.join(kinds)}"
         lines.append(f"{path}: {msg}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
 

@@ -68,6 +68,12 @@ class Registry(Generic[T]):
 
         return wrap
 
+    def copy(self) -> Registry[T]:
+        """An independent registry with the same entries (a test registers without leaking)."""
+        clone: Registry[T] = Registry(self.kind)
+        clone._entries, clone._hints = dict(self._entries), dict(self._hints)
+        return clone
+
     def names(self) -> tuple[str, ...]:
         """Every registered name, in registration order (for config validation and CLI choices)."""
         return tuple(self._entries)

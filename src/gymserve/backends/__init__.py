@@ -1,8 +1,12 @@
 """Backends: one class per kind of upstream, chosen by ``backend.type`` in the config.
 
-``build_backend(config)`` is the only constructor the server needs; the remote backends (chat,
-openai, azure) are imported lazily so a local-only install never imports the openai SDK, and the
-local backend lazily so a remote-only install never imports torch.
+``BACKENDS`` names every kind (a ``gymserve.registry.Registry``, defined beside the backend config
+models in ``gymserve.config``, which validates ``backend.type`` and sits below the backends); the
+CLI's ``--backend`` choices and error messages read ``BACKENDS.names()`` too. Each entry is imported
+on first use, so a local-only install never imports the openai SDK, a remote-only install never
+imports torch, and nothing imports Ray until a ray backend is built. A new backend is one module
+with a ``Backend`` subclass that has ``from_config(config, *, max_queue)``, its config model in
+``gymserve.config``, and one ``BACKENDS.register`` line there.
 """
 
 from __future__ import annotations
@@ -10,50 +14,28 @@ from __future__ import annotations
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
+from gymserve.config import BACKENDS
+from gymserve.registry import UnknownNameError
 
-__all__ = ["Backend", "RequestContext", "build_backend"]
+__all__ = ["BACKENDS", "Backend", "RequestContext", "build_backend"]
 
 
 def build_backend(config: Any, *, max_queue: int | None = None) -> Backend:
     """The backend for ``config``: a ``GymserveConfig`` (its ``backend`` section, and
-    ``server.max_queue`` as the queue bound) or one backend config model.
+    ``server.max_queue`` as the queue bound) or one backend config model (its ``type`` names the
+    ``BACKENDS`` entry).
 
-    Raises ``ValueError`` for an unknown backend type and ``ConfigError`` for a chat backend whose
-    ``tool_parser``/``reasoning_parser`` names no registered parser.
+    Raises ``ConfigError`` naming the choices for an unknown backend type or a
+    ``tool_parser``/``reasoning_parser`` that names no registered parser; whatever the backend's
+    ``from_config`` raises otherwise (``ImportError`` naming the package to install, start-up errors).
     """
-    from gymserve.config import (
-        AzureBackendConfig, ChatBackendConfig, ConfigError, GymserveConfig, LocalBackendConfig, OpenAIBackendConfig,
-    )
+    from gymserve.config import ConfigError, GymserveConfig
 
     if isinstance(config, GymserveConfig):
         max_queue = config.server.max_queue if max_queue is None else max_queue
         config = config.backend
     max_queue = 1024 if max_queue is None else max_queue
-    if isinstance(config, LocalBackendConfig):
-        # ---- local backend: owned by the lead (gymserve.backends.local) -------------------------
-        from gymserve.backends.local import LocalBackend
-
-        return LocalBackend.from_config(config, max_queue=max_queue)
-    from gymserve.config import RayBackendConfig
-
-    if isinstance(config, RayBackendConfig):
-        # ---- ray backend: N local-engine replicas as Ray actors (gymserve.ray_cluster) ------------
-        from gymserve.ray_cluster.backend import RayBackend
-
-        return RayBackend(config, max_queue=max_queue)
     try:
-        if isinstance(config, AzureBackendConfig):
-            from gymserve.backends.azure import AzureBackend
-
-            return AzureBackend(config, max_queue=max_queue)
-        if isinstance(config, OpenAIBackendConfig):
-            from gymserve.backends.openai_backend import OpenAIBackend
-
-            return OpenAIBackend(config, max_queue=max_queue)
-        if isinstance(config, ChatBackendConfig):
-            from gymserve.backends.chat import ChatBackend
-
-            return ChatBackend(config, max_queue=max_queue)
-    except ValueError as exc:  # unknown parser names
+        return BACKENDS.get(config.type).from_config(config, max_queue=max_queue)
+    except UnknownNameError as exc:  # a backend type, engine or parser name no registry has
         raise ConfigError(f"backend: {exc}") from None
-    raise ValueError(f"unknown backend config {type(config).__name__}")

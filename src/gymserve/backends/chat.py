@@ -79,7 +79,9 @@ class ChatBackend(Backend):
         self.limiter = Limiter(config.num_concurrent_requests, max_queue, name=f"{self.name} backend")
         self._tool_parser = self._reasoning_parser = None
         if getattr(config, "tool_parser", None):
-            self._tool_parser = _tool_parser(config.tool_parser, config.model)
+            from gymserve.parsers import tool_call_parser_for
+
+            self._tool_parser = tool_call_parser_for(config.tool_parser, model_name=config.model)[0]
         if getattr(config, "reasoning_parser", None):
             from gymserve.parsers import get_reasoning_parser
 
@@ -403,14 +405,4 @@ class ChatBackend(Backend):
 def replica_label(base_url: str) -> str:
     """A replica's name in metrics and capture: its base URL without credentials (``redact_url``)."""
     return redact_url(base_url)
-
-
-def _tool_parser(name: str, model: str | None):
-    from gymserve.parsers import get_tool_call_parser
-
-    if name == "auto":
-        from gymserve.parsers.tool_calls import infer_tool_call_parser
-
-        name, _ = infer_tool_call_parser(None, model, None)
-    return get_tool_call_parser(name)
 

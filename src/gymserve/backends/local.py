@@ -40,7 +40,7 @@ class LocalBackend(LocalControl, Backend):
 
     def __init__(self, config, engine: Engine, tokenizer, *, max_queue: int = 1024):
         from gymserve.backends.pool import Limiter
-        from gymserve.parsers import get_reasoning_parser, get_tool_call_parser, infer_tool_call_parser
+        from gymserve.parsers import get_reasoning_parser, tool_call_parser_for
         from gymserve.prompting import ChatTemplate
 
         # Back-pressure: max_batch_size calls in the engine, max_queue waiting, 429 beyond.
@@ -57,12 +57,9 @@ class LocalBackend(LocalControl, Backend):
                 chat_template = f.read()
         self.template = ChatTemplate(tokenizer, chat_template=chat_template,
                                      default_kwargs=dict(config.chat_template_kwargs or {}))
-        parser_name = config.tool_parser
-        self.tool_parser_reason = "configured"
-        if parser_name in (None, "", "auto"):
-            parser_name, self.tool_parser_reason = infer_tool_call_parser(
-                engine.model_type, engine.model_name, chat_template or getattr(tokenizer, "chat_template", None))
-        self.tool_parser = get_tool_call_parser(parser_name) if parser_name != "none" else None
+        self.tool_parser, self.tool_parser_reason = tool_call_parser_for(
+            config.tool_parser or "auto", model_type=engine.model_type, model_name=engine.model_name,
+            chat_template=chat_template or getattr(tokenizer, "chat_template", None))
         self.reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         self.stop_token_ids = tuple(dict.fromkeys(
             [*engine.eos_token_ids, *(config.sampling.stop_token_ids or [])]))

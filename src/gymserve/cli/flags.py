@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gymserve.config import ConfigError
+from gymserve.config import BACKENDS, ConfigError
 from gymserve.engine import ENGINES
 from gymserve.parsers import reasoning_parser_names, tool_call_parser_names
 
@@ -27,7 +27,7 @@ LOCAL = frozenset({"local", "ray"})
 REMOTE = frozenset({"chat", "openai", "azure"})
 PARSING = LOCAL | {"chat"}
 GPU_ENGINES = frozenset({"vllm", "trtllm"})
-BACKEND_TYPES = ("local", "chat", "openai", "azure")
+BACKEND_TYPES = BACKENDS.names()
 
 
 class FlagError(ConfigError):

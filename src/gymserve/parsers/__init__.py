@@ -2,7 +2,8 @@
 
 ``parse_output`` parses a whole generation; ``StreamingParser`` parses one delta by delta and
 always agrees with it. Parsers are chosen by name (``get_tool_call_parser("hermes")``,
-``get_reasoning_parser("qwen3")``) or, for tool calls, inferred with ``infer_tool_call_parser``.
+``get_reasoning_parser("qwen3")``; the names are those of ``TOOL_CALL_PARSERS`` /
+``REASONING_PARSERS``) or, for tool calls, inferred: ``tool_call_parser_for("auto", ...)``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from gymserve.parsers.base import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
     ParsedOutput,
     ParsedToolCall,
     ReasoningParser,
@@ -23,9 +26,11 @@ from gymserve.parsers.base import (
 from gymserve.parsers.json_scan import declared_tool_names
 from gymserve.parsers.reasoning import ThinkReasoningParser
 from gymserve.parsers.streaming import ChatDeltas, Delta, StreamingParser
-from gymserve.parsers.tool_calls import infer_tool_call_parser
+from gymserve.parsers.tool_calls import infer_tool_call_parser, tool_call_parser_for
 
 __all__ = [
+    "REASONING_PARSERS",
+    "TOOL_CALL_PARSERS",
     "ChatDeltas",
     "Delta",
     "ParsedOutput",
@@ -41,6 +46,7 @@ __all__ = [
     "parse_output",
     "reasoning_parser_names",
     "register",
+    "tool_call_parser_for",
     "tool_call_parser_names",
 ]
 

@@ -1,6 +1,8 @@
 """Parser interfaces and registries: tool-call parsers and reasoning parsers, chosen by name.
 
-One registry serves two users: the local engine (parsing what it generated) and the chat backend
+The registries (``TOOL_CALL_PARSERS``, ``REASONING_PARSERS``) are ``gymserve.registry.Registry``
+tables, like the engines' and backends'; config validation, CLI help and error messages read their
+names. One registry serves two users: the local engine (parsing what it generated) and the chat backend
 (parsing raw text from chat servers that run no parser). Names follow ``vllm serve``'s
 ``--tool-call-parser`` / ``--reasoning-parser`` spellings where one exists.
 
@@ -18,6 +20,7 @@ from typing import Any, ClassVar, TypeVar
 
 from gymserve.parsers.call_scan import CallScanner, CallStart, CallSyntax, ScanEvent
 from gymserve.parsers.json_scan import declared_tool_names
+from gymserve.registry import Registry
 
 
 @dataclass
@@ -157,67 +160,56 @@ class ReasoningParser:
 
 P = TypeVar("P", bound=type)
 
-_TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {}
-_REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
+TOOL_CALL_PARSERS: Registry[type[ToolCallParser]] = Registry("tool-call parser")
+REASONING_PARSERS: Registry[type[ReasoningParser]] = Registry("reasoning parser")
+# The built-in parsers, imported on first use (their modules import this one, never the reverse).
+for _name, _cls in (("hermes", "HermesToolCallParser"), ("qwen2_5_coder", "Qwen25CoderToolCallParser"),
+                    ("llama3_json", "Llama3JsonToolCallParser"), ("mistral", "MistralToolCallParser")):
+    TOOL_CALL_PARSERS.register(_name, f"gymserve.parsers.tool_calls:{_cls}")
+for _name, _cls in (("deepseek_r1", "DeepSeekR1ReasoningParser"), ("qwen3", "Qwen3ReasoningParser")):
+    REASONING_PARSERS.register(_name, f"gymserve.parsers.reasoning:{_cls}")
+
+
+def _registry_of(cls: type) -> Registry[Any]:
+    if issubclass(cls, ToolCallParser):
+        return TOOL_CALL_PARSERS
+    if issubclass(cls, ReasoningParser):
+        return REASONING_PARSERS
+    raise TypeError(f"{cls.__name__} is neither a ToolCallParser nor a ReasoningParser")
 
 
 def register(name: str) -> Callable[[P], P]:
-    """Class decorator: register a :class:`ToolCallParser` or :class:`ReasoningParser` under ``name``.
+    """Class decorator: register a :class:`ToolCallParser` or :class:`ReasoningParser` under ``name``
+    (in :data:`TOOL_CALL_PARSERS` / :data:`REASONING_PARSERS`) and set the class's ``name``.
 
-    Sets the class's ``name``. Registering a second class under a taken name raises ValueError.
-    """
+    Raises ``ValueError`` when ``name`` is taken by another class, ``TypeError`` for a class that is
+    neither kind of parser."""
 
     def decorate(cls: P) -> P:
-        if issubclass(cls, ToolCallParser):
-            table: dict[str, Any] = _TOOL_CALL_PARSERS
-        elif issubclass(cls, ReasoningParser):
-            table = _REASONING_PARSERS
-        else:
-            raise TypeError(f"{cls.__name__} is neither a ToolCallParser nor a ReasoningParser")
-        if name in table and table[name] is not cls:
-            raise ValueError(f"parser name {name!r} is already registered to {table[name].__name__}")
+        _registry_of(cls).register(name, cls)
         cls.name = name  # type: ignore[attr-defined]
-        table[name] = cls
         return cls
 
     return decorate
 
 
-def _builtins() -> None:
-    # The built-in parsers register themselves on import; importing here keeps the registry full
-    # even for a caller that imported only this module.
-    from gymserve.parsers import reasoning, tool_calls  # noqa: F401
-
-
 def tool_call_parser_names() -> list[str]:
     """Registered tool-call parser names, sorted."""
-    _builtins()
-    return sorted(_TOOL_CALL_PARSERS)
+    return sorted(TOOL_CALL_PARSERS.names())
 
 
 def reasoning_parser_names() -> list[str]:
     """Registered reasoning parser names, sorted."""
-    _builtins()
-    return sorted(_REASONING_PARSERS)
+    return sorted(REASONING_PARSERS.names())
 
 
 def get_tool_call_parser(name: str) -> ToolCallParser:
-    """A new instance of the tool-call parser registered as ``name``; ValueError lists the choices."""
-    _builtins()
-    try:
-        return _TOOL_CALL_PARSERS[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown tool-call parser {name!r}; choose one of: {', '.join(sorted(_TOOL_CALL_PARSERS))}"
-        ) from None
+    """A new instance of the tool-call parser registered as ``name``; ``registry.UnknownNameError``
+    (a ``ValueError``) lists the choices."""
+    return TOOL_CALL_PARSERS.get(name)()
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
-    """A new instance of the reasoning parser registered as ``name``; ValueError lists the choices."""
-    _builtins()
-    try:
-        return _REASONING_PARSERS[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown reasoning parser {name!r}; choose one of: {', '.join(sorted(_REASONING_PARSERS))}"
-        ) from None
+    """A new instance of the reasoning parser registered as ``name``; ``registry.UnknownNameError``
+    (a ``ValueError``) lists the choices."""
+    return REASONING_PARSERS.get(name)()

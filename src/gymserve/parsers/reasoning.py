@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gymserve.parsers.base import ReasoningParser, register
+from gymserve.parsers.base import ReasoningParser
 
 _LEADING_SPACE = re.compile(r"\s*")
 
@@ -110,15 +110,15 @@ class ThinkReasoningParser(ReasoningParser):
         return text[span.body : span.close].strip() or None, text[span.rest :].lstrip()
 
 
-@register("deepseek_r1")
 class DeepSeekR1ReasoningParser(ThinkReasoningParser):
     """DeepSeek-R1 (and its distills): ``<think>…</think>``; newer R1 templates pre-fill ``<think>\\n``.
 
     Source: DeepSeek-R1 model card / chat template; vLLM ``--reasoning-parser deepseek_r1``.
     """
 
+    name = "deepseek_r1"
 
-@register("qwen3")
+
 class Qwen3ReasoningParser(ThinkReasoningParser):
     """Qwen3 (and QwQ): ``<think>…</think>``; with ``enable_thinking=False`` the template pre-fills
     an empty ``<think>\\n\\n</think>\\n\\n``, which opens no span here.
@@ -126,3 +126,5 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
     Source: Qwen3 model card / chat template; vLLM ``--reasoning-parser qwen3`` (whose handling of an
     unclosed span differs, see :class:`ThinkReasoningParser`).
     """
+
+    name = "qwen3"

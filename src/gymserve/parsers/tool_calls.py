@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from gymserve.parsers.base import ToolCallParser, register, tool_call_parser_names
+from gymserve.parsers.base import ToolCallParser, get_tool_call_parser, tool_call_parser_names
 from gymserve.parsers.call_scan import CallSyntax
 
 HERMES_OPEN = "<tool_call>"
@@ -21,7 +21,6 @@ PYTHON_TAG = "<|python_tag|>"
 MISTRAL_TAG = "[TOOL_CALLS]"
 
 
-@register("hermes")
 class HermesToolCallParser(ToolCallParser):
     """Hermes / Qwen2.5 / Qwen3 format: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
 
@@ -32,10 +31,11 @@ class HermesToolCallParser(ToolCallParser):
     often eat the close tag).
     """
 
+    name = "hermes"
+
     syntax = CallSyntax(tag=HERMES_OPEN, close_tag=HERMES_CLOSE)
 
 
-@register("qwen2_5_coder")
 class Qwen25CoderToolCallParser(ToolCallParser):
     """Qwen2.5-Coder-Instruct (the embedded model): hermes tags, or a message that starts with a
     bare ``{"name": N, "arguments": {...}}`` (or a list of them, or either inside a ```json fence)
@@ -47,10 +47,11 @@ class Qwen25CoderToolCallParser(ToolCallParser):
     exists for this.
     """
 
+    name = "qwen2_5_coder"
+
     syntax = CallSyntax(tag=HERMES_OPEN, close_tag=HERMES_CLOSE, bare=True, fence=True)
 
 
-@register("llama3_json")
 class Llama3JsonToolCallParser(ToolCallParser):
     """Llama 3.1/3.2/3.3 JSON tool calls: ``{"name": ..., "parameters": {...}}`` (``arguments``
     accepted too), several separated by ``;``, optionally after ``<|python_tag|>``.
@@ -60,10 +61,11 @@ class Llama3JsonToolCallParser(ToolCallParser):
     declared tool; after the tag any name is accepted, and text before the tag is content.
     """
 
+    name = "llama3_json"
+
     syntax = CallSyntax(tag=PYTHON_TAG, separator=";", bare=True)
 
 
-@register("mistral")
 class MistralToolCallParser(ToolCallParser):
     """Mistral: ``[TOOL_CALLS]`` followed by a JSON array of ``{"name", "arguments"}`` objects, or
     (v11+ tokenizers) ``[TOOL_CALLS]name[ARGS]{...}`` per call.
@@ -71,6 +73,8 @@ class MistralToolCallParser(ToolCallParser):
     Source: mistral-common's tokenizer formats; vLLM ``--tool-call-parser mistral``. Text before
     the tag is content; a malformed call leaves the tag and its text in content.
     """
+
+    name = "mistral"
 
     syntax = CallSyntax(tag=MISTRAL_TAG, one_value=True, name_args=True)
 
@@ -118,3 +122,20 @@ def infer_tool_call_parser(
         f"cannot infer a tool-call parser for model_type={model_type!r}, model_name={model_name!r}; "
         f"set one explicitly, one of: {choices}"
     )
+
+
+def tool_call_parser_for(name: str | None, *, model_type: str | None = None, model_name: str | None = None,
+                         chat_template: str | None = None) -> tuple[ToolCallParser | None, str]:
+    """The parser a ``tool_parser`` option names, and why: ``(parser, reason)``.
+
+    ``None`` or ``"none"`` → no parser (``"disabled"``); ``"auto"`` → :func:`infer_tool_call_parser`
+    over the model facts given (its reason); any other name → the registered parser
+    (``"configured"``). Raises ``ValueError`` (``registry.UnknownNameError`` for an unknown name)
+    naming the choices.
+    """
+    if name is None or name == "none":
+        return None, "disabled"
+    reason = "configured"
+    if name == "auto":
+        name, reason = infer_tool_call_parser(model_type, model_name, chat_template)
+    return get_tool_call_parser(name), reason
