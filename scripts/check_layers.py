@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     # 0 — vocabulary every layer shares: no gymserve imports above it.
     "gymserve.errors": 0,
     "gymserve.text": 0,
+    "gymserve.redaction": 0,
     "gymserve.registry": 0,
     "gymserve.protocol": 0,
     "gymserve._version": 0,

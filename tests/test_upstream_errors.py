@@ -6,11 +6,10 @@ import httpx2
 import openai
 import pytest
 
-from gymserve.backends.upstream_errors import (
-    UpstreamContextLengthError, is_context_length_message, is_retryable, redact, redact_url, translate_error,
-)
-from gymserve.errors import OverloadedError, UpstreamConnectionError, UpstreamError
 from fakes import free_port
+from gymserve.backends.upstream_errors import is_context_length_message, is_retryable, translate_error
+from gymserve.errors import ContextLengthExceededError, OverloadedError, UpstreamConnectionError, UpstreamError
+from gymserve.redaction import redact, redact_url
 
 KEY = "sk-proj-VERYSECRET0123456789"
 
@@ -92,17 +91,17 @@ def test_chat_server_asked_for_responses():
 ])
 def test_context_length_400_detected(message):
     err = translate_error(status_error(400, {"object": "error", "message": message, "code": 400}), url="http://h/v1/x")
-    assert isinstance(err, UpstreamContextLengthError) and err.status_code == 400 and not is_retryable(err)
+    assert isinstance(err, ContextLengthExceededError) and err.status_code == 400 and not is_retryable(err)
 
 
 def test_context_length_in_a_plain_500_is_not_retried():
     err = translate_error(status_error(500, {"message": "ValueError: prompt exceeds maximum context length"}), url="http://h/v1")
-    assert isinstance(err, UpstreamContextLengthError) and not is_retryable(err)
+    assert isinstance(err, ContextLengthExceededError) and not is_retryable(err)
 
 
 def test_other_400_passes_through_with_upstream_message():
     err = translate_error(status_error(400, {"object": "error", "message": "Invalid tool schema", "code": 400}), url="http://h")
-    assert not isinstance(err, UpstreamContextLengthError)
+    assert not isinstance(err, ContextLengthExceededError)
     assert err.status_code == 400 and err.message == "Invalid tool schema" and not is_retryable(err)
     assert not is_context_length_message("max_tokens must be at least 1")
 

@@ -179,7 +179,7 @@ class _RemoteBackendConfig(_ServedModelNames):
 
 
 def _check_url(value: str, key: str) -> str:
-    from gymserve.backends.upstream_errors import redact_url
+    from gymserve.redaction import redact_url
 
     if not isinstance(value, str) or not value.startswith(("http://", "https://")):
         shown = redact_url(str(value))

@@ -3,28 +3,69 @@
 Every error carries the HTTP status and the fields of the OpenAI error object
 (``{"error": {"message", "type", "param", "code"}}``, as the OpenAI API returns them), so the server
 turns any of them into a response without guessing. Messages say what was wrong and what to do.
+The cause of a failure is its class; ``code`` is only what the client reads, never compared here::
+
+    GymserveError                      500 server_error
+    ├── InvalidRequestError            400 invalid_request_error   (code per case: invalid_json, ...)
+    │   ├── ContextLengthExceededError 400 context_length_exceeded (local engine or upstream alike)
+    │   ├── SpliceError                400 splice_failed
+    │   ├── RequestTooLargeError       413 request_too_large
+    │   └── WeightUpdateError          400 invalid_weights        (nothing changed; the old weights serve)
+    ├── NotSupportedError              501 not_supported_error     (e.g. weight updates on a remote backend)
+    ├── ConflictError                  409 conflict_error          (e.g. a wait-pause past its deadline)
+    ├── PermissionDeniedError          403 permission_error        (control routes closed on this bind)
+    ├── OverloadedError                429 rate_limit_error        overloaded (a full queue here)
+    │   └── UpstreamRateLimitedError   429 rate_limit_error        upstream_rate_limited   [retried]
+    ├── ShuttingDownError              503 server_error            shutting_down
+    ├── EngineError                    500 server_error            (the local engine failed)
+    └── UpstreamError                  502 upstream_error          (a remote server, OpenAI, Azure, a replica)
+        ├── UpstreamRejectedError      the upstream's 4xx, invalid_request_error (passed on as it said)
+        ├── UpstreamNotFoundError      502 upstream_not_found
+        ├── UpstreamAuthError          502 upstream_auth
+        ├── UpstreamServerError        502 upstream_server_error   [retried]
+        ├── UpstreamBadResponseError   502 upstream_bad_response
+        ├── UpstreamTokenIdsError      502 upstream_token_ids
+        └── UpstreamConnectionError    502 upstream_connection_error
+            ├── UpstreamUnreachableError 502 upstream_unreachable  [retried; the replica is marked down]
+            └── UpstreamTimeoutError     504 upstream_timeout      (never retried: it may still run)
+
+``retryable`` (a class attribute) is what the remote backends' caller retries. Errors cross process
+boundaries (Ray replicas) by pickling with every field (:meth:`GymserveError.__reduce__`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 
 class GymserveError(Exception):
-    """Base class. ``status_code`` is the HTTP status; ``error_type``/``param``/``code`` fill the error object."""
+    """Base class. ``status_code`` is the HTTP status; ``error_type``/``param``/``code`` fill the
+    error object (``code`` defaults to the class's)."""
 
-    status_code = 500
-    error_type = "server_error"
+    status_code: int = 500
+    error_type: ClassVar[str] = "server_error"
+    code: str | None = None
+    retryable: ClassVar[bool] = False
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code if code is not None else type(self).code
 
     def to_dict(self) -> dict[str, Any]:
         """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+    def __reduce__(self):
+        # Subclasses take different constructor arguments; the instance state alone describes each.
+        return _rebuild, (type(self), self.message), self.__dict__
+
+
+def _rebuild(cls: type[GymserveError], message: str) -> GymserveError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    return exc
 
 
 class InvalidRequestError(GymserveError):
@@ -37,28 +78,45 @@ class InvalidRequestError(GymserveError):
 class ContextLengthExceededError(InvalidRequestError):
     """The prompt leaves no room in the context window (400, code ``context_length_exceeded``).
 
-    The message always contains the words "context length" and both token counts, which is what
-    NeMo Gym and vLLM clients match on to end a rollout cleanly instead of retrying.
+    Raised by the local engine (``prompt_tokens``, ``context_window``: the message always contains
+    the words "context length" and both counts, which is what NeMo Gym and vLLM clients match on to
+    end a rollout cleanly instead of retrying) and by remote backends for an upstream overflow
+    (``message``: the upstream's words, ``url``: where; the counts are then None). Never retried:
+    the overflow is deterministic. The Responses path answers it with an empty ``incomplete``
+    Response (case CL-01).
     """
 
-    def __init__(self, prompt_tokens: int, context_window: int, *, param: str | None = "messages"):
+    code = "context_length_exceeded"
+
+    def __init__(self, prompt_tokens: int | None, context_window: int | None, *, message: str | None = None,
+                 url: str | None = None, param: str | None = "messages"):
         super().__init__(
-            f"This model's maximum context length is {context_window} tokens, but the prompt has "
+            message or f"This model's maximum context length is {context_window} tokens, but the prompt has "
             f"{prompt_tokens} tokens, leaving no room to generate. Shorten the conversation.",
             param=param,
-            code="context_length_exceeded",
         )
         self.prompt_tokens = prompt_tokens
         self.context_window = context_window
+        self.url = url
 
 
 class SpliceError(InvalidRequestError):
     """The on-policy prefix splice could not find an unambiguous turn boundary (400, ``splice_failed``)."""
 
+    code = "splice_failed"
+
     def __init__(self, message: str):
-        super().__init__(message, param="messages", code="splice_failed")
+        super().__init__(message, param="messages")
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """The request body is larger than ``server.max_body_bytes`` (413)."""
+
+    status_code = 413
+    code = "request_too_large"
+
+    def __init__(self, size: int | str, limit: int):
+        super().__init__(f"request body is {size} bytes; the limit is {limit} (server.max_body_bytes)")
 
 
 class WeightUpdateError(InvalidRequestError):
@@ -66,8 +124,10 @@ class WeightUpdateError(InvalidRequestError):
     unknown tensor name, a wrong shape or dtype, NaN/inf values, an unreadable file. ``param`` names
     the tensor or file; the old weights keep serving."""
 
+    code = "invalid_weights"
+
     def __init__(self, message: str, *, param: str | None = None):
-        super().__init__(message, param=param, code="invalid_weights")
+        super().__init__(message, param=param)
 
 
 class NotSupportedError(GymserveError):
@@ -99,14 +159,44 @@ class OverloadedError(GymserveError):
 
     status_code = 429
     error_type = "rate_limit_error"
+    code = "overloaded"
 
     def __init__(self, message: str, *, retry_after: float = 1.0):
-        super().__init__(message, code="overloaded")
+        super().__init__(message)
         self.retry_after = retry_after
 
 
+class UpstreamRateLimitedError(OverloadedError):
+    """The upstream answered 429. ``upstream_retry_after``: its ``Retry-After`` in seconds (None
+    when it sent none; ``retry_after`` is then 1 s). Retried with backoff."""
+
+    code = "upstream_rate_limited"
+    retryable = True
+
+    def __init__(self, message: str, *, upstream_retry_after: float | None = None):
+        super().__init__(message, retry_after=upstream_retry_after or 1.0)
+        self.upstream_retry_after = upstream_retry_after
+
+
+class ShuttingDownError(GymserveError):
+    """The server is draining for shutdown and takes no new calls (503, ``Retry-After``)."""
+
+    status_code = 503
+    code = "shutting_down"
+
+    def __init__(self) -> None:
+        super().__init__("gymserve is shutting down and accepts no new requests; retry against another "
+                         "instance or after it restarts")
+        self.retry_after = 1.0
+
+
+class EngineError(GymserveError):
+    """The local engine failed while generating (500); a bug or resource problem, not bad input."""
+
+
 class UpstreamError(GymserveError):
-    """The backend (a remote chat server, OpenAI, Azure) failed (502 unless it said otherwise).
+    """The backend (a remote chat server, OpenAI, Azure, a Ray replica) failed (502 unless
+    ``status_code`` says otherwise).
 
     ``url`` is the URL tried (never with credentials); messages name the URL, the cause and the fix.
     """
@@ -122,11 +212,60 @@ class UpstreamError(GymserveError):
             self.status_code = status_code
 
 
+class UpstreamRejectedError(UpstreamError):
+    """The upstream refused this request with a 4xx (an unsupported parameter, a bad tool schema):
+    passed on with its status (408 becomes 504), message, ``param`` and ``code``."""
+
+    error_type = "invalid_request_error"
+
+
+class UpstreamNotFoundError(UpstreamError):
+    """The upstream answered 404: a wrong path, model, deployment or api-version."""
+
+    code = "upstream_not_found"
+
+
+class UpstreamAuthError(UpstreamError):
+    """The upstream rejected the credentials (401/403)."""
+
+    code = "upstream_auth"
+
+
+class UpstreamServerError(UpstreamError):
+    """The upstream failed with a 5xx; retried."""
+
+    code = "upstream_server_error"
+    retryable = True
+
+
+class UpstreamBadResponseError(UpstreamError):
+    """The upstream answered with something that is not the expected JSON or event stream."""
+
+    code = "upstream_bad_response"
+
+
+class UpstreamTokenIdsError(UpstreamError):
+    """With ``return_token_id_information``, the upstream's token metadata is missing or inconsistent."""
+
+    code = "upstream_token_ids"
+
+
 class UpstreamConnectionError(UpstreamError):
-    """The backend could not be reached at all (DNS, refused, TLS, timeout) (502/504)."""
+    """The backend could not be reached or did not answer (DNS, refused, TLS, timeout, a dead replica)."""
 
     error_type = "upstream_connection_error"
 
 
-class EngineError(GymserveError):
-    """The local engine failed while generating (500); a bug or resource problem, not bad input."""
+class UpstreamUnreachableError(UpstreamConnectionError):
+    """No connection could be made (DNS, refused, TLS, reset): the replica is marked unhealthy and the
+    call retried, on another replica when there is one."""
+
+    code = "upstream_unreachable"
+    retryable = True
+
+
+class UpstreamTimeoutError(UpstreamConnectionError):
+    """The upstream did not answer within the timeout (504); not retried, since it may still be running."""
+
+    status_code = 504
+    code = "upstream_timeout"

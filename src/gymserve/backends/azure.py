@@ -29,9 +29,9 @@ from gymserve.backends.base import RequestContext
 from gymserve.backends.chat import ChatBackend, secret_value
 from gymserve.backends.openai_backend import OpenAIBackend
 from gymserve.backends.pool import Replica
-from gymserve.backends.upstream_errors import redact_url
 from gymserve.errors import InvalidRequestError
 from gymserve.protocol import ResponseDict, ResponsesRequest
+from gymserve.redaction import redact_url
 
 
 class AzureBackend(OpenAIBackend):

@@ -34,15 +34,28 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
-from gymserve.backends.chat_wire import checked_chunk, completion_to_chunks, mirror_reasoning, normalize_tool_call_arguments
+from gymserve.backends.chat_wire import (
+    checked_chunk,
+    completion_to_chunks,
+    mirror_reasoning,
+    normalize_tool_call_arguments,
+)
 from gymserve.backends.pool import Limiter, Replica, ReplicaPool, backoff_delay
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
 from gymserve.backends.token_stream import StreamedTokens, vllm_token_fields
-from gymserve.backends.upstream_errors import (
-    UpstreamContextLengthError, is_connection_failure, is_retryable, redact_url, translate_error,
+from gymserve.backends.upstream_errors import is_retryable, translate_error
+from gymserve.errors import (
+    ContextLengthExceededError,
+    GymserveError,
+    InvalidRequestError,
+    UpstreamBadResponseError,
+    UpstreamError,
+    UpstreamRateLimitedError,
+    UpstreamTokenIdsError,
+    UpstreamUnreachableError,
 )
-from gymserve.errors import GymserveError, InvalidRequestError, UpstreamError
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest, get_token_info
+from gymserve.redaction import redact_url
 
 log = logging.getLogger("gymserve.backends")
 
@@ -193,11 +206,12 @@ class ChatBackend(Backend):
                         result = await rep.client.post(target, body=body, cast_to=object)
             except Exception as exc:
                 err = self._translate(exc, target, kind)
-                if is_connection_failure(err):
+                if isinstance(err, UpstreamUnreachableError):
                     self.pool.mark_down(rep, err.message)
                 if attempt >= self.config.max_retries or not is_retryable(err):
                     raise err from None
-                delay = backoff_delay(attempt, self.config.retry_backoff, getattr(err, "upstream_retry_after", None))
+                asked = err.upstream_retry_after if isinstance(err, UpstreamRateLimitedError) else None
+                delay = backoff_delay(attempt, self.config.retry_backoff, asked)
                 attempt += 1
                 log.warning("retry %d/%d of %s in %.2f s: %s", attempt, self.config.max_retries,
                             redact_url(target), delay, err.message)
@@ -207,9 +221,9 @@ class ChatBackend(Backend):
                 rep.in_flight -= 1
             self.pool.mark_up(rep)
             if not stream and not isinstance(result, dict):
-                raise UpstreamError(f"{redact_url(target)} answered with something that is not a JSON object "
-                                    f"({str(result)[:120]!r}); is the base URL an OpenAI-compatible API?",
-                                    url=redact_url(target), code="upstream_bad_response")
+                raise UpstreamBadResponseError(
+                    f"{redact_url(target)} answered with something that is not a JSON object "
+                    f"({str(result)[:120]!r}); is the base URL an OpenAI-compatible API?", url=redact_url(target))
             return result, rep
 
     # ------------------------------------------------------------------ chat
@@ -233,7 +247,7 @@ class ChatBackend(Backend):
         return body
 
     async def _chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
-        """The upstream completion, post-processed; raises ``UpstreamContextLengthError`` on overflow."""
+        """The upstream completion, post-processed; raises ``ContextLengthExceededError`` on overflow."""
         body = self._chat_body(request)
         async with self.limiter.slot():
             completion, replica = await self._call("chat", body, ctx)
@@ -256,7 +270,7 @@ class ChatBackend(Backend):
         ``finish_reason: length`` completion (``context_exceeded_chat_completion``)."""
         try:
             return await self._chat(request, ctx)
-        except UpstreamContextLengthError as exc:
+        except ContextLengthExceededError as exc:
             from gymserve.convert import context_exceeded_chat_completion
 
             log.info("context window exceeded upstream; answering with an empty length-terminated reply: %s", exc.message)
@@ -280,7 +294,7 @@ class ChatBackend(Backend):
         async with self.limiter.slot():
             try:
                 stream, replica = await self._call("chat", body, ctx, stream=True)
-            except UpstreamContextLengthError:
+            except ContextLengthExceededError:
                 from gymserve.convert import context_exceeded_chat_completion
 
                 for chunk in completion_to_chunks(context_exceeded_chat_completion(request, request.get("model") or "")):
@@ -302,14 +316,14 @@ class ChatBackend(Backend):
                         yield piece
                 if not got_chunk:
                     where = redact_url(self._url(replica, "chat"))
-                    raise UpstreamError(f"{where} answered a streaming request without any events (not "
-                                        "server-sent events, or an empty stream); does the server support stream=true?",
-                                        url=where, code="upstream_bad_response")
+                    raise UpstreamBadResponseError(
+                        f"{where} answered a streaming request without any events (not server-sent events, or an "
+                        "empty stream); does the server support stream=true?", url=where)
                 if tokens is not None and not tokens.finished:
                     where = redact_url(self._url(replica, "chat"))
-                    raise UpstreamError(f"{where} ended the stream without a finish_reason, so the token IDs of "
-                                        "the generation are incomplete; is the server cutting streams short?",
-                                        url=where, code="upstream_token_ids")
+                    raise UpstreamTokenIdsError(
+                        f"{where} ended the stream without a finish_reason, so the token IDs of the generation are "
+                        "incomplete; is the server cutting streams short?", url=where)
             except Exception as exc:
                 raise self._translate(exc, self._url(replica, "chat"), "chat") from None
             finally:
@@ -324,7 +338,7 @@ class ChatBackend(Backend):
         chat_request = responses_to_chat(request, self.convert_options())
         try:
             completion = await self._chat(chat_request, ctx)
-        except UpstreamContextLengthError as exc:
+        except ContextLengthExceededError as exc:
             log.info("context window exceeded upstream; answering with an empty incomplete response: %s", exc.message)
             return context_exceeded_response(request)
         return chat_to_response(completion, request)
@@ -379,8 +393,7 @@ class ChatBackend(Backend):
             msg.update(prompt_token_ids=prompt, generation_token_ids=gen, generation_log_probs=logprobs)
             get_token_info(msg)
         except InvalidRequestError as exc:
-            raise UpstreamError(f"token metadata from {where} is unusable: {exc.message}",
-                                url=where, code="upstream_token_ids") from None
+            raise UpstreamTokenIdsError(f"token metadata from {where} is unusable: {exc.message}", url=where) from None
         if not request.get("logprobs"):
             choice["logprobs"] = None
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gymserve.errors import UpstreamError
+from gymserve.errors import UpstreamBadResponseError, UpstreamError
 from gymserve.protocol import TRAINING_FIELDS, ChatCompletionDict
 
 
@@ -30,8 +30,8 @@ def checked_chunk(chunk: Any, where: str, call_index: dict[tuple[int, str], int]
     mid-stream (vLLM's ``{"object": "error", …}``; the SDK already raises on ``{"error": …}``) or
     an event that is not a JSON object raises ``UpstreamError`` naming ``where``."""
     if not isinstance(chunk, dict):
-        raise UpstreamError(f"{where} sent a stream event that is not a JSON object: {str(chunk)[:200]}",
-                            url=where, code="upstream_bad_response")
+        raise UpstreamBadResponseError(f"{where} sent a stream event that is not a JSON object: {str(chunk)[:200]}",
+                                       url=where)
     if chunk.get("object") == "error" or (isinstance(chunk.get("error"), dict) and "choices" not in chunk):
         error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
         raise UpstreamError(f"{where} failed mid-stream: {error.get('message') or error}", url=where,

@@ -17,8 +17,9 @@ from typing import Any
 from gymserve.backends.base import RequestContext
 from gymserve.backends.chat import ChatBackend, secret_value
 from gymserve.backends.chat_wire import completion_to_chunks, strip_training_fields
-from gymserve.backends.upstream_errors import UpstreamContextLengthError, redact_url
+from gymserve.errors import ContextLengthExceededError
 from gymserve.protocol import ChatRequest, ResponseDict, ResponsesRequest
+from gymserve.redaction import redact_url
 
 log = logging.getLogger("gymserve.backends")
 
@@ -72,7 +73,7 @@ class OpenAIBackend(ChatBackend):
         try:
             async with self.limiter.slot():
                 response, _ = await self._call("responses", self._responses_body(request), ctx)
-        except UpstreamContextLengthError as exc:
+        except ContextLengthExceededError as exc:
             log.info("context window exceeded upstream; answering with an empty incomplete response: %s", exc.message)
             return context_exceeded_response(request)
         if self.config.served_model_name:
@@ -86,7 +87,7 @@ class OpenAIBackend(ChatBackend):
         async with self.limiter.slot():
             try:
                 stream, replica = await self._call("responses", body, ctx, stream=True)
-            except UpstreamContextLengthError:
+            except ContextLengthExceededError:
                 for event in _context_exceeded_events(request):
                     yield event
                 return

@@ -4,28 +4,39 @@ The SDK's ``APIConnectionError`` always reads "Connection error." and hides the 
 URL scheme, a DNS failure, a refused port), so misconfigured endpoints look like network outages
 (case AZ-02). Here every failure becomes a ``GymserveError`` whose message names:
 
-- the URL tried (``redact_url``: no user-info, no key-like query parameters);
+- the URL tried (``redaction.redact_url``: no user-info, no key-like query parameters);
 - the cause: the HTTP status and upstream message, or the root exception class and host;
 - the likely fix (missing ``/v1``, missing ``api-version``, a deployment-scoped Azure base used for
   Responses, a chat-only server asked for Responses, a wrong port...).
 
-A 404 is reported as a 404 with its path, never as a connection error. Upstream context-window
-overflows become ``UpstreamContextLengthError`` so callers can answer with an empty, incomplete
-reply instead of retrying (case CL-01). API keys never appear: every message goes through
-``redact`` with the configured secrets.
+Each cause is its own class (``gymserve.errors``: ``UpstreamTimeoutError``,
+``UpstreamUnreachableError``, ``UpstreamRateLimitedError``...), so callers decide by class. A 404 is
+reported as a 404 with its path, never as a connection error. Upstream context-window overflows
+become ``ContextLengthExceededError``, the class the local engine raises, so callers can answer with
+an empty, incomplete reply instead of retrying (case CL-01). API keys never appear: every message
+goes through ``redaction.redact`` with the configured secrets.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-from gymserve.errors import GymserveError, OverloadedError, UpstreamConnectionError, UpstreamError
-
-_SECRET_QUERY = re.compile(r"(key|token|secret|sig|signature|password|code)", re.I)
-# Key shapes worth masking even when we were not told the value (an upstream echoing a key back).
-_KEY_PATTERNS = re.compile(r"\b(sk-[A-Za-z0-9_\-]{6,}|Bearer\s+[A-Za-z0-9._\-]{8,})")
+from gymserve.errors import (
+    ContextLengthExceededError,
+    GymserveError,
+    UpstreamAuthError,
+    UpstreamBadResponseError,
+    UpstreamError,
+    UpstreamNotFoundError,
+    UpstreamRateLimitedError,
+    UpstreamRejectedError,
+    UpstreamServerError,
+    UpstreamTimeoutError,
+    UpstreamUnreachableError,
+)
+from gymserve.redaction import redact, redact_url
 
 # What vLLM, SGLang, llama.cpp, TensorRT-LLM, OpenAI and Azure say when the prompt outgrows the window.
 _CONTEXT_PATTERNS = re.compile(
@@ -34,38 +45,6 @@ _CONTEXT_PATTERNS = re.compile(
     r"|max_tokens.{0,40}(too large|exceed)|(too large|exceed).{0,40}max_tokens",
     re.I,
 )
-
-
-class UpstreamContextLengthError(UpstreamError):
-    """The upstream refused the request because the prompt (plus max_tokens) exceeds its context
-    window (400, code ``context_length_exceeded``). Backends answer it with an empty, length-
-    terminated reply; it is never retried (the overflow is deterministic)."""
-
-    status_code = 400
-    error_type = "invalid_request_error"
-
-    def __init__(self, message: str, *, url: str | None = None):
-        super().__init__(message, url=url, status_code=400, code="context_length_exceeded")
-
-
-def redact(text: str, secrets: tuple[str, ...] | list[str] = ()) -> str:
-    """``text`` with every configured secret (and anything shaped like a key) replaced by ``***``."""
-    for secret in secrets:
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, "***")
-    return _KEY_PATTERNS.sub(lambda m: m.group(0)[:3] + "***", text)
-
-
-def redact_url(url: str) -> str:
-    """``url`` without user-info and with key-like query values replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    query = urlencode([(k, "***" if _SECRET_QUERY.search(k) and k != "api-version" else v)
-                       for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe=":/*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def is_context_length_message(text: str | None, code: str | None = None) -> bool:
@@ -148,10 +127,12 @@ def translate_error(exc: BaseException, *, url: str, kind: str = "chat", backend
     """The ``GymserveError`` that explains ``exc`` raised while calling ``url``.
 
     ``kind``: what was called ("chat", "responses", "models", "tokenize"); ``backend``: "chat",
-    "openai" or "azure" (selects the hints). Returns (never raises):
-    ``UpstreamContextLengthError`` (400), ``UpstreamError`` with the upstream's 4xx status and message
-    for other 400/422s, ``OverloadedError`` (429, ``retry_after`` from the header), ``UpstreamError``
-    (502) for 401/403/404/5xx and unreadable answers, ``UpstreamConnectionError`` (502, 504 on timeout).
+    "openai" or "azure" (selects the hints). Returns (never raises) one of the ``gymserve.errors``
+    classes: ``ContextLengthExceededError`` (400), ``UpstreamRejectedError`` with the upstream's 4xx
+    status and message for other 4xx, ``UpstreamRateLimitedError`` (429, ``retry_after`` from the
+    header), ``UpstreamNotFoundError`` / ``UpstreamAuthError`` / ``UpstreamServerError`` (502),
+    ``UpstreamBadResponseError`` (502) for unreadable answers, ``UpstreamUnreachableError`` (502) and
+    ``UpstreamTimeoutError`` (504); a ``GymserveError`` is returned as it is.
     """
     if isinstance(exc, GymserveError):
         return exc
@@ -172,26 +153,23 @@ def translate_error(exc: BaseException, *, url: str, kind: str = "chat", backend
             shown = redact_url(str(sent.url))  # the URL as sent, default query (api-version) included
         where = f"{getattr(sent, 'method', 'POST')} {shown}"
         if status in (400, 413, 422, 500) and is_context_length_message(msg, code):
-            return UpstreamContextLengthError(f"upstream context window exceeded ({where}): {msg}", url=shown)
+            return ContextLengthExceededError(None, None, message=f"upstream context window exceeded ({where}): {msg}",
+                                              url=shown, param=None)
         if status == 404:
-            return UpstreamError(f"upstream returned 404 Not Found for {where}: {msg!r}. "
-                                 f"{_not_found_hint(url, kind, backend, api_version)}", url=shown, code="upstream_not_found")
+            return UpstreamNotFoundError(f"upstream returned 404 Not Found for {where}: {msg!r}. "
+                                         f"{_not_found_hint(url, kind, backend, api_version)}", url=shown)
         if status in (401, 403):
             fix = ("the key goes in the api-key header (api_key) or an Entra token in azure_ad_token"
                    if backend == "azure" else "set api_key (sent as Authorization: Bearer)")
-            return UpstreamError(f"upstream rejected the credentials ({status}) for {where}: {msg}. Check the key: {fix}.",
-                                 url=shown, code="upstream_auth")
+            return UpstreamAuthError(f"upstream rejected the credentials ({status}) for {where}: {msg}. Check the key: {fix}.",
+                                     url=shown)
         if status == 429:
-            retry_after = _retry_after(response)
-            err = OverloadedError(f"upstream is rate limiting ({where}): {msg}", retry_after=retry_after or 1.0)
-            err.code = "upstream_rate_limited"
-            err.upstream_retry_after = retry_after
-            return err
+            return UpstreamRateLimitedError(f"upstream is rate limiting ({where}): {msg}",
+                                            upstream_retry_after=_retry_after(response))
         if 400 <= status < 500:
-            err = UpstreamError(msg, url=shown, status_code=status if status != 408 else 504, param=param, code=code)
-            err.error_type = "invalid_request_error"
-            return err
-        return UpstreamError(f"upstream failed with {status} ({where}): {msg}", url=shown, code="upstream_server_error")
+            return UpstreamRejectedError(msg, url=shown, status_code=status if status != 408 else 504, param=param,
+                                         code=code)
+        return UpstreamServerError(f"upstream failed with {status} ({where}): {msg}", url=shown)
 
     chain = _chain(exc)
     names = {type(e).__name__ for e in chain}
@@ -209,21 +187,19 @@ def translate_error(exc: BaseException, *, url: str, kind: str = "chat", backend
     if names & {"APITimeoutError", "ReadTimeout", "WriteTimeout", "PoolTimeout", "TimeoutException", "TimeoutError"} \
             and not names & {"ConnectTimeout"}:
         after = f" after {timeout:g} s" if timeout else ""
-        return UpstreamConnectionError(f"upstream {host} timed out{after} ({shown}; {cause}). "
-                                       "Raise the backend timeout or lower num_concurrent_requests.",
-                                       url=shown, status_code=504, code="upstream_timeout")
+        return UpstreamTimeoutError(f"upstream {host} timed out{after} ({shown}; {cause}). "
+                                    "Raise the backend timeout or lower num_concurrent_requests.", url=shown)
     if names & {"APIConnectionError", "ConnectError", "ConnectTimeout", "NetworkError", "TransportError",
                 "UnsupportedProtocol", "RemoteProtocolError", "ProxyError", "ReadError", "WriteError", "OSError",
                 "ConnectionError", "gaierror", "LocalProtocolError",
                 # aiohttp (the chat backend's lean client, backends/http.py)
                 "ClientConnectionError", "ClientConnectorError", "ClientOSError", "ServerDisconnectedError",
                 "ClientPayloadError", "ServerConnectionError"} or isinstance(root, OSError):
-        return UpstreamConnectionError(
-            f"cannot reach upstream host {host} ({shown}): {cause}. {_connection_hint(root, host, port)}",
-            url=shown, status_code=502, code="upstream_unreachable")
+        return UpstreamUnreachableError(
+            f"cannot reach upstream host {host} ({shown}): {cause}. {_connection_hint(root, host, port)}", url=shown)
     if names & {"JSONDecodeError", "APIResponseValidationError"}:
-        return UpstreamError(f"upstream answered {shown} with something that is not the expected JSON ({cause}); "
-                             "is the base URL pointing at an OpenAI-compatible API?", url=shown, code="upstream_bad_response")
+        return UpstreamBadResponseError(f"upstream answered {shown} with something that is not the expected JSON "
+                                        f"({cause}); is the base URL pointing at an OpenAI-compatible API?", url=shown)
     return UpstreamError(f"calling {shown} failed: {cause}", url=shown)
 
 
@@ -235,17 +211,7 @@ def _retry_after(response: Any) -> float | None:
 
 
 def is_retryable(err: GymserveError) -> bool:
-    """Connection errors (not timeouts of a request that may be running), 5xx and 429 only: a
-    4xx is deterministic and a context-window overflow would fail the same way again."""
-    if isinstance(err, UpstreamContextLengthError):
-        return False
-    if isinstance(err, OverloadedError):
-        return True
-    if isinstance(err, UpstreamConnectionError):
-        return err.code != "upstream_timeout"
-    return isinstance(err, UpstreamError) and err.code == "upstream_server_error"
-
-
-def is_connection_failure(err: GymserveError) -> bool:
-    """The replica itself is unreachable (mark it unhealthy), as opposed to a bad answer."""
-    return isinstance(err, UpstreamConnectionError) and err.code == "upstream_unreachable"
+    """The caller's retry rule: the error's class says (``GymserveError.retryable``). Unreachable
+    replicas, 5xx and 429 are retried; a timeout (the request may still be running upstream), a 4xx
+    and a context-window overflow (deterministic) are not."""
+    return err.retryable

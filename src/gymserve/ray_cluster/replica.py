@@ -17,10 +17,10 @@ Wire shapes (plain dicts, the same as the HTTP API's, so nothing Ray-specific le
 - ``served_sessions() -> {session_id: calls}``: which sessions this process served (bounded LRU).
 
 Errors: a ``GymserveError`` raised by the local backend (bad request, context length, ...) is
-*returned* as ``{ERROR_KEY: {...}}`` rather than raised, because Ray re-raises task exceptions
-wrapped in ``RayTaskError`` and rebuilds them by pickling, which loses the keyword-only fields
-(``retry_after``, ``prompt_tokens``) of some of them. ``raise_remote_error`` rebuilds the same
-class on the front end, so clients get exactly the error a single-process server would give.
+*returned* as ``{ERROR_KEY: exc}`` rather than raised, because Ray re-raises task exceptions
+wrapped in ``RayTaskError`` (a 500 to the server). Returned, the error travels as a value, pickled
+with every field (``GymserveError.__reduce__``), and ``raise_remote_error`` raises it on the front
+end, so clients get exactly the error a single-process server would give.
 """
 
 from __future__ import annotations
@@ -36,37 +36,16 @@ _MAX_TRACKED_SESSIONS = 10_000
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:
-    """``{ERROR_KEY: {class, message, status_code, error_type, param, code, attrs}}`` for a GymserveError."""
-    attrs = {k: v for k, v in vars(exc).items()
-             if k not in ("message", "param", "code") and isinstance(v, (str, int, float, bool, type(None)))}
-    return {ERROR_KEY: {"class": type(exc).__name__, "message": getattr(exc, "message", str(exc)),
-                        "status_code": getattr(exc, "status_code", 500), "error_type": getattr(exc, "error_type", None),
-                        "param": getattr(exc, "param", None), "code": getattr(exc, "code", None), "attrs": attrs}}
+    """``{ERROR_KEY: exc}`` for a ``GymserveError``: Ray pickles it with every field
+    (``GymserveError.__reduce__``), so the front end gets the same class and values."""
+    return {ERROR_KEY: exc}
 
 
 def raise_remote_error(result: Any) -> Any:
-    """Return ``result`` unchanged unless it is an ``error_payload``; then raise the same
-    ``gymserve.errors`` class with the same status, type, param, code and fields."""
-    if not (isinstance(result, dict) and ERROR_KEY in result):
-        return result
-    from gymserve import errors
-
-    info = result[ERROR_KEY]
-    cls = getattr(errors, info.get("class", ""), None)
-    if not (isinstance(cls, type) and issubclass(cls, errors.GymserveError)):
-        cls = errors.GymserveError
-    # Built without calling __init__: subclasses take different constructor arguments, but all of
-    # them are fully described by these attributes.
-    exc = cls.__new__(cls)
-    Exception.__init__(exc, info["message"])
-    exc.message, exc.param, exc.code = info["message"], info.get("param"), info.get("code")
-    for key, value in (info.get("attrs") or {}).items():
-        setattr(exc, key, value)
-    if info.get("status_code") is not None and info["status_code"] != cls.status_code:
-        exc.status_code = info["status_code"]
-    if info.get("error_type") and info["error_type"] != cls.error_type:
-        exc.error_type = info["error_type"]
-    raise exc
+    """Return ``result`` unchanged unless it is an ``error_payload``; then raise the error it holds."""
+    if isinstance(result, dict) and ERROR_KEY in result:
+        raise result[ERROR_KEY]
+    return result
 
 
 class EngineReplica:

@@ -31,11 +31,11 @@ from fastapi.responses import Response, StreamingResponse
 from gymserve._version import __version__
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.convert.request_checks import Api, check_request
-from gymserve.errors import GymserveError, InvalidRequestError
+from gymserve.errors import GymserveError, InvalidRequestError, ShuttingDownError
 from gymserve.server.capture import CaptureWriter, install_log_redaction
 from gymserve.server.control import CONTROL_PATHS, control_health, install_control
 from gymserve.server.errors import error_response, install_error_handlers
-from gymserve.server.limits import ShuttingDownError, read_body
+from gymserve.server.limits import read_body
 from gymserve.server.metrics import Metrics, usage_tokens
 from gymserve.server.schemas import install_openapi
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from gymserve.backends.upstream_errors import redact
+from gymserve.redaction import redact
 
 log = logging.getLogger("gymserve.server.capture")
 _STOP = object()

@@ -2,37 +2,16 @@
 
 ``read_body`` refuses an oversized body from its ``Content-Length`` before reading any of it, and
 stops reading a chunked body as soon as it passes the limit, so a client cannot make the server
-buffer more than ``server.max_body_bytes`` (413). ``ShuttingDownError`` (503, ``Retry-After``) is
-what a request gets once SIGTERM has started the graceful shutdown (``server.run``).
+buffer more than ``server.max_body_bytes`` (``errors.RequestTooLargeError``, 413).
+``errors.ShuttingDownError`` (503, ``Retry-After``) is what a request gets once SIGTERM has started
+the graceful shutdown (``server.run``).
 """
 
 from __future__ import annotations
 
 from starlette.requests import ClientDisconnect, Request
 
-from gymserve.errors import GymserveError, InvalidRequestError
-
-
-class RequestTooLargeError(InvalidRequestError):
-    """The request body is larger than ``server.max_body_bytes`` (413)."""
-
-    status_code = 413
-
-    def __init__(self, size: int | str, limit: int):
-        super().__init__(f"request body is {size} bytes; the limit is {limit} (server.max_body_bytes)",
-                         code="request_too_large")
-
-
-class ShuttingDownError(GymserveError):
-    """The server is draining for shutdown and takes no new calls (503)."""
-
-    status_code = 503
-    error_type = "server_error"
-
-    def __init__(self):
-        super().__init__("gymserve is shutting down and accepts no new requests; retry against another "
-                         "instance or after it restarts", code="shutting_down")
-        self.retry_after = 1.0
+from gymserve.errors import InvalidRequestError, RequestTooLargeError
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
