@@ -103,7 +103,8 @@ def main() -> int:
 
     from gymserve.backends.local import LocalBackend
     from gymserve.config import LocalBackendConfig, RayBackendConfig
-    from gymserve.ray_cluster.backend import RayBackend, connect_ray
+    from gymserve.ray_cluster.backend import RayBackend
+    from gymserve.ray_cluster.fleet import connect_ray
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     per = args.cpus_per_replica
@@ -126,7 +127,7 @@ def main() -> int:
     async def run() -> None:
         fleets = {"local": LocalBackend.from_config(LocalBackendConfig(**local, num_threads=per))}
         for n in (1, 2):
-            fleets[f"ray x{n}"] = RayBackend(RayBackendConfig.model_validate({**base, "replicas": n}))
+            fleets[f"ray x{n}"] = RayBackend.from_config(RayBackendConfig.model_validate({**base, "replicas": n}))
         try:
             for rnd in range(args.repeat):
                 for name, backend in fleets.items():

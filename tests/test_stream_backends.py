@@ -15,21 +15,18 @@ accumulated result equals the non-streamed call for the same request.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import threading
 import time
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, RawServer, response_events, response_obj
+from fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, RawServer, ScriptedEngine, response_events, response_obj
 
 from gymserve.backends.local import LocalBackend
 from gymserve.config import LocalBackendConfig, SamplingConfig, validate_config
-from gymserve.engine.base import SamplingParams, TokenDelta, collect
 from gymserve.server.run import start_background_server
 from spec import assert_valid_event
 
@@ -177,56 +174,6 @@ def test_transformers_serve_streams_equal_non_streamed(transformers_serve):
 
 
 # ======================================================================== local backend, scripted engine
-class ScriptedEngine:
-    """An ``Engine`` that "generates" the token IDs of a fixed text, one token per step, then the
-    end-of-turn token (``repeat``: the text over and over until ``max_tokens``). Records each
-    stream's end: ``finished`` (ran to its finish reason) or ``cancelled`` (closed early)."""
-
-    def __init__(self, tokenizer, text: str, *, delay: float = 0.0, repeat: bool = False):
-        self.model_name = "scripted"
-        self.model_type = "qwen2"  # the tokenizer's model
-        self.eos_token_ids = (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
-        self.context_window = 32768
-        self.vocab_size = len(tokenizer)
-        self.text_ids = tokenizer.encode(text, add_special_tokens=False)
-        self.delay, self.repeat = delay, repeat
-        self.started = threading.Event()
-        self.cancelled = threading.Event()
-        self.finished = 0
-        self.steps = 0
-
-    async def generate(self, prompt_ids, sampling: SamplingParams):
-        return await collect(self.stream(prompt_ids, sampling))
-
-    async def stream(self, prompt_ids, sampling: SamplingParams):
-        self.started.set()
-        done = False
-        try:
-            i = 0
-            while True:
-                if i < len(self.text_ids) or self.repeat:
-                    tid = self.text_ids[i % len(self.text_ids)]
-                else:
-                    tid = self.eos_token_ids[0]
-                i += 1
-                if self.delay:
-                    await asyncio.sleep(self.delay)
-                self.steps += 1
-                finish = "stop" if tid in self.eos_token_ids else ("length" if i >= sampling.max_tokens else None)
-                yield TokenDelta([tid], [-0.01 * i], finish)
-                if finish:
-                    done = True
-                    return
-        finally:
-            if done:
-                self.finished += 1
-            else:
-                self.cancelled.set()
-
-    async def close(self) -> None:
-        return None
-
-
 TOOL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 THINK_TEXT = "<think>\nThe user greets me; I greet back.\n</think>\n\nHello there, nice to meet you!"
 RESP_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city",

@@ -18,6 +18,7 @@ from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, Res
 
 if TYPE_CHECKING:
     from gymserve.backends.pool import Limiter
+    from gymserve.backends.responses_over_chat import ChatAnswer
     from gymserve.convert import ConvertOptions
 
 
@@ -79,7 +80,7 @@ class Backend(ABC):
     # ---- Responses API -------------------------------------------------------------------------
 
     async def responses(self, request: ResponsesRequest, ctx: RequestContext) -> ResponseDict:
-        """A ``Response`` dict: by default convert → chat → convert back (see
+        """A ``Response`` dict: by default convert → ``answer`` → convert back (see
         ``responses_over_chat``); a prompt that fills the context window gives the empty
         ``incomplete`` Response (case CL-01)."""
         from gymserve.backends.responses_over_chat import responses_over_chat
@@ -93,6 +94,15 @@ class Backend(ABC):
         from gymserve.backends.responses_over_chat import responses_stream_over_chat
 
         return responses_stream_over_chat(self, request, ctx)
+
+    async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
+        """The whole answer to a chat request, for the Responses path: ``chat``'s completion by
+        default; the local engine (and Ray) give its chunks, which keep the generation order. Raises
+        ``ContextLengthExceededError`` when the prompt does not fit (answered with the empty
+        ``incomplete`` Response), where ``chat`` may answer otherwise."""
+        from gymserve.backends.responses_over_chat import ChatAnswer
+
+        return ChatAnswer.of_completion(await self.chat(request, ctx))
 
     def fill_responses_defaults(self, request: ResponsesRequest) -> ResponsesRequest:
         """The request as this backend will run it, so the Response echoes the real parameters

@@ -20,7 +20,8 @@ Upstream behaviour followed:
   ``UpstreamError`` (502); IDs are never fabricated.
 - servers that return raw text (no tool-call/reasoning parser) are parsed here with the same
   parser registry as the local engine (``tool_parser``, ``reasoning_parser`` options).
-- an upstream context-window overflow becomes an empty, length-terminated reply (case CL-01).
+- an upstream context-window overflow becomes an empty, length-terminated reply on the chat
+  endpoint and the empty ``incomplete`` Response on the Responses one (case CL-01).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import copy
 import functools
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.chat_wire import (
@@ -54,7 +55,10 @@ from gymserve.errors import (
     UpstreamTokenIdsError,
     UpstreamUnreachableError,
 )
-from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest, get_token_info
+from gymserve.protocol import ChatCompletionDict, ChatRequest, get_token_info
+
+if TYPE_CHECKING:
+    from gymserve.backends.responses_over_chat import ChatAnswer
 from gymserve.redaction import redact_url
 
 log = logging.getLogger("gymserve.backends")
@@ -331,17 +335,12 @@ class ChatBackend(Backend):
                     await stream.close()
 
     # ------------------------------------------------------------------ responses, models, health
-    async def responses(self, request: ResponsesRequest, ctx: RequestContext) -> ResponseDict:
-        """Convert to chat, call, convert back; an overflow gives ``context_exceeded_response``."""
-        from gymserve.convert import chat_to_response, context_exceeded_response, responses_to_chat
+    async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
+        """The upstream's completion for the Responses path, which answers an overflow itself
+        (``ContextLengthExceededError`` propagates)."""
+        from gymserve.backends.responses_over_chat import ChatAnswer
 
-        chat_request = responses_to_chat(request, self.convert_options())
-        try:
-            completion = await self._chat(chat_request, ctx)
-        except ContextLengthExceededError as exc:
-            log.info("context window exceeded upstream; answering with an empty incomplete response: %s", exc.message)
-            return context_exceeded_response(request)
-        return chat_to_response(completion, request)
+        return ChatAnswer.of_completion(await self._chat(request, ctx))
 
     async def upstream_models(self, ctx: RequestContext | None = None) -> list[str]:
         """IDs from ``GET {base}/models`` of one replica (raises the translated error)."""

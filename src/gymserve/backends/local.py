@@ -8,25 +8,17 @@ the tool-call / reasoning parsers over the generated text.
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gymserve.backends.base import Backend, RequestContext
-from gymserve.backends.local_control import LocalControl, version_fields
-from gymserve.backends.local_request import LocalCall, prepare_call
+from gymserve.backends.local_control import LocalControl
+from gymserve.backends.local_request import LocalCall, echo_pinned_sampling, prepare_call
 from gymserve.engine.base import Engine, Generation
 from gymserve.protocol import ChatCompletionDict, ChatRequest
 
-
-@dataclass
-class _Parsed:
-    reasoning: str | None
-    content: str | None
-    tool_calls: list[dict[str, Any]]
-    finish_reason: str
+if TYPE_CHECKING:
+    from gymserve.backends.responses_over_chat import ChatAnswer
 
 
 class LocalBackend(LocalControl, Backend):
@@ -90,11 +82,7 @@ class LocalBackend(LocalControl, Backend):
 
     def fill_responses_defaults(self, request):
         """Echo the pinned sampling params in the Response (the Responses API echoes what ran)."""
-        sampling = self.config.sampling
-        pinned = {"temperature": sampling.temperature, "top_p": sampling.top_p}
-        forced = sampling.on_mismatch == "override"
-        fill = {k: v for k, v in pinned.items() if v is not None and (forced or request.get(k) is None)}
-        return {**request, **fill} if fill else request
+        return echo_pinned_sampling(request, self.config.sampling)
 
     async def models(self) -> list[str]:
         return [self.model_name]
@@ -108,12 +96,22 @@ class LocalBackend(LocalControl, Backend):
         return prepare_call(request, template=self.template, engine=self.engine,
                             sampling_config=self.config.sampling, stop_token_ids=self.stop_token_ids)
 
-    async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
-        """Answer one Chat Completions request; see ``prepare_call`` for what is rejected (400)."""
+    async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
+        """The chunks of one finished generation, as ``chat_stream`` would have sent them (usage
+        included): what the non-streamed chat answer is folded from and the Response is built from,
+        so both equal the streamed ones for the same tokens. See ``prepare_call`` for what is
+        rejected (400, ``ContextLengthExceededError`` when the prompt fills the window)."""
+        from gymserve.backends.local_stream import generation_chunks
+        from gymserve.backends.responses_over_chat import ChatAnswer
+
         call = self._prepare(request)
         async with self.limiter.slot():
             gen = await self.engine.generate(call.prompt.token_ids, call.sampling)
-        return self._completion(call, gen)
+        return ChatAnswer.of_chunks(generation_chunks(self, call, gen), reasoning_field=self.config.reasoning_field)
+
+    async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
+        """Answer one Chat Completions request: ``answer``'s chunks folded into one completion."""
+        return (await self.answer(request, ctx)).as_completion()
 
     def _trim(self, gen: Generation) -> tuple[list[int], list[float], list]:
         """Drop the final stop/EOS token and its log-prob: the template closes the turn itself,
@@ -122,38 +120,6 @@ class LocalBackend(LocalControl, Backend):
         if gen.finish_reason == "stop" and ids and ids[-1] in self.stop_token_ids:
             return ids[:-1], lps[:-1], tops[:-1]
         return ids, lps, tops
-
-    def _parse(self, call: LocalCall, text: str, finish_reason: str) -> _Parsed:
-        from gymserve.parsers import parse_output
-
-        tool_parser = self.tool_parser if call.parse_tools else None
-        out = parse_output(text, prompt_tail=call.prompt.text_tail, finish_reason=finish_reason,
-                           tools=call.tools, tool_parser=tool_parser, reasoning_parser=self.reasoning_parser)
-        calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                  "function": {"name": c.name, "arguments": c.arguments}} for c in out.tool_calls]
-        return _Parsed(out.reasoning, out.content, calls,
-                       chat_finish_reason(finish_reason, out.reasoning_incomplete, bool(calls)))
-
-    def _completion(self, call: LocalCall, gen: Generation) -> ChatCompletionDict:
-        ids, lps, tops = self._trim(gen)
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        parsed = self._parse(call, text, gen.finish_reason)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if parsed.reasoning is not None:
-            message[self.config.reasoning_field] = parsed.reasoning
-        if parsed.tool_calls:
-            message["tool_calls"] = parsed.tool_calls
-        message["prompt_token_ids"] = call.prompt.token_ids
-        message["generation_token_ids"] = ids
-        message["generation_log_probs"] = lps
-        message.update(version_fields(gen, len(ids), self.engine))
-        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": parsed.finish_reason,
-                                  "logprobs": self._logprobs(call, ids, lps, tops) if call.logprobs else None}
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name, "choices": [choice],
-            "usage": usage(len(call.prompt.token_ids), len(gen.token_ids)),
-        }
 
     def _token_str(self, call: LocalCall, tid: int) -> str:
         if call.tokens_as_ids:
@@ -169,32 +135,6 @@ class LocalBackend(LocalControl, Backend):
                      "bytes": list(self._token_str(call, a).encode())} for a, alp in (tops[i] if i < len(tops) else [])]
             content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": alts})
         return {"content": content, "refusal": None}
-
-    async def responses(self, request, ctx: RequestContext):
-        """The Response built by the streaming builder from the chunks of the finished generation
-        (``local_stream.generation_chunks``), so it is the streamed Response for the same tokens:
-        items in the order the model wrote them, the same ids' places, the same final values. A
-        prompt that fills the context window gives the empty incomplete Response (case CL-01)."""
-        from gymserve.backends.local_stream import generation_chunks
-        from gymserve.convert import context_exceeded_response, responses_to_chat
-        from gymserve.convert.stream import ResponseStreamBuilder
-        from gymserve.errors import ContextLengthExceededError
-
-        request = self.fill_responses_defaults(request)
-        chat_request = {**responses_to_chat(request, self.convert_options()), "stream": True,
-                        "stream_options": {"include_usage": True}}
-        try:
-            call = self._prepare(chat_request)
-        except ContextLengthExceededError:
-            return context_exceeded_response(request)
-        async with self.limiter.slot():
-            gen = await self.engine.generate(call.prompt.token_ids, call.sampling)
-        builder = ResponseStreamBuilder(request)
-        for chunk in generation_chunks(self, call, gen):
-            builder.feed(chunk)
-        builder.finish()
-        assert builder.response is not None
-        return builder.response
 
     async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         """Chunks of one streamed call; the call holds an engine slot until the stream ends."""

@@ -78,6 +78,16 @@ def pinned_sampling(request: ChatRequest, cfg) -> dict[str, Any]:
     return eff
 
 
+def echo_pinned_sampling(request: dict[str, Any], cfg) -> dict[str, Any]:
+    """``request`` (a Responses request) with the pinned ``temperature``/``top_p`` of ``cfg`` (a
+    ``SamplingConfig``) filled in where it sends none (or always, with ``on_mismatch: override``), so
+    the Response echoes the values the engine ran with, as the Responses API does."""
+    pinned = {"temperature": cfg.temperature, "top_p": cfg.top_p}
+    forced = cfg.on_mismatch == "override"
+    fill = {k: v for k, v in pinned.items() if v is not None and (forced or request.get(k) is None)}
+    return {**request, **fill} if fill else request
+
+
 def _check_supported(request: ChatRequest) -> None:
     if request.get("n") not in (None, 1):
         raise InvalidRequestError("n > 1 is not supported by the local backend; send several requests", param="n")

@@ -71,9 +71,10 @@ class _Chunks:
     def text(self, text: str) -> list[dict[str, Any]]:
         return [self.chunk(delta) for delta in self.parser.feed(text)]
 
-    def end(self, gen, kept: tuple[list[int], list[float], list], tail_text: str) -> list[dict[str, Any]]:
+    def end(self, gen, kept: tuple[list[int], list[float], list], tail_text: str,
+            include_usage: bool) -> list[dict[str, Any]]:
         """The last parsed deltas, the finish chunk (training fields on its delta, log-probs when
-        asked) and, with ``stream_options.include_usage``, the usage chunk."""
+        asked) and, with ``include_usage``, the usage chunk."""
         ids, lps, tops = kept
         call, backend = self.call, self.backend
         out = self.text(tail_text) + [self.chunk(d) for d in self.parser.finish(gen.finish_reason)]
@@ -83,19 +84,19 @@ class _Chunks:
         if call.logprobs:
             final["choices"][0]["logprobs"] = backend._logprobs(call, ids, lps, tops)
         out.append(final)
-        if call.include_usage:
+        if include_usage:
             out.append({**{k: v for k, v in final.items() if k != "choices"}, "choices": [],
                         "usage": usage(len(call.prompt.token_ids), len(gen.token_ids))})
         return out
 
 
 def generation_chunks(backend, call: LocalCall, gen) -> list[dict[str, Any]]:
-    """The chunks of a finished generation, as ``stream_chat`` would have sent them (the parsers'
-    result does not depend on how the text is split): what the non-streamed Responses answer is
-    built from, so it equals the streamed one."""
+    """The chunks of a finished generation, as ``stream_chat`` would have sent them with usage (the
+    parsers' result does not depend on how the text is split): what the non-streamed answers are
+    built from, so they equal the streamed ones."""
     chunks = _Chunks(backend, call)
     kept = backend._trim(gen)
-    return [chunks.role(), *chunks.end(gen, kept, backend.tokenizer.decode(kept[0], skip_special_tokens=False))]
+    return [chunks.role(), *chunks.end(gen, kept, backend.tokenizer.decode(kept[0], skip_special_tokens=False), True)]
 
 
 async def stream_chat(backend, call: LocalCall) -> AsyncIterator[dict[str, Any]]:
@@ -126,5 +127,5 @@ async def stream_chat(backend, call: LocalCall) -> AsyncIterator[dict[str, Any]]
         await stream.aclose()
     gen = Generation(ids, lps, finish, tops, spans)
     kept = backend._trim(gen)
-    for c in chunks.end(gen, kept, detok.push(kept[0][len(detok.ids):], final=True)):
+    for c in chunks.end(gen, kept, detok.push(kept[0][len(detok.ids):], final=True), call.include_usage):
         yield c

@@ -16,7 +16,8 @@ from typing import Any
 
 from gymserve.backends.base import RequestContext
 from gymserve.backends.chat import ChatBackend, secret_value
-from gymserve.backends.chat_wire import completion_to_chunks, strip_training_fields
+from gymserve.backends.chat_wire import strip_training_fields
+from gymserve.backends.responses_over_chat import overflow_events
 from gymserve.errors import ContextLengthExceededError
 from gymserve.protocol import ChatRequest, ResponseDict, ResponsesRequest
 from gymserve.redaction import redact_url
@@ -88,7 +89,7 @@ class OpenAIBackend(ChatBackend):
             try:
                 stream, replica = await self._call("responses", body, ctx, stream=True)
             except ContextLengthExceededError:
-                for event in _context_exceeded_events(request):
+                for event in overflow_events(request):
                     yield event
                 return
             try:
@@ -102,14 +103,3 @@ class OpenAIBackend(ChatBackend):
                 with contextlib.suppress(Exception):
                     await stream.close()
 
-
-def _context_exceeded_events(request: ResponsesRequest) -> list[dict[str, Any]]:
-    """Streaming events of ``context_exceeded_response``: built from the same empty
-    length-terminated completion the chat path uses, so both paths emit the same events."""
-    from gymserve.convert import ResponseStreamBuilder, context_exceeded_chat_completion
-
-    builder = ResponseStreamBuilder(request)
-    events = builder.start()
-    for chunk in completion_to_chunks(context_exceeded_chat_completion({}, request.get("model") or "")):
-        events += builder.feed(chunk)
-    return events + builder.finish()

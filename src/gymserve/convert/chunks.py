@@ -33,6 +33,7 @@ class ChunkAccumulator:
         self.usage: dict[str, Any] | None = None
         self.tokens: dict[str, list] = {}
         self.versions: dict[str, Any] = {}  # weight_version fields (protocol.VERSION_FIELDS), last one wins
+        self.logprobs: list[Any] | None = None  # choices[0].logprobs.content entries, when sent
 
     def add(self, chunk: dict[str, Any]) -> dict[str, Any]:
         """Fold one chunk; returns what it added: ``{"reasoning", "content", "refusal", "tool_calls":
@@ -53,6 +54,9 @@ class ChunkAccumulator:
         self._take_tokens(choice)
         if choice.get("finish_reason"):
             self.finish_reason = choice["finish_reason"]
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+            self.logprobs = [*(self.logprobs or ()), *logprobs["content"]]
         delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
         self._take_tokens(delta)
         reasoning = delta.get("reasoning_content") or delta.get("reasoning")
@@ -107,11 +111,12 @@ class ChunkAccumulator:
         """The assistant message so far (reasoning and content only)."""
         return {"content": "".join(self.content), "reasoning_content": "".join(self.reasoning)}
 
-    def completion(self) -> ChatCompletionDict:
-        """The accumulated ``ChatCompletion`` dict (``finish_reason`` "stop" if none was sent)."""
+    def completion(self, *, reasoning_field: str = "reasoning_content") -> ChatCompletionDict:
+        """The accumulated ``ChatCompletion`` dict (``finish_reason`` "stop" if none was sent);
+        reasoning under ``reasoning_field``; ``logprobs.content`` joined when chunks carried it."""
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
         if self.reasoning:
-            message["reasoning_content"] = "".join(self.reasoning)
+            message[reasoning_field] = "".join(self.reasoning)
         if "".join(self.refusal):
             message["refusal"] = "".join(self.refusal)
         if self.tool_calls:
@@ -125,7 +130,8 @@ class ChunkAccumulator:
             "object": "chat.completion",
             "created": int(self.created or time.time()),
             "model": self.model or "",
-            "choices": [{"index": 0, "finish_reason": self.finish_reason or "stop", "logprobs": None,
+            "choices": [{"index": 0, "finish_reason": self.finish_reason or "stop",
+                         "logprobs": {"content": self.logprobs, "refusal": None} if self.logprobs is not None else None,
                          "message": message}],
             "usage": self.usage,
         }

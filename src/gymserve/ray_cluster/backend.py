@@ -22,7 +22,7 @@ https://docs.ray.io/en/latest/ray-core/fault_tolerance/actors.html):
   failed over like a plain call, one that dies mid-stream ends the stream with an error event
   (chunks already sent cannot be taken back).
 
-Errors: ``ImportError`` when ray is missing; ``UpstreamError`` (502) when the cluster cannot hold
+Starting and stopping the actors is ``fleet.ReplicaFleet``'s. Errors: ``ImportError`` when ray is missing; ``UpstreamError`` (502) when the cluster cannot hold
 the replicas or a replica fails to start; ``UpstreamConnectionError`` (502) when a call fails on two
 replicas; the local backend's own errors (400s) pass through unchanged.
 """
@@ -32,239 +32,73 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
-from gymserve.backends.pool import Limiter, Replica, ReplicaPool
-from gymserve.errors import EngineError, UpstreamConnectionError, UpstreamError
-from gymserve.protocol import ChatCompletionDict, ChatRequest
-from gymserve.ray_cluster.replica import EngineReplica, raise_remote_error
+from gymserve.backends.local_request import echo_pinned_sampling
+from gymserve.backends.pool import Limiter, ReplicaPool
+from gymserve.backends.responses_over_chat import ChatAnswer
+from gymserve.errors import EngineError, UpstreamConnectionError
+from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponsesRequest
+from gymserve.ray_cluster.fleet import RayReplica, ReplicaFleet, failure_reason, import_ray
+from gymserve.ray_cluster.replica import raise_remote_error
 
 log = logging.getLogger("gymserve.ray")
-
-
-@dataclass(eq=False)
-class RayReplica(Replica):
-    """A pool ``Replica`` whose ``client`` is a Ray actor handle; ``base_url`` holds its name.
-
-    ``state``: ``starting`` | ``alive`` | ``restarting`` (unreachable, Ray restarting it) | ``dead``.
-    """
-
-    index: int = 0
-    state: str = "starting"
-    node: str | None = None
-    node_id: str | None = None
-    pid: int | None = None
-    incarnation: str | None = None
-    restarts: int = 0
-    served: int = 0
-
-    @property
-    def name(self) -> str:
-        return self.base_url
-
-    def row(self) -> dict[str, Any]:
-        """This replica's line in ``/health``."""
-        row = {"name": self.name, "state": self.state, "healthy": self.healthy, "in_flight": self.in_flight,
-               "sessions": self.sessions, "node": self.node, "node_id": self.node_id, "pid": self.pid,
-               "restarts": self.restarts, "served": self.served}
-        if self.last_error:
-            row["last_error"] = self.last_error
-        return row
-
-
-def _import_ray():
-    try:
-        import ray
-    except ImportError as exc:
-        raise ImportError('the ray backend needs Ray: pip install "gymserve[ray]" (or pip install ray) '
-                          "on the front end and on every node of the cluster") from exc
-    return ray
-
-
-def connect_ray(config, **init_kwargs: Any) -> bool:
-    """Connect this process to Ray as ``config`` (a ``RayBackendConfig``) says; True when gymserve
-    made the connection (and so must end it). A Ray instance gymserve starts itself binds 127.0.0.1
-    only. ``init_kwargs`` go to ``ray.init`` as they are (e.g. ``num_cpus`` for a local instance)."""
-    ray = _import_ray()
-    if ray.is_initialized():
-        return False
-    kwargs: dict[str, Any] = {"namespace": config.namespace, "include_dashboard": False, "log_to_driver": True,
-                              **init_kwargs}
-    address = config.ray_address
-    if address in (None, "local") and _no_running_cluster(address):
-        if config.object_store_memory:
-            kwargs["object_store_memory"] = config.object_store_memory
-        with _loopback_only():
-            ray.init(address=address, **kwargs)
-    else:
-        ray.init(address=address, **kwargs)
-    return True
-
-
-@contextlib.contextmanager
-def _loopback_only():
-    """Make a Ray instance started here listen on 127.0.0.1 only.
-
-    A private single-node instance needs no outside reachability; by default Ray advertises (and
-    its gRPC servers bind) the machine's routable address. Ray's own switch for loopback-only nodes
-    is ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read into ``ray_constants.ENABLE_RAY_CLUSTER``, a
-    private constant, hence the best-effort patch); both are restored after start-up.
-    """
-    import os
-
-    env = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-    old_env = os.environ.get(env)
-    try:
-        from ray._private import ray_constants
-    except Exception:  # noqa: BLE001 - private module moved: fall back to Ray's default binding
-        ray_constants = None
-    old_flag = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
-    os.environ[env] = "0"
-    if ray_constants is not None:
-        ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        if old_env is None:
-            os.environ.pop(env, None)
-        else:
-            os.environ[env] = old_env
-        if ray_constants is not None and old_flag is not None:
-            ray_constants.ENABLE_RAY_CLUSTER = old_flag
-
-
-def _no_running_cluster(address: str | None) -> bool:
-    """True when ``ray.init(address)`` will start a new instance rather than join one."""
-    if address == "local":
-        return True
-    try:
-        from ray._private.services import canonicalize_bootstrap_address
-
-        return canonicalize_bootstrap_address(None) is None
-    except Exception:  # noqa: BLE001 - private API; when unsure, let Ray pick its own address
-        return False
 
 
 class RayBackend(Backend):
     """N replicas of one model on a Ray cluster; see the module docstring.
 
     ``config``: a ``gymserve.config.RayBackendConfig``. ``max_queue``: requests allowed to wait
-    beyond ``replicas * max_concurrent_requests`` in flight (429 beyond that).
-    The constructor connects to Ray, reserves the resources and waits until every replica has
-    loaded the model (``startup_timeout``), so a server never starts with a broken fleet.
+    beyond ``replicas * max_concurrent_requests`` in flight (429 beyond that). The Responses API
+    runs through ``responses_over_chat`` on the replicas' chunks (``answer``), with the pinned
+    sampling params echoed, so a Response is the one a single local backend gives for the same tokens.
     """
 
     name = "ray"
 
-    def __init__(self, config, *, max_queue: int = 1024):
-        ray = _import_ray()
+    def __init__(self, config, replicas: list[RayReplica], infos: list[dict[str, Any]], *, max_queue: int = 1024,
+                 release: Callable[[], None] | None = None):
+        """Route across started ``replicas`` (their ``info()`` answers in ``infos``); ``release``
+        (blocking) frees what holds them when the backend closes. ``from_config`` starts them."""
         self.config = config
-        self._owns_ray = connect_ray(config)
+        self.replicas = replicas
+        self._release = release
         self._closed = False
-        self._pg = None
-        self.replicas: list[RayReplica] = []
-        try:
-            self._start_replicas(ray)
-        except BaseException:
-            self._teardown(ray)
-            raise
-        self.pool = ReplicaPool(self.replicas, probe=self._probe, interval=config.health_check_interval)
-        self.limiter = Limiter(config.replicas * config.max_concurrent_requests, max_queue, name="ray backend")
-        log.info("ray backend: %d replicas of %s on %s", len(self.replicas), self.model_name,
-                 sorted({r.node for r in self.replicas}))
-
-    @classmethod
-    def from_config(cls, config, *, max_queue: int = 1024) -> RayBackend:
-        return cls(config, max_queue=max_queue)
-
-    # ---- start-up and shutdown ----------------------------------------------------------------
-
-    def _bundle(self) -> dict[str, float]:
-        res = self.config.replica_resources
-        bundle = {"CPU": res.num_cpus, "GPU": res.num_gpus, **res.resources}
-        if res.memory:
-            bundle["memory"] = res.memory
-        return {k: v for k, v in bundle.items() if v}
-
-    def _start_replicas(self, ray) -> None:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        cfg, res = self.config, self.config.replica_resources
-        bundle = self._bundle()
-        deadline = time.monotonic() + cfg.startup_timeout
-        if bundle:  # an all-zero bundle is invalid in Ray; such replicas are scheduled anywhere
-            self._pg = placement_group([dict(bundle) for _ in range(cfg.replicas)], strategy=cfg.placement_strategy)
-            try:
-                ray.get(self._pg.ready(), timeout=cfg.startup_timeout)
-            except ray.exceptions.GetTimeoutError:
-                raise UpstreamError(
-                    f"the Ray cluster cannot hold {cfg.replicas} replicas of {bundle} each "
-                    f"({cfg.placement_strategy}) within {cfg.startup_timeout:.0f} s; it has "
-                    f"{_brief(ray.available_resources())} free of {_brief(ray.cluster_resources())}. Lower backend.replicas or "
-                    "backend.replica_resources, or add nodes", code="insufficient_resources") from None
-        actor_cls = ray.remote(EngineReplica)
-        run = uuid.uuid4().hex[:8]
-        local = cfg.local.model_dump(mode="json")
-        for i in range(cfg.replicas):
-            options: dict[str, Any] = {
-                "name": f"gymserve-{run}-replica-{i}", "namespace": cfg.namespace, "max_restarts": -1, "max_task_retries": 0,
-                "num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "max_concurrency": 10_000,
-            }
-            if res.memory:
-                options["memory"] = res.memory
-            if res.resources:
-                options["resources"] = dict(res.resources)
-            if cfg.runtime_env:  # per actor, so it applies also when joining a driver's existing connection
-                options["runtime_env"] = dict(cfg.runtime_env)
-            if self._pg is not None:
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=i)
-            handle = actor_cls.options(**options).remote(f"replica-{i}", local, res.num_cpus or 1.0)
-            self.replicas.append(RayReplica(base_url=f"replica-{i}", client=handle, index=i))
-        refs = [r.client.info.remote() for r in self.replicas]
-        try:
-            infos = ray.get(refs, timeout=max(1.0, deadline - time.monotonic()))
-        except ray.exceptions.GetTimeoutError:
-            raise UpstreamError(f"the replicas did not load the model within {cfg.startup_timeout:.0f} s "
-                                "(backend.startup_timeout)", code="replica_start_timeout") from None
-        except ray.exceptions.RayError as exc:
-            raise UpstreamError(f"a replica failed to start: {_cause(exc)}", code="replica_start_failed") from None
-        for replica, info in zip(self.replicas, infos):
+        for replica, info in zip(replicas, infos):
             self._update(replica, info)
         self.model_name = infos[0]["model"]
         self.description = {k: infos[0].get(k) for k in ("tool_call_parser", "reasoning_parser", "context_window")}
+        self.pool = ReplicaPool(replicas, probe=self._probe, interval=config.health_check_interval)
+        self.limiter = Limiter(config.replicas * config.max_concurrent_requests, max_queue, name="ray backend")
+        log.info("ray backend: %d replicas of %s on %s", len(replicas), self.model_name,
+                 sorted({str(r.node) for r in replicas}))
 
-    def _teardown(self, ray) -> None:
-        for replica in self.replicas:
-            with contextlib.suppress(Exception):
-                ray.kill(replica.client, no_restart=True)
-        if self._pg is not None:
-            with contextlib.suppress(Exception):
-                from ray.util.placement_group import remove_placement_group
-
-                remove_placement_group(self._pg)
-        if self._owns_ray:
-            # Ends this driver's connection; a Ray instance this process started stops with it.
-            ray.shutdown()
+    @classmethod
+    def from_config(cls, config, *, max_queue: int = 1024) -> RayBackend:
+        """Connect to Ray, reserve the resources and wait until every replica has loaded the model
+        (``startup_timeout``), so a server never starts with a broken fleet (``fleet.ReplicaFleet``)."""
+        fleet = ReplicaFleet(config)
+        try:
+            infos = fleet.start()
+        except BaseException:
+            fleet.teardown()
+            raise
+        return cls(config, fleet.replicas, infos, max_queue=max_queue, release=fleet.teardown)
 
     async def close(self) -> None:
-        """Kill the replicas (no restart), free their bundles, and disconnect from Ray (stopping
-        the local instance if gymserve started it). Idempotent."""
+        """Stop the replicas' engines, then release the fleet (kill the actors, free their bundles,
+        disconnect from Ray, stopping the local instance if gymserve started it). Idempotent."""
         if self._closed:
             return
         self._closed = True
         await self.pool.close()
-        ray = _import_ray()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(*(r.client.shutdown.remote() for r in self.replicas),
                                                   return_exceptions=True), timeout=10)
-        await asyncio.to_thread(self._teardown, ray)
+        if self._release is not None:
+            await asyncio.to_thread(self._release)
 
     # ---- health -------------------------------------------------------------------------------
 
@@ -281,7 +115,7 @@ class RayBackend(Backend):
         from ray.exceptions import ActorDiedError, RayActorError
 
         try:
-            info = await asyncio.wait_for(_awaitable(replica.client.health.remote()), self.config.health_check_timeout)
+            info = await asyncio.wait_for(_awaited(replica.client.health.remote()), self.config.health_check_timeout)
         except ActorDiedError:
             replica.state = "dead"
             raise
@@ -313,14 +147,15 @@ class RayBackend(Backend):
         from ray.exceptions import ActorDiedError
 
         replica.state = "dead" if isinstance(exc, ActorDiedError) else "restarting"
-        self.pool.mark_down(replica, _cause(exc))
+        self.pool.mark_down(replica, failure_reason(exc))
         nxt = self.pool.pick(session_id)
         log.warning("replica %s failed (%s); session %s retried on %s", replica.name, type(exc).__name__,
                     session_id, nxt.name)
         return nxt
 
-    async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
-        """One call on the session's replica; on replica failure, once more on its new replica."""
+    async def _call(self, method: str, request: ChatRequest, ctx: RequestContext) -> Any:
+        """``method`` (``chat`` or ``chat_chunks``) on the session's replica; on replica failure,
+        once more on its new replica. Returns its result, raising the error a replica returned."""
         from ray.exceptions import RayActorError, RayTaskError
 
         if request.get("stream"):
@@ -329,17 +164,17 @@ class RayBackend(Backend):
             replica = self.pool.pick(ctx.session_id)
             for attempt in range(2):
                 replica.in_flight += 1
-                ref = replica.client.chat.remote(request, ctx.session_id, ctx.request_id)
+                ref = getattr(replica.client, method).remote(request, ctx.session_id, ctx.request_id)
                 try:
                     result = await ref
                 except asyncio.CancelledError:  # the client went away: stop generating on the replica
                     with contextlib.suppress(Exception):
-                        _import_ray().cancel(ref)
+                        import_ray().cancel(ref)
                     raise
                 except RayActorError as exc:  # the replica's process or node died (or is restarting)
                     error = exc
                 except RayTaskError as exc:  # a gymserve bug or engine crash inside the replica
-                    raise EngineError(f"replica {replica.name} failed: {_cause(exc)}") from None
+                    raise EngineError(f"replica {replica.name} failed: {failure_reason(exc)}") from None
                 else:
                     replica.served += 1
                     return raise_remote_error(result)
@@ -347,16 +182,29 @@ class RayBackend(Backend):
                     replica.in_flight -= 1
                 if attempt:
                     raise UpstreamConnectionError(
-                        f"the call failed on two replicas (last: {replica.name}, {_cause(error)}); "
+                        f"the call failed on two replicas (last: {replica.name}, {failure_reason(error)}); "
                         "the cluster may be losing nodes", code="replica_failed")
                 replica = self._failed(replica, error, ctx.session_id)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
+        """The replica's local backend's completion."""
+        return await self._call("chat", request, ctx)
+
+    async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
+        """The replica's chunks of the whole generation (``LocalBackend.answer``), for the Responses path."""
+        chunks = await self._call("chat_chunks", request, ctx)
+        return ChatAnswer.of_chunks(chunks, reasoning_field=self.config.local.reasoning_field)
+
+    def fill_responses_defaults(self, request: ResponsesRequest) -> ResponsesRequest:
+        """Echo the replicas' pinned sampling params, as the local backend does."""
+        return echo_pinned_sampling(request, self.config.local.sampling)
 
     async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         """Chat chunks from the session's replica (Ray streaming generator); see module docstring."""
         from ray.exceptions import RayActorError, RayTaskError
 
-        ray = _import_ray()
+        ray = import_ray()
         async with self.limiter.slot():
             replica = self.pool.pick(ctx.session_id)
             for attempt in range(2):
@@ -376,12 +224,12 @@ class RayBackend(Backend):
                     done = True  # the generator died with its replica
                     if started or attempt:
                         raise UpstreamConnectionError(
-                            f"replica {replica.name} failed during the stream ({_cause(exc)}); retry the call",
+                            f"replica {replica.name} failed during the stream ({failure_reason(exc)}); retry the call",
                             code="replica_failed") from None
                     error = exc
                 except RayTaskError as exc:
                     done = True
-                    raise EngineError(f"replica {replica.name} failed: {_cause(exc)}") from None
+                    raise EngineError(f"replica {replica.name} failed: {failure_reason(exc)}") from None
                 finally:
                     replica.in_flight -= 1
                     if not done:  # client went away or a request error: stop the replica's generator
@@ -396,23 +244,10 @@ class RayBackend(Backend):
         for replica in self.replicas:
             with contextlib.suppress(Exception):
                 out[replica.name] = await asyncio.wait_for(
-                    _awaitable(replica.client.served_sessions.remote()), self.config.health_check_timeout)
+                    _awaited(replica.client.served_sessions.remote()), self.config.health_check_timeout)
         return out
 
 
-def _brief(resources: dict[str, float]) -> dict[str, float]:
-    """Resources without Ray's per-node and object-store bookkeeping keys."""
-    return {k: v for k, v in sorted(resources.items()) if not k.startswith("node:") and k != "object_store_memory"}
-
-
-async def _awaitable(ref):
+async def _awaited(ref):
+    # asyncio.wait_for needs an awaitable it can wrap in a task; a Ray ObjectRef is awaitable only.
     return await ref
-
-
-def _cause(exc: BaseException) -> str:
-    """A one-line reason from a Ray exception: the original exception's line when Ray carries a
-    traceback (a replica's constructor or method raised), else the first line of Ray's message."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and set(ln.strip()) != {"^"}]
-    if any(ln.startswith('File "') for ln in lines):
-        return lines[-1][:500]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]

@@ -8,6 +8,8 @@ https://docs.ray.io/en/latest/ray-core/actors/async_api.html).
 Wire shapes (plain dicts, the same as the HTTP API's, so nothing Ray-specific leaks into them):
 
 - ``chat(request, session_id, request_id) -> ChatCompletion dict`` with the training fields;
+- ``chat_chunks(...) -> [ChatCompletionChunk dict]``: the same generation's chunks, which keep the
+  order the model wrote things in (the Responses path builds from them, as on one local backend);
 - ``chat_stream(...)``: an async generator of ``ChatCompletionChunk`` dicts, called with
   ``num_returns="streaming"`` (Ray streaming generators,
   https://docs.ray.io/en/latest/ray-core/ray-generator.html);
@@ -67,9 +69,19 @@ class EngineReplica:
         config = LocalBackendConfig.model_validate(local_config)
         if config.num_threads is None:
             config = config.model_copy(update={"num_threads": max(1, int(num_cpus))})
+        self._serve(name, LocalBackend.from_config(config))
+
+    @classmethod
+    def serving(cls, name: str, backend: Any) -> EngineReplica:
+        """A replica around an already built ``LocalBackend`` (in one process, without Ray)."""
+        replica = cls.__new__(cls)
+        replica._serve(name, backend)
+        return replica
+
+    def _serve(self, name: str, backend: Any) -> None:
         self.name = name
         self.incarnation = uuid.uuid4().hex
-        self.backend = LocalBackend.from_config(config)
+        self.backend = backend
         self.in_flight = 0
         self.served = 0
         self._sessions: OrderedDict[str, int] = OrderedDict()
@@ -103,18 +115,29 @@ class EngineReplica:
     async def chat(self, request: dict[str, Any], session_id: str | None = None,
                    request_id: str | None = None) -> dict[str, Any]:
         """One Chat Completions call on the local backend; a GymserveError comes back as a payload."""
+        return await self._answer(request, session_id, request_id, whole=False)
+
+    async def chat_chunks(self, request: dict[str, Any], session_id: str | None = None,
+                          request_id: str | None = None) -> list[dict[str, Any]] | dict[str, Any]:
+        """The chunks of one whole generation (``LocalBackend.answer``), for the Responses path; a
+        GymserveError comes back as a payload."""
+        return await self._answer(request, session_id, request_id, whole=True)
+
+    async def _answer(self, request: dict[str, Any], session_id: str | None, request_id: str | None, *,
+                      whole: bool) -> Any:
         from gymserve.backends.base import RequestContext
         from gymserve.errors import GymserveError
 
+        ctx = RequestContext(session_id=session_id, request_id=request_id)
         self.in_flight += 1
         try:
-            result = await self.backend.chat(request, RequestContext(session_id=session_id, request_id=request_id))
+            answer = await self.backend.answer(request, ctx)
         except GymserveError as exc:
             return error_payload(exc)
         finally:
             self.in_flight -= 1
         self._count(session_id)
-        return result
+        return answer.chunks if whole else answer.as_completion()
 
     async def chat_stream(self, request: dict[str, Any], session_id: str | None = None,
                           request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
