@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gymserve.backends.local_stream import IncrementalDetokenizer
+from gymserve.backends.local.stream import IncrementalDetokenizer
 
 TEXTS = ["plain ascii words, then code: def f(x):\n    return x", "日本語のテキストと絵文字 🎉👍🏽 and flags 🇫🇷",
          "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": \"é\"}}\n</tool_call>", "<think>\nhm\n</think>\n\nok",

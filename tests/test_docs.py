@@ -333,7 +333,7 @@ def test_metric_names_in_the_docs_are_exposed(docs_server):
 # ----------------------------------------------------------------------------------------- errors
 ERROR_MODULES = ("errors.py", "config.py", "backends/__init__.py", "backends/upstream_errors.py", "backends/chat.py",
                  "backends/chat_wire.py", "backends/token_stream.py", "backends/azure.py",
-                 "backends/pool.py", "backends/openai_backend.py", "backends/local_request.py",
+                 "backends/pool.py", "backends/openai_backend.py", "backends/local/request.py",
                  "prompting/splice.py", "engine/model_cache.py", "engine/model_store.py", "server/app.py",
                  "server/auth.py", "server/errors.py", "convert/request_checks.py", "engine/weights.py",
                  "engine/control.py", "engine/base.py", "backends/base.py", "server/control.py")

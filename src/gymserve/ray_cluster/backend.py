@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
-from gymserve.backends.local_request import echo_pinned_sampling
+from gymserve.backends.local.request import echo_pinned_sampling
 from gymserve.backends.pool import Limiter, ReplicaPool
 from gymserve.backends.responses_over_chat import ChatAnswer
 from gymserve.errors import EngineError, UpstreamConnectionError

@@ -1,24 +1,30 @@
-"""The token-exact local backend: chat template → prompt token IDs → engine → parsers → ChatCompletion.
+"""``LocalBackend``: one in-process engine, token-exact (chat template → prompt token IDs → engine
+→ parsers → chunks).
 
-Everything that makes a model call usable for on-policy training happens here, engine-independent:
-the on-policy prefix splice (``gymserve.prompting``), sampling params pinned to the server config, the
-context-window clamp, trimming the stop token from the generation together with its log-prob, and
-the tool-call / reasoning parsers over the generated text.
+Everything that makes a model call usable for on-policy training happens in this package,
+engine-independent, one role per module: ``request`` (the request as one engine call: the on-policy
+prefix splice via ``gymserve.prompting``, sampling params pinned to the server config, the
+context-window clamp, what is refused), ``output`` (the call's chunks: parsers, trimming the stop
+token with its log-prob, finish reason, log-probs, usage, training fields), ``stream`` (engine
+token deltas → final text → chunks). This module holds the backend itself: the engine, its
+tokenizer, template, parsers and limiter, and the three ways to answer (``answer``, ``chat``,
+``chat_stream``), which all come from the same chunks.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
-from gymserve.backends.local_control import LocalControl
-from gymserve.backends.local_request import LocalCall, echo_pinned_sampling, prepare_call
-from gymserve.engine.base import Engine, Generation
+from gymserve.backends.local.control import LocalControl
+from gymserve.backends.local.output import CallOutput
+from gymserve.backends.local.request import LocalCall, echo_pinned_sampling, prepare_call
+from gymserve.backends.local.stream import stream_chunks
+from gymserve.backends.responses_over_chat import ChatAnswer
+from gymserve.convert.chat_to_responses import new_id
+from gymserve.engine.base import Engine
 from gymserve.protocol import ChatCompletionDict, ChatRequest
-
-if TYPE_CHECKING:
-    from gymserve.backends.responses_over_chat import ChatAnswer
 
 
 class LocalBackend(LocalControl, Backend):
@@ -92,76 +98,39 @@ class LocalBackend(LocalControl, Backend):
 
     # ---- chat ---------------------------------------------------------------------------------
 
-    def _prepare(self, request: ChatRequest) -> LocalCall:
-        return prepare_call(request, template=self.template, engine=self.engine,
+    def _prepare(self, request: ChatRequest) -> tuple[LocalCall, CallOutput]:
+        """The engine call for ``request`` (``request.prepare_call``: 400s for what is refused) and
+        the object that turns its tokens into chunks."""
+        call = prepare_call(request, template=self.template, engine=self.engine,
                             sampling_config=self.config.sampling, stop_token_ids=self.stop_token_ids)
+        return call, CallOutput(call, tokenizer=self.tokenizer, model=self.model_name, chunk_id=new_id("chatcmpl"),
+                                tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
+                                reasoning_field=self.config.reasoning_field, stop_token_ids=self.stop_token_ids,
+                                engine=self.engine)
 
     async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
         """The chunks of one finished generation, as ``chat_stream`` would have sent them (usage
         included): what the non-streamed chat answer is folded from and the Response is built from,
-        so both equal the streamed ones for the same tokens. See ``prepare_call`` for what is
-        rejected (400, ``ContextLengthExceededError`` when the prompt fills the window)."""
-        from gymserve.backends.local_stream import generation_chunks
-        from gymserve.backends.responses_over_chat import ChatAnswer
-
-        call = self._prepare(request)
+        so both equal the streamed ones for the same tokens. Raises ``InvalidRequestError`` (400)
+        for what ``prepare_call`` refuses, ``ContextLengthExceededError`` when the prompt fills the
+        window."""
+        call, output = self._prepare(request)
         async with self.limiter.slot():
             gen = await self.engine.generate(call.prompt.token_ids, call.sampling)
-        return ChatAnswer.of_chunks(generation_chunks(self, call, gen), reasoning_field=self.config.reasoning_field)
+        return ChatAnswer.of_chunks(output.whole(gen), reasoning_field=self.config.reasoning_field)
 
     async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
         """Answer one Chat Completions request: ``answer``'s chunks folded into one completion."""
         return (await self.answer(request, ctx)).as_completion()
 
-    def _trim(self, gen: Generation) -> tuple[list[int], list[float], list]:
-        """Drop the final stop/EOS token and its log-prob: the template closes the turn itself,
-        and the prefix splice re-adds it (see ``prompting.splice``)."""
-        ids, lps, tops = gen.token_ids, gen.log_probs, gen.top_logprobs
-        if gen.finish_reason == "stop" and ids and ids[-1] in self.stop_token_ids:
-            return ids[:-1], lps[:-1], tops[:-1]
-        return ids, lps, tops
-
-    def _token_str(self, call: LocalCall, tid: int) -> str:
-        if call.tokens_as_ids:
-            return f"token_id:{tid}"
-        return self.tokenizer.decode([tid], skip_special_tokens=False)
-
-    def _logprobs(self, call: LocalCall, ids, lps, tops) -> dict[str, Any]:
-        """Standard ``choices[].logprobs`` (vLLM's ``return_tokens_as_token_ids`` spelling honoured)."""
-        content = []
-        for i, (tid, lp) in enumerate(zip(ids, lps)):
-            s = self._token_str(call, tid)
-            alts = [{"token": self._token_str(call, a), "logprob": alp,
-                     "bytes": list(self._token_str(call, a).encode())} for a, alp in (tops[i] if i < len(tops) else [])]
-            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": alts})
-        return {"content": content, "refusal": None}
-
     async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
-        """Chunks of one streamed call; the call holds an engine slot until the stream ends."""
-        from gymserve.backends.local_stream import stream_chat
-
-        call = self._prepare(request)
+        """Chunks of one streamed call (``stream.stream_chunks``); the call holds an engine slot
+        until the stream ends."""
+        _, output = self._prepare(request)
         async with self.limiter.slot():
-            stream = stream_chat(self, call)
+            stream = stream_chunks(self.engine, output)
             try:
                 async for chunk in stream:
                     yield chunk
             finally:
                 await stream.aclose()
-
-
-def chat_finish_reason(engine_finish: str, reasoning_incomplete: bool, has_tool_calls: bool) -> str:
-    """The chat ``finish_reason``: ``abort`` for a call ended by ``POST /pause?mode=abort`` (vLLM's
-    value), ``length`` when generation stopped at the limit or inside the reasoning span, else
-    ``tool_calls`` when calls were parsed, else ``stop``."""
-    if engine_finish == "abort":
-        return "abort"
-    if engine_finish == "length" or reasoning_incomplete:
-        return "length"
-    return "tool_calls" if has_tool_calls else "stop"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """Chat ``usage``; ``completion_tokens`` counts every sampled token, the trimmed EOS included."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

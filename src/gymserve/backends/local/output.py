@@ -1,0 +1,121 @@
+"""What one local engine call sends back: ``ChatCompletionChunk`` dicts, decided as it generates.
+
+:class:`CallOutput` owns every rule about a call's output, streamed or not:
+
+- the text: the streaming parsers (``parsers.streaming``) turn decoded text into reasoning, content
+  and tool-call deltas, each sent only once later text cannot change it, so the concatenated stream
+  equals the whole-text parse;
+- trimming: the final stop/EOS token is dropped with its log-prob (the chat template closes the turn
+  itself, and the prefix splice re-adds it; ``prompting.splice``);
+- the finish reason: ``abort`` for a call ended by ``POST /pause?mode=abort`` (vLLM's value),
+  ``length`` when generation stopped at the limit or inside the reasoning span, else
+  ``tool_calls`` when calls were parsed, else ``stop``;
+- log-probs: ``choices[].logprobs`` in the OpenAI shape (vLLM's ``return_tokens_as_token_ids``
+  spelling honoured), on the finish chunk;
+- the training fields (``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs``) and
+  the weight version(s) that sampled them (``control.version_fields``) on the finish chunk's delta,
+  and usage (every sampled token counted, the trimmed EOS included).
+
+The non-streamed answer is :meth:`CallOutput.whole`: the same chunks for the finished generation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gymserve.backends.local.control import version_fields
+from gymserve.backends.local.request import LocalCall
+from gymserve.engine.base import Generation
+from gymserve.parsers import ChatDeltas, ReasoningParser, StreamingParser, ToolCallParser
+
+
+class CallOutput:
+    """The chunks of one prepared call (``request.LocalCall``); see the module docstring.
+
+    Use: :meth:`role` first, :meth:`text` for each piece of final text as it is decoded, then
+    :meth:`end` with the finished ``engine.base.Generation``; or :meth:`whole` for all at once.
+    ``chunk_id`` names every chunk (``chatcmpl-…``); ``reasoning_field`` is the delta field that
+    carries reasoning (``reasoning_content`` or ``reasoning``); ``engine`` is asked for its weight
+    version when a generation reports none per token.
+    """
+
+    def __init__(self, call: LocalCall, *, tokenizer: Any, model: str, chunk_id: str,
+                 tool_parser: ToolCallParser | None, reasoning_parser: ReasoningParser | None,
+                 reasoning_field: str, stop_token_ids: tuple[int, ...], engine: Any = None):
+        self.call = call
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.stop_token_ids = stop_token_ids
+        self._head = {"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+        self._parser = ChatDeltas(StreamingParser(tool_parser if call.parse_tools else None, reasoning_parser,
+                                                  call.prompt.text_tail, call.tools), (reasoning_field,))
+
+    # ---- chunks ----------------------------------------------------------------------------
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**self._head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+    def role(self) -> dict[str, Any]:
+        """The first chunk: ``{"role": "assistant", "content": ""}``."""
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        """Chunks for the next piece of generated text (none while the parsers hold it back)."""
+        return [self._chunk(delta) for delta in self._parser.feed(text)]
+
+    def kept(self, gen: Generation) -> Generation:
+        """``gen`` without its final stop/EOS token and that token's log-prob (see module docstring)."""
+        if gen.finish_reason == "stop" and gen.token_ids and gen.token_ids[-1] in self.stop_token_ids:
+            return Generation(gen.token_ids[:-1], gen.log_probs[:-1], gen.finish_reason, gen.top_logprobs[:-1],
+                              gen.weight_version_spans)
+        return gen
+
+    def end(self, gen: Generation, tail_text: str, *, include_usage: bool) -> list[dict[str, Any]]:
+        """The last chunks: ``tail_text`` (the kept text not yet passed to :meth:`text`) parsed, the
+        parsers' last deltas, the finish chunk (training fields on its delta, log-probs when asked)
+        and, with ``include_usage``, the usage chunk (``choices: []``)."""
+        kept = self.kept(gen)
+        out = self.text(tail_text) + [self._chunk(d) for d in self._parser.finish(gen.finish_reason)]
+        final = self._chunk({"prompt_token_ids": self.call.prompt.token_ids, "generation_token_ids": kept.token_ids,
+                             "generation_log_probs": kept.log_probs,
+                             **version_fields(gen, len(kept.token_ids), self.engine)},
+                            self._finish_reason(gen.finish_reason))
+        if self.call.logprobs:
+            final["choices"][0]["logprobs"] = self._logprobs(kept)
+        out.append(final)
+        if include_usage:
+            prompt, completion = len(self.call.prompt.token_ids), len(gen.token_ids)
+            out.append({**self._head, "choices": [], "usage": {
+                "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
+        return out
+
+    def whole(self, gen: Generation) -> list[dict[str, Any]]:
+        """Every chunk of a finished generation, usage included, as a stream would have sent them
+        (the parsers' result does not depend on how the text is split)."""
+        text = self.tokenizer.decode(self.kept(gen).token_ids, skip_special_tokens=False)
+        return [self.role(), *self.end(gen, text, include_usage=True)]
+
+    # ---- rules -----------------------------------------------------------------------------
+
+    def _finish_reason(self, engine_finish: str) -> str:
+        if engine_finish == "abort":
+            return "abort"
+        if engine_finish == "length" or self._parser.reasoning_incomplete:
+            return "length"
+        return "tool_calls" if self._parser.call_ids else "stop"
+
+    def _token(self, tid: int) -> str:
+        if self.call.tokens_as_ids:
+            return f"token_id:{tid}"
+        return self.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def _logprobs(self, kept: Generation) -> dict[str, Any]:
+        content = []
+        for i, (tid, lp) in enumerate(zip(kept.token_ids, kept.log_probs)):
+            token = self._token(tid)
+            alternatives = kept.top_logprobs[i] if i < len(kept.top_logprobs) else []
+            top = [{"token": self._token(a), "logprob": alp, "bytes": list(self._token(a).encode())}
+                   for a, alp in alternatives]
+            content.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": top})
+        return {"content": content, "refusal": None}
