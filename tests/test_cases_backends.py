@@ -7,6 +7,7 @@ answers like Azure (``fakes.azure_handler``) and records the exact URL sent.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -36,8 +37,9 @@ def mock_cloud(backend, handler=None, *, raise_exc: Exception | None = None) -> 
         status, payload, *_ = handler(rec)
         return httpx2.Response(status, json=payload)
 
-    for replica in backend.pool.replicas:
-        replica.client = replica.client.with_options(http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(transport)))
+    for replica in backend.caller.pool.replicas:
+        sdk = replica.client.sdk.with_options(http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(transport)))
+        replica.client = dataclasses.replace(replica.client, sdk=sdk)
     return sent
 
 

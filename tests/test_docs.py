@@ -332,6 +332,7 @@ def test_metric_names_in_the_docs_are_exposed(docs_server):
 
 # ----------------------------------------------------------------------------------------- errors
 ERROR_MODULES = ("errors.py", "config.py", "backends/__init__.py", "backends/upstream_errors.py", "backends/chat.py",
+                 "backends/remote.py", "backends/caller.py", "backends/upstream.py",
                  "backends/chat_wire.py", "backends/token_stream.py", "backends/azure.py",
                  "backends/pool.py", "backends/openai_backend.py", "backends/local/request.py",
                  "prompting/splice.py", "engine/model_cache.py", "engine/model_store.py", "server/app.py",

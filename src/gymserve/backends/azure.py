@@ -22,48 +22,46 @@ deployment-path rewriting never applies (it would add ``/deployments/`` to a gat
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import os
 from typing import Any
 
-from gymserve.backends.base import RequestContext
-from gymserve.backends.chat import ChatBackend, secret_value
-from gymserve.backends.openai_backend import OpenAIBackend
-from gymserve.backends.pool import Replica
+from gymserve.backends.remote import RemoteBackend
+from gymserve.backends.upstream import Transport, Upstream, secret_value
 from gymserve.errors import InvalidRequestError
-from gymserve.protocol import ResponseDict, ResponsesRequest
 from gymserve.redaction import redact_url
 
 
-class AzureBackend(OpenAIBackend):
+class AzureUpstream(Upstream):
     """``AzureBackendConfig``: one upstream, chat or Responses API (see the module docstring)."""
 
-    name = "azure"
+    kind = "azure"
+    cloud = True
 
-    def _replica_bases(self) -> list[str]:
+    @property
+    def native_responses(self) -> bool:  # type: ignore[override]
+        return self.config.api == "responses"
+
+    def bases(self) -> list[str]:
         cfg = self.config
         return [cfg.responses_base if cfg.api == "responses" else cfg.chat_base]
 
-    def _target(self) -> str:
+    def target(self) -> str:
         cfg = self.config
         return f"chat {redact_url(cfg.chat_base)} | responses {redact_url(cfg.responses_base)} (api-version {cfg.api_version})"
 
-    def _make_client(self, base_url: str) -> Any:
+    def transport(self, base: str) -> Transport:
         from openai import AsyncAzureOpenAI
 
         cfg = self.config
         token = secret_value(cfg.azure_ad_token)
         key = secret_value(cfg.api_key)
         if not (key or token):
-            import os
-
             # A gateway may authenticate with default_headers alone; the SDK insists on a credential.
             key = os.environ.get("AZURE_OPENAI_API_KEY") or "none"
-        return AsyncAzureOpenAI(base_url=base_url, api_version=cfg.api_version,
-                                api_key=None if token else key, azure_ad_token=token,
-                                default_query=cfg.default_query or None, default_headers=cfg.default_headers or None,
-                                timeout=cfg.timeout, max_retries=0)
+        return Transport(AsyncAzureOpenAI(base_url=base, api_version=cfg.api_version, api_key=None if token else key,
+                                          azure_ad_token=token, **self._sdk_options()))
 
-    def _url(self, replica: Replica, kind: str) -> str:
+    def url(self, base: str, kind: str) -> str:
         cfg = self.config
         if kind == "chat":
             if cfg.chat_base_url is None and (cfg.resource_endpoint is None or cfg.deployment_name is None):
@@ -79,16 +77,13 @@ class AzureBackend(OpenAIBackend):
         base = cfg.responses_base if (cfg.endpoint or cfg.responses_base_url) else cfg.chat_base
         return f"{base}/models"
 
-    def _upstream_model(self, request: dict[str, Any]) -> str | None:
+    def model(self, request: dict[str, Any]) -> str | None:
         # Azure routes on the deployment name (the path for chat, body.model for Responses).
         return self.config.deployment_name or request.get("model")
 
-    async def responses(self, request: ResponsesRequest, ctx: RequestContext) -> ResponseDict:
-        if self.config.api == "responses":
-            return await OpenAIBackend.responses(self, request, ctx)
-        return await ChatBackend.responses(self, request, ctx)
 
-    def responses_stream(self, request: ResponsesRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
-        if self.config.api == "responses":
-            return OpenAIBackend.responses_stream(self, request, ctx)
-        return ChatBackend.responses_stream(self, request, ctx)
+class AzureBackend(RemoteBackend):
+    """``RemoteBackend`` over an ``AzureUpstream``."""
+
+    name = "azure"
+    upstream_type = AzureUpstream

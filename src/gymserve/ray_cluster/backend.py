@@ -57,6 +57,7 @@ class RayBackend(Backend):
     """
 
     name = "ray"
+    limiter: Limiter
 
     def __init__(self, config, replicas: list[RayReplica], infos: list[dict[str, Any]], *, max_queue: int = 1024,
                  release: Callable[[], None] | None = None):

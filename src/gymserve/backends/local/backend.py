@@ -21,6 +21,7 @@ from gymserve.backends.local.control import LocalControl
 from gymserve.backends.local.output import CallOutput
 from gymserve.backends.local.request import LocalCall, echo_pinned_sampling, prepare_call
 from gymserve.backends.local.stream import stream_chunks
+from gymserve.backends.pool import Limiter
 from gymserve.backends.responses_over_chat import ChatAnswer
 from gymserve.convert.chat_to_responses import new_id
 from gymserve.engine.base import Engine
@@ -35,9 +36,9 @@ class LocalBackend(LocalControl, Backend):
     """
 
     name = "local"
+    limiter: Limiter
 
     def __init__(self, config, engine: Engine, tokenizer, *, max_queue: int = 1024):
-        from gymserve.backends.pool import Limiter
         from gymserve.parsers import get_reasoning_parser, tool_call_parser_for
         from gymserve.prompting import ChatTemplate
 

@@ -9,11 +9,11 @@ closes the engine stream, which cancels generation.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from gymserve.backends.local.output import CallOutput
-from gymserve.engine.base import Engine, Generation, extend_spans
+from gymserve.engine.base import Engine, FinishReason, Generation, extend_spans
 
 
 class IncrementalDetokenizer:
@@ -47,7 +47,7 @@ class IncrementalDetokenizer:
         return after[len(before) :]
 
 
-async def stream_chunks(engine: Engine, output: CallOutput) -> AsyncIterator[dict[str, Any]]:
+async def stream_chunks(engine: Engine, output: CallOutput) -> AsyncGenerator[dict[str, Any], None]:
     """Generate ``output.call`` on ``engine`` and yield its chunks as the tokens arrive.
 
     A stream that ends without a finish reason counts as ``length``."""
@@ -58,7 +58,7 @@ async def stream_chunks(engine: Engine, output: CallOutput) -> AsyncIterator[dic
     tops: list = []
     spans: list = []  # weight versions over the tokens (engine.base.extend_spans)
     yield output.role()
-    finish = "length"
+    finish: FinishReason = "length"
     stream = engine.stream(call.prompt.token_ids, call.sampling)
     try:
         async for step in stream:

@@ -1,0 +1,317 @@
+"""``RemoteBackend``: a backend over one remote API, by composition.
+
+An ``upstream.Upstream`` holds what differs between a self-hosted chat server, OpenAI and Azure
+(URLs, credentials, HTTP clients, body rules); a ``caller.UpstreamCaller`` calls it (replica pool,
+limiter, retries, error translation). Everything else is written here once: the chat endpoint,
+streaming, token IDs, client-side parsing, and the Responses API — passed to the upstream's own
+when it has one (``Upstream.native_responses``), else through ``responses_over_chat``. The three
+registered kinds (``chat``, ``openai``, ``azure``) are this class with a different upstream.
+
+Upstream behaviour followed:
+
+- reasoning arrives as ``message.reasoning_content`` (DeepSeek, vLLM < 0.10) or ``message.reasoning``
+  (vLLM ≥ 0.10; gpt-oss always sends it); whichever comes is mirrored into the other name, so
+  clients keyed on either keep working.
+- token IDs (``return_token_id_information: true``), in vLLM's forms: ``return_token_ids: true``
+  (top-level ``prompt_token_ids`` and ``choices[0].token_ids``, vLLM ≥ 0.10.2), ``logprobs: true``
+  with ``return_tokens_as_token_ids: true`` (``logprobs.content[].token == "token_id:N"``), and
+  ``POST {root}/tokenize`` as the fallback for the prompt. Message-level ``prompt_token_ids``,
+  ``generation_token_ids``, ``generation_log_probs`` (another gymserve, NeMo RL) are taken as given.
+  The three are put on ``choices[0].message``. Partial or inconsistent metadata raises
+  ``UpstreamError`` (502); IDs are never fabricated.
+- servers that return raw text (no tool-call/reasoning parser) are parsed here with the same
+  parser registry as the local engine (``tool_parser``, ``reasoning_parser`` options).
+- an upstream context-window overflow becomes an empty, length-terminated reply on the chat
+  endpoint and the empty ``incomplete`` Response on the Responses one (case CL-01).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gymserve.backends.base import Backend, RequestContext
+from gymserve.backends.caller import UpstreamCaller, replica_label
+from gymserve.backends.chat_wire import (
+    checked_chunk,
+    completion_to_chunks,
+    mirror_reasoning,
+    normalize_tool_call_arguments,
+)
+from gymserve.backends.pool import Limiter, Replica
+from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
+from gymserve.backends.responses_over_chat import ChatAnswer, overflow_events
+from gymserve.backends.token_stream import StreamedTokens, vllm_token_fields
+from gymserve.backends.upstream import Upstream
+from gymserve.convert import ConvertOptions, context_exceeded_chat_completion, context_exceeded_response
+from gymserve.errors import (
+    ContextLengthExceededError,
+    GymserveError,
+    InvalidRequestError,
+    UpstreamBadResponseError,
+    UpstreamError,
+    UpstreamTokenIdsError,
+)
+from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest, get_token_info
+from gymserve.redaction import redact_url
+
+log = logging.getLogger("gymserve.backends")
+
+
+class RemoteBackend(Backend):
+    """A remote API (``upstream``) behind the server's routes; see the module docstring.
+
+    ``max_queue`` bounds the requests waiting for one of ``num_concurrent_requests`` slots
+    (``OverloadedError`` beyond). Errors: everything upstream becomes a ``GymserveError`` from
+    ``upstream_errors.translate_error``. Subclasses only name a kind: ``name`` and ``upstream_type``.
+    """
+
+    upstream_type: type[Upstream]
+    limiter: Limiter
+
+    def __init__(self, upstream: Upstream, *, max_queue: int = 1024):
+        self.upstream = upstream
+        self.config = config = upstream.config
+        self.caller = UpstreamCaller(upstream, max_queue=max_queue)
+        self.limiter = self.caller.limiter
+        self._wants_token_ids = bool(getattr(config, "return_token_id_information", False))
+        self._tool_parser = self._reasoning_parser = None
+        if getattr(config, "tool_parser", None):
+            from gymserve.parsers import tool_call_parser_for
+
+            self._tool_parser = tool_call_parser_for(config.tool_parser, model_name=config.model)[0]
+        if getattr(config, "reasoning_parser", None):
+            from gymserve.parsers import get_reasoning_parser
+
+            self._reasoning_parser = get_reasoning_parser(config.reasoning_parser)
+
+    @classmethod
+    def from_config(cls, config: Any, *, max_queue: int = 1024) -> RemoteBackend:
+        return cls(cls.upstream_type(config), max_queue=max_queue)
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        return self.upstream.secrets
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "target": self.upstream.target(), "model": self.config.model,
+                "tool_call_parser": getattr(self._tool_parser, "name", None),
+                "reasoning_parser": getattr(self._reasoning_parser, "name", None)}
+
+    def convert_options(self) -> ConvertOptions:
+        return self.upstream.convert_options()
+
+    # ------------------------------------------------------------------ chat
+    def _chat_body(self, request: ChatRequest) -> dict[str, Any]:
+        cfg = self.config
+        body = {**copy.deepcopy(cfg.extra_body), **request}
+        body.pop("stream", None)
+        body.pop("stream_options", None)
+        if cfg.chat_template_kwargs or request.get("chat_template_kwargs"):
+            body["chat_template_kwargs"] = {**cfg.chat_template_kwargs, **(request.get("chat_template_kwargs") or {})}
+        model = self.upstream.model(request)
+        if model:
+            body["model"] = model
+        if self._wants_token_ids:
+            body.update(return_token_ids=True, logprobs=True, return_tokens_as_token_ids=True)
+            body.setdefault("top_logprobs", 0)
+        return self.upstream.chat_body(body)
+
+    async def _chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
+        """The upstream completion, post-processed; raises ``ContextLengthExceededError`` on overflow."""
+        body = self._chat_body(request)
+        async with self.limiter.slot():
+            completion, replica = await self.caller.call("chat", body, ctx)
+            choices = completion.get("choices")
+            if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+                raise UpstreamError(f"{redact_url(self.caller.url(replica, 'chat'))} returned a chat completion without choices")
+            if self._wants_token_ids:
+                await self._attach_token_info(completion, request, body, replica, ctx)
+        for choice in choices:
+            if isinstance(choice.get("message"), dict):
+                mirror_reasoning(choice["message"])
+                apply_parsers(choice, request.get("tools"), self._tool_parser, self._reasoning_parser)
+                normalize_tool_call_arguments(choice["message"])
+        if self.config.served_model_name:
+            completion["model"] = self.config.served_model_name
+        return completion
+
+    async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
+        """POST ``{base}/chat/completions``; an upstream context overflow gives an empty
+        ``finish_reason: length`` completion (``context_exceeded_chat_completion``)."""
+        try:
+            return await self._chat(request, ctx)
+        except ContextLengthExceededError as exc:
+            log.info("context window exceeded upstream; answering with an empty length-terminated reply: %s", exc.message)
+            return context_exceeded_chat_completion(request, self.config.served_model_name or request.get("model") or "")
+
+    async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """Upstream chunks passed through (reasoning field mirrored), their raw text parsed as it
+        arrives when ``tool_parser`` / ``reasoning_parser`` are set (``raw_text``). With
+        ``return_token_id_information`` the token metadata vLLM streams (``prompt_token_ids`` on
+        the first chunk, ``token_ids`` and ``logprobs`` on each) is collected and the training
+        fields ride on the finish chunk's delta, as on the local engine's stream; an overflow gives
+        the chunks of the empty length-terminated completion."""
+        tokens = StreamedTokens(bool(request.get("logprobs"))) if self._wants_token_ids else None
+        parsed = None
+        if self._tool_parser or self._reasoning_parser:
+            parsed = ParsedChunkStream(request.get("tools"), self._tool_parser, self._reasoning_parser)
+        plain_body = self._chat_body(request)  # also what /tokenize renders, if the prompt IDs are missing
+        body = {**plain_body, "stream": True}
+        if request.get("stream_options"):
+            body["stream_options"] = request["stream_options"]
+        async with self.limiter.slot():
+            try:
+                stream, replica = await self.caller.call("chat", body, ctx, stream=True)
+            except ContextLengthExceededError:
+                for chunk in completion_to_chunks(context_exceeded_chat_completion(request, request.get("model") or "")):
+                    yield chunk
+                return
+            got_chunk = False
+            try:
+                call_index: dict[tuple[int, str], int] = {}  # (choice, call id) -> index, for servers that omit it
+                async for chunk in stream:
+                    got_chunk = True
+                    chunk = checked_chunk(chunk, redact_url(self.caller.url(replica, "chat")), call_index)
+                    if self.config.served_model_name:
+                        chunk["model"] = self.config.served_model_name
+                    if tokens is not None:
+                        tokens.take(chunk)
+                    for piece in parsed.process(chunk) if parsed is not None else [chunk]:
+                        if tokens is not None and tokens.is_finish(piece):
+                            await self._attach_token_info(tokens.completion(piece), request, plain_body, replica, ctx)
+                        yield piece
+                if not got_chunk:
+                    where = redact_url(self.caller.url(replica, "chat"))
+                    raise UpstreamBadResponseError(
+                        f"{where} answered a streaming request without any events (not server-sent events, or an "
+                        "empty stream); does the server support stream=true?", url=where)
+                if tokens is not None and not tokens.finished:
+                    where = redact_url(self.caller.url(replica, "chat"))
+                    raise UpstreamTokenIdsError(
+                        f"{where} ended the stream without a finish_reason, so the token IDs of the generation are "
+                        "incomplete; is the server cutting streams short?", url=where)
+            except Exception as exc:
+                raise self.caller.translate(exc, self.caller.url(replica, "chat"), "chat") from None
+            finally:
+                with contextlib.suppress(Exception):
+                    await stream.close()
+
+    async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
+        """The upstream's completion for the Responses path, which answers an overflow itself
+        (``ContextLengthExceededError`` propagates)."""
+        return ChatAnswer.of_completion(await self._chat(request, ctx))
+
+    async def upstream_models(self, ctx: RequestContext | None = None) -> list[str]:
+        """IDs from ``GET {base}/models`` of one replica (raises the translated error)."""
+        result, _ = await self.caller.call("models", None, ctx or RequestContext())
+        return [str(m["id"]) for m in result.get("data") or [] if isinstance(m, dict) and m.get("id")]
+
+    async def models(self) -> list[str]:
+        name = self.config.served_model_name or self.config.model
+        return [name] if name else await self.upstream_models()
+
+    async def health(self) -> dict[str, Any]:
+        """The pool's status (``ReplicaPool.status``: ok / degraded / down, per replica its URL,
+        health, last probe time and last error) once the first probe round is in; URLs without
+        credentials. ``probe`` names what is asked of each replica."""
+        pool = self.caller.pool
+        await pool.first_probe(self.caller.probe_timeout)
+        status = pool.status()
+        for row in status["replicas"]:
+            row["base_url"] = replica_label(row["base_url"])
+        probe = "GET {base_url}/models" if pool.probing else None
+        return {**status, "backend": self.name, "probe": probe}
+
+    async def close(self) -> None:
+        await self.caller.close()
+
+    # ------------------------------------------------------------------ Responses API
+    async def responses(self, request: ResponsesRequest, ctx: RequestContext) -> ResponseDict:
+        """Native Responses API: POST the request to ``{base}/responses`` (``Upstream.responses_body``:
+        ``model`` replaced, training fields and ``stream`` removed); an upstream context overflow
+        gives ``context_exceeded_response``. Otherwise ``responses_over_chat``."""
+        if not self.upstream.native_responses:
+            return await super().responses(request, ctx)
+        try:
+            async with self.limiter.slot():
+                response, _ = await self.caller.call("responses", self.upstream.responses_body(request), ctx)
+        except ContextLengthExceededError as exc:
+            log.info("context window exceeded upstream; answering with an empty incomplete response: %s", exc.message)
+            return context_exceeded_response(request)
+        if self.config.served_model_name:
+            response["model"] = self.config.served_model_name
+        return response
+
+    def responses_stream(self, request: ResponsesRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """Native Responses API: the upstream's own event stream, passed through (an error before
+        the first event raises: a plain 4xx/5xx; an overflow yields ``overflow_events``).
+        Otherwise ``responses_over_chat``."""
+        if not self.upstream.native_responses:
+            return super().responses_stream(request, ctx)
+        return self._native_responses_stream(request, ctx)
+
+    async def _native_responses_stream(self, request: ResponsesRequest,
+                                       ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        body = {**self.upstream.responses_body(request), "stream": True}
+        async with self.limiter.slot():
+            try:
+                stream, replica = await self.caller.call("responses", body, ctx, stream=True)
+            except ContextLengthExceededError:
+                for event in overflow_events(request):
+                    yield event
+                return
+            try:
+                async for event in stream:
+                    if self.config.served_model_name and isinstance(event, dict) and isinstance(event.get("response"), dict):
+                        event["response"]["model"] = self.config.served_model_name
+                    yield event
+            except Exception as exc:
+                raise self.caller.translate(exc, self.caller.url(replica, "responses"), "responses") from None
+            finally:
+                with contextlib.suppress(Exception):
+                    await stream.close()
+
+    # ------------------------------------------------------------------ post-processing
+    async def _attach_token_info(self, completion: dict[str, Any], request: ChatRequest, body: dict[str, Any],
+                                 replica: Replica, ctx: RequestContext) -> None:
+        where = redact_url(self.caller.url(replica, "chat"))
+        choice = completion["choices"][0]
+        msg = choice.setdefault("message", {})
+        try:
+            if get_token_info(msg) is not None:
+                return
+            prompt, gen, logprobs = vllm_token_fields(completion, choice)
+            if gen is None or logprobs is None:
+                missing = "generation token IDs" if gen is None else "log-probs"
+                raise InvalidRequestError(
+                    f"no {missing} in the answer; return_token_id_information needs a server that honours "
+                    "return_token_ids or logprobs + return_tokens_as_token_ids (vLLM ≥ 0.10.2), or set "
+                    "return_token_id_information: false")
+            if prompt is None:
+                prompt = await self._tokenize(body, replica, ctx)
+            msg.update(prompt_token_ids=prompt, generation_token_ids=gen, generation_log_probs=logprobs)
+            get_token_info(msg)
+        except InvalidRequestError as exc:
+            raise UpstreamTokenIdsError(f"token metadata from {where} is unusable: {exc.message}", url=where) from None
+        if not request.get("logprobs"):
+            choice["logprobs"] = None
+
+    async def _tokenize(self, body: dict[str, Any], replica: Replica, ctx: RequestContext) -> list[int]:
+        """Prompt IDs from vLLM's ``POST {root}/tokenize`` (root = base URL without ``/v1``), same replica."""
+        root = replica.base_url.removesuffix("/v1")
+        tbody = {"model": body.get("model"), "messages": body.get("messages"), "add_generation_prompt": True}
+        for key in ("tools", "chat_template_kwargs"):
+            if body.get(key):
+                tbody[key] = body[key]
+        try:
+            result, _ = await self.caller.call("tokenize", tbody, ctx, replica=replica, url=f"{root}/tokenize")
+        except GymserveError as exc:
+            raise InvalidRequestError(f"no prompt_token_ids in the answer and the /tokenize fallback failed: {exc.message}") from None
+        tokens = result.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise InvalidRequestError(f"{root}/tokenize returned no token list")
+        return tokens
