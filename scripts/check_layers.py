@@ -22,6 +22,7 @@ LAYERS: dict[str, int] = {
     "gymserve.errors": 0,
     "gymserve.text": 0,
     "gymserve.redaction": 0,
+    "gymserve.wire": 0,
     "gymserve.registry": 0,
     "gymserve.protocol": 0,
     "gymserve._version": 0,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from gymserve.backends.base import RequestContext
+from gymserve.wire.reasoning import field_reasoning
 
 
 @dataclass
@@ -61,7 +62,7 @@ async def _probe(name: str, fn, describe, *, required: bool = True) -> CheckResu
 def _chat_detail(c: dict[str, Any]) -> str:
     choice = (c.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
-    text = msg.get("content") or msg.get("reasoning_content") or msg.get("reasoning") or ""
+    text = msg.get("content") or field_reasoning(msg) or ""
     extra = ", token IDs returned" if msg.get("generation_token_ids") is not None else ""
     return f"model {c.get('model')!r} answered {text[:40]!r} (finish_reason {choice.get('finish_reason')}){extra}"
 

@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from gymserve.registry import Registry
+from gymserve.wire.reasoning import ReasoningField
 
 
 class ConfigError(ValueError):
@@ -115,7 +116,7 @@ class LocalBackendConfig(_ServedModelNames):
     max_batch_size: int = Field(8, ge=1)
     context_window: int | None = Field(None, ge=1)
     num_threads: int | None = Field(None, ge=1)
-    reasoning_field: str = "reasoning_content"
+    reasoning_field: ReasoningField = "reasoning_content"
     pause_timeout: float = Field(300.0, gt=0, description="seconds a pause (POST /pause) lasts at most when it "
                                  "names no timeout; then generation resumes by itself and the log says so")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)

@@ -9,6 +9,7 @@ from typing import Any
 
 from gymserve.errors import UpstreamBadResponseError, UpstreamError
 from gymserve.protocol import TRAINING_FIELDS, ChatCompletionDict
+from gymserve.wire.reasoning import mirror_reasoning
 
 
 def normalize_tool_call_arguments(message: dict[str, Any]) -> None:
@@ -53,15 +54,6 @@ def checked_chunk(chunk: Any, where: str, call_index: dict[tuple[int, str], int]
             else:  # no id: more of the call this choice started last
                 tc["index"] = max((i for (c, _), i in seen.items() if c == n), default=0)
     return chunk
-
-
-def mirror_reasoning(message: dict[str, Any]) -> None:
-    """Copy ``reasoning`` ⇄ ``reasoning_content`` so both names carry the text (CR-01)."""
-    text = message.get("reasoning_content") or message.get("reasoning")
-    if isinstance(text, str) and text:
-        for key in ("reasoning_content", "reasoning"):
-            if not message.get(key):
-                message[key] = text
 
 
 def completion_to_chunks(completion: ChatCompletionDict) -> list[dict[str, Any]]:

@@ -10,13 +10,11 @@ sent none; reasoning only when the server sent no reasoning field.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from gymserve.parsers import ChatDeltas, ReasoningParser, StreamingParser, ToolCallParser, parse_output
-
-REASONING_FIELDS = ("reasoning_content", "reasoning")
-"""Both names vLLM has used; the chat backend fills both (case CR-01)."""
+from gymserve.wire.ids import new_id
+from gymserve.wire.reasoning import REASONING_FIELDS  # the chat backend fills both names (case CR-01)
 
 
 def apply_parsers(choice: dict[str, Any], tools: list[dict[str, Any]] | None,
@@ -36,7 +34,7 @@ def apply_parsers(choice: dict[str, Any], tools: list[dict[str, Any]] | None,
     if parsed.reasoning is not None:
         msg.update(dict.fromkeys(REASONING_FIELDS, parsed.reasoning))
     if parsed.tool_calls:
-        msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        msg["tool_calls"] = [{"id": new_id("call"), "type": "function",
                               "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.tool_calls]
         if choice.get("finish_reason") == "stop":
             choice["finish_reason"] = "tool_calls"

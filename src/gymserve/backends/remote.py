@@ -35,12 +35,7 @@ from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.caller import UpstreamCaller, replica_label
-from gymserve.backends.chat_wire import (
-    checked_chunk,
-    completion_to_chunks,
-    mirror_reasoning,
-    normalize_tool_call_arguments,
-)
+from gymserve.backends.chat_wire import checked_chunk, completion_to_chunks, normalize_tool_call_arguments
 from gymserve.backends.pool import Limiter, Replica
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
 from gymserve.backends.responses_over_chat import ChatAnswer, overflow_events
@@ -57,6 +52,7 @@ from gymserve.errors import (
 )
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest, get_token_info
 from gymserve.redaction import redact_url
+from gymserve.wire.reasoning import mirror_reasoning
 
 log = logging.getLogger("gymserve.backends")
 

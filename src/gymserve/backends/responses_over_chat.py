@@ -34,6 +34,7 @@ from gymserve.convert import (
 )
 from gymserve.errors import ContextLengthExceededError, GymserveError
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest
+from gymserve.wire.reasoning import REASONING_FIELDS, ReasoningField
 
 if TYPE_CHECKING:
     from gymserve.backends.base import Backend, RequestContext
@@ -54,10 +55,11 @@ class ChatAnswer:
 
     chunks: list[dict[str, Any]] | None = None
     completion: ChatCompletionDict | None = None
-    reasoning_field: str = "reasoning_content"
+    reasoning_field: ReasoningField = REASONING_FIELDS[0]
 
     @classmethod
-    def of_chunks(cls, chunks: list[dict[str, Any]], *, reasoning_field: str = "reasoning_content") -> ChatAnswer:
+    def of_chunks(cls, chunks: list[dict[str, Any]], *,
+                  reasoning_field: ReasoningField = REASONING_FIELDS[0]) -> ChatAnswer:
         return cls(chunks=chunks, reasoning_field=reasoning_field)
 
     @classmethod

@@ -14,12 +14,12 @@ from gymserve.convert.chat_to_responses import (
     chat_to_response,
     context_exceeded_chat_completion,
     context_exceeded_response,
-    split_think,
 )
 from gymserve.convert.options import ConvertOptions
 from gymserve.convert.responses_to_chat import responses_to_chat
 from gymserve.convert.chunks import ChunkAccumulator
 from gymserve.convert.stream import ResponseStreamBuilder
+from gymserve.wire.think import split_think
 
 __all__ = [
     "ChunkAccumulator",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -17,67 +16,10 @@ from gymserve.protocol import (
     ResponsesRequest,
     get_token_info,
 )
-from gymserve.text import partial_tag_len
+from gymserve.wire.ids import new_id
+from gymserve.wire.reasoning import field_reasoning
+from gymserve.wire.think import split_think
 
-_OPEN, _CLOSE = "<think>", "</think>"
-
-
-def new_id(prefix: str) -> str:
-    """A fresh id in the OpenAI style (``resp_…``, ``msg_…``, ``rs_…``, ``fc_…``, ``call_…``)."""
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-# -- reasoning / text split ------------------------------------------------------------------
-
-def split_think(content: str, *, final: bool = True) -> list[tuple[str, str]]:
-    """Split assistant content into ordered ``("reasoning" | "text", text)`` segments.
-
-    Every ``<think>…</think>`` block becomes a reasoning segment (tags and whitespace next to them
-    stripped); an unclosed ``<think>`` at the end (a length-truncated turn) is reasoning too. Empty
-    segments are dropped; text pieces separated only by an empty block are merged.
-
-    ``final=False`` is the streaming view of a prefix of the content: it withholds what later text
-    could still change (a partial tag, trailing whitespace that a following tag would strip), so
-    each segment it returns is a prefix of the same segment of the final split.
-    """
-    raw: list[tuple[str, str]] = []
-    pos, in_think, after_tag = 0, False, False
-    while True:
-        kind = "reasoning" if in_think else "text"
-        tag = _CLOSE if in_think else _OPEN
-        j = content.find(tag, pos)
-        if j < 0:
-            piece = content[pos:]
-            if not final:
-                piece = piece[: len(piece) - partial_tag_len(piece, tag)].rstrip()
-            elif in_think:
-                piece = piece.rstrip()
-            raw.append((kind, piece.lstrip() if after_tag else piece))
-            break
-        piece = content[pos:j].rstrip()
-        raw.append((kind, piece.lstrip() if after_tag else piece))
-        pos, in_think, after_tag = j + len(tag), not in_think, True
-    merged: list[tuple[str, str]] = []
-    for kind, text in raw:
-        if not text.strip():
-            continue
-        if kind == "text" and merged and merged[-1][0] == "text":
-            merged[-1] = ("text", merged[-1][1] + text)
-        else:
-            merged.append((kind, text))
-    return merged
-
-
-def field_reasoning(obj: dict[str, Any]) -> str | None:
-    """Reasoning from ``reasoning_content`` (DeepSeek, vLLM < 0.10) or ``reasoning`` (vLLM ≥ 0.10).
-
-    vLLM sent both with the same text during the rename, so one is taken, never both (case CR-01).
-    """
-    for key in ("reasoning_content", "reasoning"):
-        value = obj.get(key)
-        if isinstance(value, str) and value:
-            return value
-    return None
 
 
 def _content_text(content: Any) -> str:
@@ -89,8 +31,8 @@ def _content_text(content: Any) -> str:
 
 
 def message_segments(message: dict[str, Any], *, final: bool = True) -> list[tuple[str, str]]:
-    """Ordered reasoning/text segments of a chat assistant message: reasoning field first, then
-    the content split on ``<think>`` blocks (see ``split_think``)."""
+    """Ordered reasoning/text segments of a chat assistant message: reasoning field first
+    (``wire.reasoning``), then the content split on ``<think>`` blocks (``wire.think.split_think``)."""
     segments = []
     reasoning = field_reasoning(message)
     if reasoning is not None and reasoning.strip():

@@ -7,8 +7,9 @@ import json
 import time
 from typing import Any
 
-from gymserve.convert.chat_to_responses import new_id
 from gymserve.protocol import TRAINING_FIELDS, VERSION_FIELDS, ChatCompletionDict
+from gymserve.wire.ids import new_id
+from gymserve.wire.reasoning import REASONING_FIELDS, ReasoningField, field_reasoning
 
 
 class ChunkAccumulator:
@@ -16,7 +17,7 @@ class ChunkAccumulator:
 
     Accepts full chunks (``{"id", "model", "choices": [{"delta", "finish_reason"}], "usage"}``) and
     bare choices (``{"delta", "finish_reason"}``). Reasoning comes from ``delta.reasoning_content``
-    or ``delta.reasoning`` (one per delta, never both, as in ``field_reasoning``). Training fields may
+    or ``delta.reasoning`` (one per delta, never both: ``wire.reasoning.field_reasoning``). Training fields may
     ride on the delta, the choice or the chunk: ``prompt_token_ids`` is replaced, the generation
     lists are extended, so both "all on the last chunk" and "per-chunk pieces" servers work.
     """
@@ -59,8 +60,8 @@ class ChunkAccumulator:
             self.logprobs = [*(self.logprobs or ()), *logprobs["content"]]
         delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
         self._take_tokens(delta)
-        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-        if isinstance(reasoning, str) and reasoning:
+        reasoning = field_reasoning(delta)
+        if reasoning is not None:
             self.reasoning.append(reasoning)
             added["reasoning"] = reasoning
         if isinstance(delta.get("content"), str) and delta["content"]:
@@ -109,9 +110,9 @@ class ChunkAccumulator:
 
     def message_view(self) -> dict[str, Any]:
         """The assistant message so far (reasoning and content only)."""
-        return {"content": "".join(self.content), "reasoning_content": "".join(self.reasoning)}
+        return {"content": "".join(self.content), REASONING_FIELDS[0]: "".join(self.reasoning)}
 
-    def completion(self, *, reasoning_field: str = "reasoning_content") -> ChatCompletionDict:
+    def completion(self, *, reasoning_field: ReasoningField = REASONING_FIELDS[0]) -> ChatCompletionDict:
         """The accumulated ``ChatCompletion`` dict (``finish_reason`` "stop" if none was sent);
         reasoning under ``reasoning_field``; ``logprobs.content`` joined when chunks carried it."""
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}

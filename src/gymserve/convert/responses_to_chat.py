@@ -16,6 +16,8 @@ from gymserve.convert.responses_fields import (
 )
 from gymserve.errors import InvalidRequestError
 from gymserve.protocol import ChatRequest, ResponsesRequest, get_token_info
+from gymserve.wire.reasoning import REASONING_FIELDS
+from gymserve.wire.think import think_block
 
 _TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
@@ -242,8 +244,8 @@ class _MessageBuilder:
         reasoning = "\n\n".join(turn["reasoning"])
         mode = self.options.reasoning_mode
         if reasoning and mode == "think_tags":
-            message["content"] = f"<think>\n{reasoning}\n</think>\n\n" + (content or "")
-        elif reasoning and mode in ("reasoning_content", "reasoning"):
+            message["content"] = think_block(reasoning) + (content or "")
+        elif reasoning and mode in REASONING_FIELDS:
             message[mode] = reasoning
         if turn["tool_calls"]:
             message["tool_calls"] = turn["tool_calls"]

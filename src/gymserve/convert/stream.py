@@ -17,7 +17,6 @@ from gymserve.convert.chat_to_responses import (
     message_item,
     message_items,
     message_segments,
-    new_id,
     normalize_arguments,
     output_text_part,
     reasoning_item,
@@ -25,6 +24,8 @@ from gymserve.convert.chat_to_responses import (
 )
 from gymserve.convert.chunks import ChunkAccumulator
 from gymserve.protocol import ResponsesRequest
+from gymserve.wire.ids import new_id
+from gymserve.wire.reasoning import REASONING_FIELDS
 
 Event = dict[str, Any]
 
@@ -64,7 +65,7 @@ class _Phase:
 
     def view(self) -> dict[str, Any]:
         content = "".join(self.content)
-        return {"content": content.lstrip() if self.after_call else content, "reasoning_content": "".join(self.reasoning)}
+        return {"content": content.lstrip() if self.after_call else content, REASONING_FIELDS[0]: "".join(self.reasoning)}
 
     def message(self, accumulator: ChunkAccumulator) -> dict[str, Any]:
         calls = self.frozen if self.frozen is not None else [accumulator.tool_calls[k] for k in self.keys]

@@ -1,35 +1,21 @@
 """Reasoning parsers: split ``<think>…</think>`` reasoning from the rest of a generation.
 
 Named as ``vllm serve --reasoning-parser`` names them (``deepseek_r1``, ``qwen3``). Both use the
-same tags and, here, the same rule (see :class:`ThinkReasoningParser`); vLLM's two parsers differ
-only in how they guess what this module decides from the real prompt tail and the finish reason.
+same tags and, here, the same rule (``wire.think.split_span``); vLLM's two parsers differ only in
+how they guess what that rule decides from the real prompt tail and the finish reason.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
 from gymserve.parsers.base import ReasoningParser
-
-_LEADING_SPACE = re.compile(r"\s*")
-
-
-@dataclass(frozen=True)
-class _Span:
-    """Where the reasoning span lies in a text: ``body`` is where its text starts; ``close`` the
-    index of the closing tag (None: not closed yet); ``rest`` where the text after it starts.
-    ``body is None`` means there is no reasoning span at all."""
-
-    body: int | None
-    close: int | None = None
-    rest: int = 0
+from gymserve.wire import think
 
 
 class ThinkReasoningParser(ReasoningParser):
     """``<think>reasoning</think>answer`` with the opening tag either generated or pre-filled.
 
-    The rule (``split``):
+    The rule (``split``; implemented by ``wire.think.split_span``, the one owner of the tags and of
+    how text is split on them):
 
     1. The span opens if the generation starts (after whitespace) with ``<think>``, or if the
        prompt tail ends (ignoring whitespace) with an open ``<think>`` — templates of thinking
@@ -52,62 +38,22 @@ class ThinkReasoningParser(ReasoningParser):
     Tags elsewhere (a second ``<think>`` block, a ``<think>`` inside reasoning) stay verbatim.
     """
 
-    open_tag = "<think>"
-    close_tag = "</think>"
-
-    def _opens_in_prompt(self, prompt_tail: str | None) -> bool:
-        return not prompt_tail or prompt_tail.rstrip().endswith(self.open_tag)
-
-    def _locate(self, text: str, prompt_tail: str | None, final: bool, search_from: int = 0) -> _Span | None:
-        """The span, or None while a prefix of ``<think>`` could still open it. ``search_from``:
-        the caller knows ``</think>`` does not start before it (streaming: no rescans)."""
-        # No lstrip(): streaming calls this on every delta of a long text, so avoid copying it.
-        lead = _LEADING_SPACE.match(text).end()  # type: ignore[union-attr]
-        if text.startswith(self.open_tag, lead):
-            body = lead + len(self.open_tag)
-        elif not final and self.open_tag.startswith(text[lead : lead + len(self.open_tag)]):
-            return None
-        elif self._opens_in_prompt(prompt_tail):
-            body = 0
-        else:
-            return _Span(body=None)
-        close = text.find(self.close_tag, max(body, search_from))
-        if close < 0:
-            return _Span(body=body)
-        return _Span(body=body, close=close, rest=close + len(self.close_tag))
+    open_tag = think.OPEN
+    close_tag = think.CLOSE
 
     def split(self, text: str, prompt_tail: str, finish_reason: str | None) -> tuple[str | None, str, bool]:
-        """``(reasoning, rest, incomplete)`` of a finished generation; see the class docstring."""
-        span = self._locate(text, prompt_tail, final=True)
-        assert span is not None  # final=True always decides
-        if span.body is None:
-            return None, text, False
-        if span.close is None:
-            cut = finish_reason in ("length", "abort")  # stopped by the limit, or by POST /pause?mode=abort
-            if cut or span.body > 0:  # cut mid-thought, or opened by the model
-                return text[span.body :].strip() or None, "", cut
-            return None, text[span.body :].lstrip(), False
-        return text[span.body : span.close].strip() or None, text[span.rest :].lstrip(), False
+        """``(reasoning, rest, incomplete)`` of a finished generation (``wire.think.split_span``)."""
+        return think.split_span(text, prompt_tail, finish_reason)
 
     def open_body(self, text: str, prompt_tail: str, search_from: int = 0) -> int | None:
         """Where the reasoning starts while a span the model opened itself is still open (its text
         is reasoning however the generation ends), else None."""
-        span = self._locate(text, prompt_tail, final=False, search_from=search_from)
-        if span is None or span.body is None or span.close is not None or span.body == 0:
-            return None
-        return span.body
+        return think.open_span_body(text, prompt_tail, search_from)
 
     def split_partial(self, text: str, prompt_tail: str, search_from: int = 0) -> tuple[str | None, str] | None:
         """``(reasoning, rest)`` once ``text`` decides the span (it has no span, or ``</think>``
         closed it), else None: an unclosed span waits for the finish reason."""
-        span = self._locate(text, prompt_tail, final=False, search_from=search_from)
-        if span is None:
-            return None
-        if span.body is None:
-            return None, text
-        if span.close is None:
-            return None
-        return text[span.body : span.close].strip() or None, text[span.rest :].lstrip()
+        return think.split_span_partial(text, prompt_tail, search_from)
 
 
 class DeepSeekR1ReasoningParser(ThinkReasoningParser):

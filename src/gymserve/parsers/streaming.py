@@ -23,7 +23,6 @@ reasoning, content, calls and arguments), however the text was split. What that 
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,6 +30,7 @@ from gymserve.parsers.base import ReasoningParser, ToolCallParser
 from gymserve.parsers.call_scan import CallStart
 from gymserve.parsers.json_scan import declared_tool_names
 from gymserve.text import partial_tag_len
+from gymserve.wire.ids import new_id
 
 DeltaKind = Literal["reasoning", "content", "tool_call_start", "tool_call_arguments"]
 
@@ -217,7 +217,7 @@ class ChatDeltas:
         if d.kind == "reasoning":
             return dict.fromkeys(self.reasoning_fields, d.text)
         if d.kind == "tool_call_start":
-            self.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+            self.call_ids.append(new_id("call"))
             return {"tool_calls": [{"index": d.index, "id": self.call_ids[-1], "type": "function",
                                     "function": {"name": d.name, "arguments": ""}}]}
         return {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}

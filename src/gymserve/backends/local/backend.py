@@ -23,9 +23,9 @@ from gymserve.backends.local.request import LocalCall, echo_pinned_sampling, pre
 from gymserve.backends.local.stream import stream_chunks
 from gymserve.backends.pool import Limiter
 from gymserve.backends.responses_over_chat import ChatAnswer
-from gymserve.convert.chat_to_responses import new_id
 from gymserve.engine.base import Engine
 from gymserve.protocol import ChatCompletionDict, ChatRequest
+from gymserve.wire.ids import new_id
 
 
 class LocalBackend(LocalControl, Backend):
