@@ -11,29 +11,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from gymserve.backends.context import RequestContext
+from gymserve.backends.responses_over_chat import ChatAnswer, responses_over_chat, responses_stream_over_chat
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest
+
+__all__ = ["Backend", "RequestContext"]
 
 if TYPE_CHECKING:
     from gymserve.backends.pool import Limiter
-    from gymserve.backends.responses_over_chat import ChatAnswer
     from gymserve.convert import ConvertOptions
-
-
-@dataclass
-class RequestContext:
-    """Per-request facts that are not part of the OpenAI body.
-
-    ``session_id``: from the ``X-Session-ID`` header or the session cookie; routes a rollout's turns
-    to one replica. ``request_id``: for logs and capture. ``extra``: what the backend reports back
-    about the call (``extra["replica"]``: the replica that served it, for metrics and capture).
-    """
-
-    session_id: str | None = None
-    request_id: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Backend(ABC):
@@ -83,16 +71,12 @@ class Backend(ABC):
         """A ``Response`` dict: by default convert → ``answer`` → convert back (see
         ``responses_over_chat``); a prompt that fills the context window gives the empty
         ``incomplete`` Response (case CL-01)."""
-        from gymserve.backends.responses_over_chat import responses_over_chat
-
         return await responses_over_chat(self, request, ctx)
 
     def responses_stream(self, request: ResponsesRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         """Responses streaming events: by default built from ``chat_stream`` (see
         ``responses_over_chat``). The first chat chunk is awaited before ``response.created`` is
         yielded, so a request the backend rejects fails as a plain 4xx, not inside a 200 stream."""
-        from gymserve.backends.responses_over_chat import responses_stream_over_chat
-
         return responses_stream_over_chat(self, request, ctx)
 
     async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
@@ -100,8 +84,6 @@ class Backend(ABC):
         default; the local engine (and Ray) give its chunks, which keep the generation order. Raises
         ``ContextLengthExceededError`` when the prompt does not fit (answered with the empty
         ``incomplete`` Response), where ``chat`` may answer otherwise."""
-        from gymserve.backends.responses_over_chat import ChatAnswer
-
         return ChatAnswer.of_completion(await self.chat(request, ctx))
 
     def fill_responses_defaults(self, request: ResponsesRequest) -> ResponsesRequest:

@@ -36,21 +36,19 @@ from typing import Any
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.caller import UpstreamCaller, replica_label
 from gymserve.backends.chat_wire import checked_chunk, completion_to_chunks, normalize_tool_call_arguments
-from gymserve.backends.pool import Limiter, Replica
+from gymserve.backends.pool import Limiter
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
 from gymserve.backends.responses_over_chat import ChatAnswer, overflow_events
-from gymserve.backends.token_stream import StreamedTokens, vllm_token_fields
+from gymserve.backends.token_stream import StreamedTokens, attach_token_info
 from gymserve.backends.upstream import Upstream
 from gymserve.convert import ConvertOptions, context_exceeded_chat_completion, context_exceeded_response
 from gymserve.errors import (
     ContextLengthExceededError,
-    GymserveError,
-    InvalidRequestError,
     UpstreamBadResponseError,
     UpstreamError,
     UpstreamTokenIdsError,
 )
-from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest, get_token_info
+from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest
 from gymserve.redaction import redact_url
 from gymserve.wire.reasoning import mirror_reasoning
 
@@ -125,7 +123,7 @@ class RemoteBackend(Backend):
             if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
                 raise UpstreamError(f"{redact_url(self.caller.url(replica, 'chat'))} returned a chat completion without choices")
             if self._wants_token_ids:
-                await self._attach_token_info(completion, request, body, replica, ctx)
+                await attach_token_info(self.caller, completion, request, body, replica, ctx)
         for choice in choices:
             if isinstance(choice.get("message"), dict):
                 mirror_reasoning(choice["message"])
@@ -178,7 +176,8 @@ class RemoteBackend(Backend):
                         tokens.take(chunk)
                     for piece in parsed.process(chunk) if parsed is not None else [chunk]:
                         if tokens is not None and tokens.is_finish(piece):
-                            await self._attach_token_info(tokens.completion(piece), request, plain_body, replica, ctx)
+                            await attach_token_info(self.caller, tokens.completion(piece), request, plain_body,
+                                                    replica, ctx)
                         yield piece
                 if not got_chunk:
                     where = redact_url(self.caller.url(replica, "chat"))
@@ -270,44 +269,3 @@ class RemoteBackend(Backend):
             finally:
                 with contextlib.suppress(Exception):
                     await stream.close()
-
-    # ------------------------------------------------------------------ post-processing
-    async def _attach_token_info(self, completion: dict[str, Any], request: ChatRequest, body: dict[str, Any],
-                                 replica: Replica, ctx: RequestContext) -> None:
-        where = redact_url(self.caller.url(replica, "chat"))
-        choice = completion["choices"][0]
-        msg = choice.setdefault("message", {})
-        try:
-            if get_token_info(msg) is not None:
-                return
-            prompt, gen, logprobs = vllm_token_fields(completion, choice)
-            if gen is None or logprobs is None:
-                missing = "generation token IDs" if gen is None else "log-probs"
-                raise InvalidRequestError(
-                    f"no {missing} in the answer; return_token_id_information needs a server that honours "
-                    "return_token_ids or logprobs + return_tokens_as_token_ids (vLLM ≥ 0.10.2), or set "
-                    "return_token_id_information: false")
-            if prompt is None:
-                prompt = await self._tokenize(body, replica, ctx)
-            msg.update(prompt_token_ids=prompt, generation_token_ids=gen, generation_log_probs=logprobs)
-            get_token_info(msg)
-        except InvalidRequestError as exc:
-            raise UpstreamTokenIdsError(f"token metadata from {where} is unusable: {exc.message}", url=where) from None
-        if not request.get("logprobs"):
-            choice["logprobs"] = None
-
-    async def _tokenize(self, body: dict[str, Any], replica: Replica, ctx: RequestContext) -> list[int]:
-        """Prompt IDs from vLLM's ``POST {root}/tokenize`` (root = base URL without ``/v1``), same replica."""
-        root = replica.base_url.removesuffix("/v1")
-        tbody = {"model": body.get("model"), "messages": body.get("messages"), "add_generation_prompt": True}
-        for key in ("tools", "chat_template_kwargs"):
-            if body.get(key):
-                tbody[key] = body[key]
-        try:
-            result, _ = await self.caller.call("tokenize", tbody, ctx, replica=replica, url=f"{root}/tokenize")
-        except GymserveError as exc:
-            raise InvalidRequestError(f"no prompt_token_ids in the answer and the /tokenize fallback failed: {exc.message}") from None
-        tokens = result.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise InvalidRequestError(f"{root}/tokenize returned no token list")
-        return tokens

@@ -21,11 +21,13 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gymserve.backends.chat_wire import completion_to_chunks
+from gymserve.backends.context import RequestContext
 from gymserve.convert import (
     ChunkAccumulator,
+    ConvertOptions,
     ResponseStreamBuilder,
     chat_to_response,
     context_exceeded_chat_completion,
@@ -35,9 +37,6 @@ from gymserve.convert import (
 from gymserve.errors import ContextLengthExceededError, GymserveError
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest
 from gymserve.wire.reasoning import REASONING_FIELDS, ReasoningField
-
-if TYPE_CHECKING:
-    from gymserve.backends.base import Backend, RequestContext
 
 log = logging.getLogger("gymserve.backends")
 
@@ -91,7 +90,19 @@ class ChatAnswer:
         return builder.response
 
 
-def _as_chat(backend: Backend, request: ResponsesRequest) -> tuple[ResponsesRequest, ChatRequest]:
+class ChatSide(Protocol):
+    """What the Responses path uses of a backend (``base.Backend`` declares all of it)."""
+
+    def fill_responses_defaults(self, request: ResponsesRequest) -> ResponsesRequest: ...
+
+    def convert_options(self) -> ConvertOptions: ...
+
+    async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer: ...
+
+    def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]: ...
+
+
+def _as_chat(backend: ChatSide, request: ResponsesRequest) -> tuple[ResponsesRequest, ChatRequest]:
     request = backend.fill_responses_defaults(request)
     return request, responses_to_chat(request, backend.convert_options())
 
@@ -106,7 +117,7 @@ def overflow_events(request: ResponsesRequest) -> list[dict[str, Any]]:
     return events + builder.finish()
 
 
-async def responses_over_chat(backend: Backend, request: ResponsesRequest, ctx: RequestContext) -> ResponseDict:
+async def responses_over_chat(backend: ChatSide, request: ResponsesRequest, ctx: RequestContext) -> ResponseDict:
     """Convert → ``backend.answer`` → convert back; an overflow gives
     ``convert.context_exceeded_response`` (the chat endpoint of the local backend keeps its 400)."""
     request, chat_request = _as_chat(backend, request)
@@ -118,7 +129,7 @@ async def responses_over_chat(backend: Backend, request: ResponsesRequest, ctx: 
     return answer.response(request)
 
 
-async def responses_stream_over_chat(backend: Backend, request: ResponsesRequest,
+async def responses_stream_over_chat(backend: ChatSide, request: ResponsesRequest,
                                      ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
     """Responses streaming events built from ``backend.chat_stream`` (``ResponseStreamBuilder``).
 

@@ -6,14 +6,20 @@ vLLM (≥ 0.10.2, ``return_token_ids: true``) puts ``prompt_token_ids`` on the f
 names, as ``token_id:N``) the tokens of that chunk. :class:`StreamedTokens` collects them for
 choice 0 — the choice the training fields describe, as on a whole completion — and hands the
 chat backend a completion-shaped view of them, so one validation (``vllm_token_fields``) and one
-``/tokenize`` fallback serve both paths.
+``/tokenize`` fallback serve both paths: :func:`attach_token_info`, which puts the training fields
+on the message.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from gymserve.errors import InvalidRequestError
+from gymserve.backends.caller import UpstreamCaller
+from gymserve.backends.context import RequestContext
+from gymserve.backends.pool import Replica
+from gymserve.errors import GymserveError, InvalidRequestError, UpstreamTokenIdsError
+from gymserve.protocol import get_token_info
+from gymserve.redaction import redact_url
 
 
 class StreamedTokens:
@@ -95,3 +101,50 @@ def vllm_token_fields(completion: dict[str, Any], choice: dict[str, Any]) -> tup
             elif list(gen) != ids:
                 raise InvalidRequestError("choices[0].token_ids and the token_id:N tokens of logprobs.content disagree")
     return prompt, gen, logprobs
+
+
+async def attach_token_info(caller: UpstreamCaller, completion: dict[str, Any], request: dict[str, Any],
+                            body: dict[str, Any], replica: Replica, ctx: RequestContext) -> None:
+    """Put the three training fields on ``completion["choices"][0]["message"]`` (``return_token_id_information``):
+    taken as given when the upstream sent them (another gymserve, NeMo RL), else from vLLM's forms
+    (``vllm_token_fields``), the prompt from ``/tokenize`` on the same replica when missing. The
+    ``logprobs`` gymserve asked for on the client's behalf are removed unless the client asked.
+    Raises ``UpstreamTokenIdsError`` (502) for missing or inconsistent metadata: IDs are never made up."""
+    where = redact_url(caller.url(replica, "chat"))
+    choice = completion["choices"][0]
+    msg = choice.setdefault("message", {})
+    try:
+        if get_token_info(msg) is not None:
+            return
+        prompt, gen, logprobs = vllm_token_fields(completion, choice)
+        if gen is None or logprobs is None:
+            missing = "generation token IDs" if gen is None else "log-probs"
+            raise InvalidRequestError(
+                f"no {missing} in the answer; return_token_id_information needs a server that honours "
+                "return_token_ids or logprobs + return_tokens_as_token_ids (vLLM ≥ 0.10.2), or set "
+                "return_token_id_information: false")
+        if prompt is None:
+            prompt = await _tokenize(caller, body, replica, ctx)
+        msg.update(prompt_token_ids=prompt, generation_token_ids=gen, generation_log_probs=logprobs)
+        get_token_info(msg)
+    except InvalidRequestError as exc:
+        raise UpstreamTokenIdsError(f"token metadata from {where} is unusable: {exc.message}", url=where) from None
+    if not request.get("logprobs"):
+        choice["logprobs"] = None
+
+
+async def _tokenize(caller: UpstreamCaller, body: dict[str, Any], replica: Replica, ctx: RequestContext) -> list[int]:
+    """Prompt IDs from vLLM's ``POST {root}/tokenize`` (root = base URL without ``/v1``), same replica."""
+    root = replica.base_url.removesuffix("/v1")
+    tbody = {"model": body.get("model"), "messages": body.get("messages"), "add_generation_prompt": True}
+    for key in ("tools", "chat_template_kwargs"):
+        if body.get(key):
+            tbody[key] = body[key]
+    try:
+        result, _ = await caller.call("tokenize", tbody, ctx, replica=replica, url=f"{root}/tokenize")
+    except GymserveError as exc:
+        raise InvalidRequestError(f"no prompt_token_ids in the answer and the /tokenize fallback failed: {exc.message}") from None
+    tokens = result.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise InvalidRequestError(f"{root}/tokenize returned no token list")
+    return tokens
