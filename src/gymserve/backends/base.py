@@ -34,7 +34,11 @@ class Backend(ABC):
 
     Declared state: ``name`` (the registry name: ``/health``, metrics labels, logs); ``limiter``
     (the ``pool.Limiter`` bounding calls in flight, read by the queue-depth metrics; None when the
-    backend has none); ``secrets`` (credentials the server must redact from logs and capture).
+    backend has none); ``secrets`` (credentials the server must redact from logs and capture). The
+    control plane of a policy being trained (``pause_generation``, ``resume_generation``,
+    ``is_paused``, ``update_weights``, ``update_weight_version``, ``control_status``; vLLM's names,
+    served by ``server.control``) answers ``NotSupportedError`` (501) unless the backend owns its
+    weights (``local.control``).
 
     Errors: every method raises ``gymserve.errors.GymserveError`` subclasses only; the server turns
     them into OpenAI error objects with their status.

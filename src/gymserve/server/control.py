@@ -229,7 +229,7 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
         status = backend.control_status()
         if not status:
             raise NotSupportedError(
-                f"the {getattr(backend, 'name', 'this')} backend has no weights of its own, so no "
+                f"the {backend.name} backend has no weights of its own, so no "
                 "weight version; ask the upstream server",
                 code="control_not_supported",
             )

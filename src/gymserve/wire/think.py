@@ -112,7 +112,7 @@ def split_span(text: str, prompt_tail: str, finish_reason: str | None) -> tuple[
     """``(reasoning, rest, incomplete)`` of a finished generation: the span opens at the start of the
     generation (``<think>``) or in the prompt (a pre-filled ``<think>``; an empty ``prompt_tail``
     counts as one), ends at the first ``</think>``; an unclosed span is reasoning when the model
-    opened it or ``finish_reason`` is ``length``, else content. The rule in full, with its cases
+    opened it or ``finish_reason`` is ``length`` (or ``abort``), else content. The rule in full, with its cases
     (RP-01, RP-04) and where vLLM differs, is documented on ``parsers.reasoning.ThinkReasoningParser``,
     whose rule this is.
     """
