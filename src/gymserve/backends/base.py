@@ -149,6 +149,20 @@ class Backend:
         """Name the serving weights ``new_version``. Raises ``NotSupportedError`` (501) by default."""
         raise self._no_control("update_weight_version")
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, **kwargs: Any) -> int | str:
+        """Merge a LoRA adapter (PEFT format; see ``engine.lora``); returns the new weight version.
+        Raises ``NotSupportedError`` (501) by default."""
+        raise self._no_control("load_lora_adapter")
+
+    async def unload_lora_adapter(self, lora_name: str, **kwargs: Any) -> int | str:
+        """Remove the LoRA adapter ``lora_name``; returns the new weight version. Raises
+        ``NotSupportedError`` (501) by default."""
+        raise self._no_control("unload_lora_adapter")
+
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """The loaded LoRA adapters (``[]`` by default)."""
+        return []
+
     def control_status(self) -> list[dict[str, Any]]:
         """Per replica ``{"replica", "weight_version", "weight_updates", "paused", ...}`` for
         ``/health`` and ``/metrics``; empty for a backend without weights of its own."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.local_control import LocalControl, version_fields
+from gymserve.backends.local_lora import LocalLora
 from gymserve.backends.local_request import LocalCall, prepare_call
 from gymserve.engine.base import Engine, Generation
 from gymserve.protocol import ChatCompletionDict, ChatRequest
@@ -29,7 +30,7 @@ class _Parsed:
     finish_reason: str
 
 
-class LocalBackend(LocalControl, Backend):
+class LocalBackend(LocalLora, LocalControl, Backend):
     """Serves one in-process ``Engine``; see the module docstring.
 
     ``config`` is a ``gymserve.config.LocalBackendConfig``; ``engine`` and ``tokenizer`` are loaded
@@ -98,7 +99,7 @@ class LocalBackend(LocalControl, Backend):
         return {**request, **fill} if fill else request
 
     async def models(self) -> list[str]:
-        return [self.engine.model_name]
+        return [self.served_model_name()]
 
     async def health(self) -> dict[str, Any]:
         return {"status": "ok", **self.describe()}
@@ -109,6 +110,7 @@ class LocalBackend(LocalControl, Backend):
     # ---- chat ---------------------------------------------------------------------------------
 
     def _prepare(self, request: ChatRequest) -> LocalCall:
+        self.check_model(request.get("model"))
         return prepare_call(request, template=self.template, engine=self.engine,
                             sampling_config=self.config.sampling, stop_token_ids=self.stop_token_ids)
 
@@ -155,7 +157,7 @@ class LocalBackend(LocalControl, Backend):
                                   "logprobs": self._logprobs(call, ids, lps, tops) if call.logprobs else None}
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.engine.model_name, "choices": [choice],
+            "model": self.served_model_name(), "choices": [choice],
             "usage": usage(len(call.prompt.token_ids), len(gen.token_ids)),
         }
 

@@ -56,7 +56,7 @@ class _Chunks:
         from gymserve.parsers.streaming import ChatDeltas, StreamingParser
 
         self.backend, self.call = backend, call
-        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), backend.engine.model_name
+        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), backend.served_model_name()
         self.parser = ChatDeltas(StreamingParser(backend.tool_parser if call.parse_tools else None,
                                                  backend.reasoning_parser, call.prompt.text_tail, call.tools),
                                  (backend.config.reasoning_field,))
