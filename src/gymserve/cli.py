@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--concurrency", type=int, default=8)
     roll.add_argument("--resume", action="store_true", help="skip tasks whose rollout is already in --output")
 
+    from gymserve.rl_loop import add_train_demo_parser
+
+    add_train_demo_parser(sub)
+
     ver = sub.add_parser("verify-rollouts", help="check token contiguity and recompute log-probs by teacher forcing")
     ver.add_argument("path", help="rollouts JSONL")
     ver.add_argument("--model", help="model to recompute log-probs with (default: the embedded model)")
@@ -174,6 +178,10 @@ def _dispatch(args: argparse.Namespace) -> int:
               f"{config.server.port}/v1", file=sys.stderr)
         run_event_loop(serve_async(config))
         return 0
+    if args.command == "train-demo":
+        from gymserve.rl_loop import main_train_demo
+
+        return main_train_demo(args)
     if args.command == "check":
         from gymserve.check import main_check
 
