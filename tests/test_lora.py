@@ -18,7 +18,7 @@ from gymserve.engine.lora import merge_adapter, read_adapter
 from gymserve.engine.transformers_engine import TransformersEngine
 from gymserve.errors import ConflictError, InvalidRequestError, NotFoundError, WeightUpdateError
 from gymserve.server.embed import serve_policy
-from gymserve.verify import load_model, teacher_forced_log_probs
+from gymserve.harness.verify import load_model, teacher_forced_log_probs
 
 Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
 TOL = 1e-4  # fp32: W + s·B·A merged vs PEFT's x·W + s·(x·A)·B differ by rounding (~1e-6 measured)

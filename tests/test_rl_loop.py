@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from gymserve.cli import main
-from gymserve.rl_loop import LoopCheckError, LoopConfig, check_rollouts, one_word_reward, run_loop
-from gymserve.rl_policy import Rollout, advantages, kl_k3
+from gymserve.harness.rl_loop import LoopCheckError, LoopConfig, check_rollouts, one_word_reward, run_loop
+from gymserve.harness.rl_policy import Rollout, advantages, kl_k3
 from gymserve.server.embed import serve_policy
-from gymserve.verify import load_model
+from gymserve.harness.verify import load_model
 
 
 def test_train_demo_on_the_tiny_model(tiny_model_dir, tmp_path, capsys):

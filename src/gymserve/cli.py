@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--concurrency", type=int, default=8)
     roll.add_argument("--resume", action="store_true", help="skip tasks whose rollout is already in --output")
 
-    from gymserve.rl_loop import add_train_demo_parser
+    from gymserve.harness.rl_loop import add_train_demo_parser
 
     add_train_demo_parser(sub)
 
@@ -179,7 +179,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         run_event_loop(serve_async(config))
         return 0
     if args.command == "train-demo":
-        from gymserve.rl_loop import main_train_demo
+        from gymserve.harness.rl_loop import main_train_demo
 
         return main_train_demo(args)
     if args.command == "check":

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import Depends, FastAPI
 from pydantic import Field, StrictBool
 
 from gymserve.server.control import _ERRORS, Version, _Body, control_guard
@@ -62,10 +62,13 @@ class UnloadLoRAAdapterRequest(_Body):
 
 def install_lora(app: FastAPI, backend: Any, *, allowed: bool) -> None:
     """Mount the LoRA routes on ``app`` over ``backend``; ``allowed`` as for ``install_control``."""
-    router = APIRouter(tags=["training control"], dependencies=[Depends(control_guard(allowed))],
-                       responses=_LORA_ERRORS)
+    guard = control_guard(allowed)
 
-    @router.post("/v1/load_lora_adapter", summary="Load a LoRA adapter (vLLM's POST /v1/load_lora_adapter)")
+    def route(path: str, summary: str):  # on the app itself, as the control routes, so app.routes lists them
+        return app.api_route(path, methods=["POST"], summary=summary, tags=["training control"],
+                             dependencies=[Depends(guard)], responses=_LORA_ERRORS)
+
+    @route("/v1/load_lora_adapter", "Load a LoRA adapter (vLLM's POST /v1/load_lora_adapter)")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
         t0 = time.perf_counter()
         version = await backend.load_lora_adapter(body.lora_name, body.lora_path, load_inplace=body.load_inplace,
@@ -73,11 +76,9 @@ def install_lora(app: FastAPI, backend: Any, *, allowed: bool) -> None:
         return {"message": f"Success: LoRA adapter '{body.lora_name}' added successfully.",
                 "lora_name": body.lora_name, "weight_version": version, "seconds": round(time.perf_counter() - t0, 6)}
 
-    @router.post("/v1/unload_lora_adapter", summary="Unload a LoRA adapter (vLLM's POST /v1/unload_lora_adapter)")
+    @route("/v1/unload_lora_adapter", "Unload a LoRA adapter (vLLM's POST /v1/unload_lora_adapter)")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
         t0 = time.perf_counter()
         version = await backend.unload_lora_adapter(body.lora_name, weight_version=body.weight_version)
         return {"message": f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
                 "lora_name": body.lora_name, "weight_version": version, "seconds": round(time.perf_counter() - t0, 6)}
-
-    app.include_router(router)

@@ -53,7 +53,7 @@ class LoraPolicy:
         import torch
         from peft import LoraConfig, get_peft_model
 
-        from gymserve.verify import load_model
+        from gymserve.harness.verify import load_model
 
         torch.manual_seed(seed)
         base = load_model(model_dir)

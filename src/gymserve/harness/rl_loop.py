@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from gymserve.rl_policy import LoraPolicy, Rollout
+from gymserve.harness.rl_policy import LoraPolicy, Rollout
 
 PROMPTS = ("Name a color.", "Name an animal.", "Name a fruit.", "Name a country.", "Name a planet.",
            "Name a sport.", "Name a metal.", "Name a flower.")
@@ -237,7 +237,7 @@ def add_train_demo_parser(sub: Any) -> None:
 def main_train_demo(args: Any) -> int:
     """``gymserve train-demo``: exit 0 when every step verified, 1 when a check failed."""
     from gymserve.engine.model_store import resolve_model
-    from gymserve.rollout import default_api_key
+    from gymserve.harness.rollout import default_api_key
 
     cfg = LoopConfig(steps=args.steps, prompts=args.prompts, group=args.group, max_tokens=args.max_tokens,
                      rank=args.lora_rank, layers=args.lora_layers, lr=args.lr, tolerance=args.tolerance,
