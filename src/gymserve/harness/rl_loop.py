@@ -221,15 +221,15 @@ def add_train_demo_parser(sub: Any) -> None:
     p.add_argument("--model", default="embedded", help="the policy: 'embedded', a model directory or a .gguf "
                                                       "(served in process, and the trainer's copy)")
     p.add_argument("--base-url", help="a running gymserve (local backend, this machine) instead of one in process")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--prompts", type=int, default=d.prompts, help=f"questions per step (at most {len(PROMPTS)} distinct)")
+    p.add_argument("--steps", type=int, default=d.steps, help="updates pushed (one GRPO step each)")
+    p.add_argument("--prompts", type=int, default=d.prompts, help=f"questions per step ({len(PROMPTS)} distinct; more repeat)")
     p.add_argument("--group", type=int, default=d.group, help="samples per question (GRPO's group)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--lora-rank", type=int, default=d.rank)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="per answer")
+    p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate of the LoRA")
+    p.add_argument("--lora-rank", type=int, default=d.rank, help="LoRA r (lora_alpha is 2r)")
     p.add_argument("--lora-layers", type=int, default=d.layers, help="adapt the top N decoder layers (0: all)")
     p.add_argument("--tolerance", type=float, default=d.tolerance, help="max |log-prob - teacher forcing|")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the LoRA's initialisation (sampling is unseeded)")
     p.add_argument("--out", help="directory for adapters, steps.json, rollouts.jsonl (default: a new temp dir)")
     p.add_argument("--num-threads", type=int, help="torch threads of the in-process server")
 
@@ -240,7 +240,7 @@ def main_train_demo(args: Any) -> int:
     from gymserve.harness.rollout import default_api_key
 
     cfg = LoopConfig(steps=args.steps, prompts=args.prompts, group=args.group, max_tokens=args.max_tokens,
-                     rank=args.lora_rank, layers=args.lora_layers, lr=args.lr, tolerance=args.tolerance,
+                     rank=args.lora_rank, alpha=2 * args.lora_rank, layers=args.lora_layers, lr=args.lr, tolerance=args.tolerance,
                      seed=args.seed, out=args.out)
     model_dir = resolve_model(args.model).path
     server = None
