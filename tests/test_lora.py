@@ -204,6 +204,10 @@ def test_http_load_swap_unload(policy, adapters, tiny_model_dir):
     assert resp.model == "sql"
     with pytest.raises(openai.ConflictError, match="base weights"):
         chat(client, "tiny")
+    with pytest.raises(openai.ConflictError, match="base weights"):  # streamed: refused before the stream starts
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], stream=True)
+    with pytest.raises(openai.ConflictError, match="base weights"):
+        client.responses.create(model="tiny", input="Hi", max_output_tokens=4)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         chat(client, "other")
     assert httpx.get(f"{root}/weight_info").json()["lora_adapter"] == "sql"

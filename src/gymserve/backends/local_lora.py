@@ -50,7 +50,8 @@ class LocalLora:
 
     def served_model_name(self) -> str:
         """The name answers carry: the adapter's when it is loaded under its own name, else the model's."""
-        loaded = self.engine.lora_adapters()
+        # An engine a trainer hands to serve_policy may implement only generation: then no adapters.
+        loaded = getattr(self.engine, "lora_adapters", list)()
         return loaded[0]["name"] if loaded else self.engine.model_name
 
     def check_model(self, requested: Any) -> None:
