@@ -8,7 +8,8 @@ in the backends, once.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,12 +150,14 @@ class Backend:
         """Name the serving weights ``new_version``. Raises ``NotSupportedError`` (501) by default."""
         raise self._no_control("update_weight_version")
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, **kwargs: Any) -> int | str:
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike | None = None, *,
+                                tensors: Mapping[str, Any] | None = None, config: Any = None,
+                                load_inplace: bool = False, weight_version: int | str | None = None) -> int | str:
         """Merge a LoRA adapter (PEFT format; see ``engine.lora``); returns the new weight version.
         Raises ``NotSupportedError`` (501) by default."""
         raise self._no_control("load_lora_adapter")
 
-    async def unload_lora_adapter(self, lora_name: str, **kwargs: Any) -> int | str:
+    async def unload_lora_adapter(self, lora_name: str, *, weight_version: int | str | None = None) -> int | str:
         """Remove the LoRA adapter ``lora_name``; returns the new weight version. Raises
         ``NotSupportedError`` (501) by default."""
         raise self._no_control("unload_lora_adapter")

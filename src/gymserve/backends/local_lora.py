@@ -30,9 +30,16 @@ class LocalLora:
 
     engine: Engine
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike | None = None, *,
-                                tensors: Mapping[str, Any] | None = None, config: Any = None,
-                                load_inplace: bool = False, weight_version: WeightVersion | None = None) -> WeightVersion:
+    async def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | os.PathLike | None = None,
+        *,
+        tensors: Mapping[str, Any] | None = None,
+        config: Any = None,
+        load_inplace: bool = False,
+        weight_version: WeightVersion | None = None,
+    ) -> WeightVersion:
         """Merge a PEFT adapter (directory ``lora_path``, or ``tensors`` + ``config`` in process);
         returns the new weight version. See ``engine.lora.LoraEngine.load_lora_adapter``."""
         kwargs: dict[str, Any] = {"load_inplace": load_inplace, "weight_version": weight_version}
@@ -40,7 +47,9 @@ class LocalLora:
             kwargs.update(tensors=tensors, config=config)
         return await self.engine.load_lora_adapter(lora_name, None if lora_path is None else str(lora_path), **kwargs)
 
-    async def unload_lora_adapter(self, lora_name: str, *, weight_version: WeightVersion | None = None) -> WeightVersion:
+    async def unload_lora_adapter(
+        self, lora_name: str, *, weight_version: WeightVersion | None = None
+    ) -> WeightVersion:
         """Restore the base weights; returns the new weight version (404 for an adapter not loaded)."""
         return await self.engine.unload_lora_adapter(lora_name, weight_version=weight_version)
 
@@ -51,7 +60,7 @@ class LocalLora:
     def served_model_name(self) -> str:
         """The name answers carry: the adapter's when it is loaded under its own name, else the model's."""
         # An engine a trainer hands to serve_policy may implement only generation: then no adapters.
-        loaded = getattr(self.engine, "lora_adapters", list)()
+        loaded: list[dict[str, Any]] = getattr(self.engine, "lora_adapters", list)()
         return loaded[0]["name"] if loaded else self.engine.model_name
 
     def check_model(self, requested: Any) -> None:
@@ -62,9 +71,15 @@ class LocalLora:
         if served == base or requested == served:
             return
         if requested == base:
-            raise ConflictError(f"model {base!r} (the base weights) is not served now: LoRA adapter {served!r} is merged "
-                                f"into them. Request model {served!r}, or unload the adapter "
-                                "(POST /v1/unload_lora_adapter) to serve the base model again",
-                                param="model", code="base_model_unavailable")
-        raise NotFoundError(f"The model {requested!r} does not exist: this server serves {served!r} (a LoRA adapter "
-                            f"on {base!r})", param="model", code="model_not_found")
+            raise ConflictError(
+                f"model {base!r} (the base weights) is not served now: LoRA adapter {served!r} is merged "
+                f"into them. Request model {served!r}, or unload the adapter "
+                "(POST /v1/unload_lora_adapter) to serve the base model again",
+                param="model",
+                code="base_model_unavailable",
+            )
+        raise NotFoundError(
+            f"The model {requested!r} does not exist: this server serves {served!r} (a LoRA adapter on {base!r})",
+            param="model",
+            code="model_not_found",
+        )

@@ -76,8 +76,9 @@ class LoraAdapter:
 def check_lora_name(name: Any, param: str = "lora_name") -> str:
     """``name`` if it is a non-empty string of at most 256 characters, else ``InvalidRequestError``."""
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_CHARS:
-        raise InvalidRequestError(f"{param} must be a non-empty string of at most {MAX_NAME_CHARS} characters, "
-                                  f"got {name!r}", param=param)
+        raise InvalidRequestError(
+            f"{param} must be a non-empty string of at most {MAX_NAME_CHARS} characters, got {name!r}", param=param
+        )
     return name
 
 
@@ -91,34 +92,48 @@ def read_adapter(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
 
     p = Path(path)
     if not p.is_dir():
-        raise WeightUpdateError(f"{p}: no such directory; a LoRA adapter is a directory with {ADAPTER_CONFIG} and "
-                                f"{ADAPTER_WEIGHTS}, as peft's save_pretrained writes it (the path is read by the "
-                                "server, so it must exist on the server's machine)", param=str(p))
+        raise WeightUpdateError(
+            f"{p}: no such directory; a LoRA adapter is a directory with {ADAPTER_CONFIG} and "
+            f"{ADAPTER_WEIGHTS}, as peft's save_pretrained writes it (the path is read by the "
+            "server, so it must exist on the server's machine)",
+            param=str(p),
+        )
     cfg_file, weights = p / ADAPTER_CONFIG, p / ADAPTER_WEIGHTS
     for f in (cfg_file, weights):
         if not f.is_file():
-            hint = " (adapter_model.bin is not read: save with safe_serialization=True)" \
-                if f == weights and (p / "adapter_model.bin").exists() else ""
-            raise WeightUpdateError(f"{f}: missing; a PEFT LoRA adapter directory holds {ADAPTER_CONFIG} and "
-                                    f"{ADAPTER_WEIGHTS}{hint}", param=str(f))
+            hint = (
+                " (adapter_model.bin is not read: save with safe_serialization=True)"
+                if f == weights and (p / "adapter_model.bin").exists()
+                else ""
+            )
+            raise WeightUpdateError(
+                f"{f}: missing; a PEFT LoRA adapter directory holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}{hint}",
+                param=str(f),
+            )
     try:
         raw = json.loads(cfg_file.read_text(encoding="utf-8"))
         peft_type = raw.get("peft_type")
     except (OSError, ValueError, AttributeError) as exc:
-        raise WeightUpdateError(f"{cfg_file}: not a JSON object ({type(exc).__name__}: {exc})", param=str(cfg_file)) from None
+        raise WeightUpdateError(
+            f"{cfg_file}: not a JSON object ({type(exc).__name__}: {exc})", param=str(cfg_file)
+        ) from None
     if peft_type != "LORA":
-        raise WeightUpdateError(f"{cfg_file}: peft_type is {peft_type!r}; only LoRA adapters (peft_type \"LORA\") "
-                                "can be loaded", param=str(cfg_file))
+        raise WeightUpdateError(
+            f'{cfg_file}: peft_type is {peft_type!r}; only LoRA adapters (peft_type "LORA") can be loaded',
+            param=str(cfg_file),
+        )
     try:
         config = LoraConfig.from_pretrained(str(p))
     except Exception as exc:  # noqa: BLE001 - peft raises TypeError/ValueError/...: the config is the cause
-        raise WeightUpdateError(f"{cfg_file}: peft.LoraConfig refuses it ({type(exc).__name__}: {exc})",
-                                param=str(cfg_file)) from None
+        raise WeightUpdateError(
+            f"{cfg_file}: peft.LoraConfig refuses it ({type(exc).__name__}: {exc})", param=str(cfg_file)
+        ) from None
     try:
         tensors = load_file(str(weights))
     except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...
-        raise WeightUpdateError(f"{weights}: cannot read safetensors file ({type(exc).__name__}: {exc})",
-                                param=str(weights)) from None
+        raise WeightUpdateError(
+            f"{weights}: cannot read safetensors file ({type(exc).__name__}: {exc})", param=str(weights)
+        ) from None
     return config, tensors
 
 
@@ -132,7 +147,7 @@ def _config_problems(config: Any) -> list[tuple[str, str]]:
         if value not in (None, False, [], {}, ()):
             problems.append((name, f"config {name}={value!r}: cannot be merged exactly ({why})"))
     if getattr(config, "bias", "none") != "none":
-        problems.append(("bias", f"config bias={config.bias!r}: trained biases are not merged; use bias \"none\""))
+        problems.append(("bias", f'config bias={config.bias!r}: trained biases are not merged; use bias "none"'))
     return problems
 
 
@@ -151,19 +166,26 @@ def _pairs(tensors: Mapping[str, Any], problems: list[tuple[str, str]]) -> dict[
     pairs: dict[str, dict[str, Any]] = {}
     for key, t in tensors.items():
         stem, dot, which = str(key).removesuffix(".weight").rpartition(".lora_")
-        if not (isinstance(key, str) and key.startswith(PREFIX) and key.endswith(".weight") and dot
-                and which in ("A", "B")):
-            problems.append((str(key), f"tensor {key!r}: not a LoRA matrix (expected {PREFIX}<module>.lora_A.weight "
-                                       "or .lora_B.weight; biases, DoRA magnitudes, embedding LoRA and saved modules "
-                                       "cannot be merged)"))
+        if not (
+            isinstance(key, str) and key.startswith(PREFIX) and key.endswith(".weight") and dot and which in ("A", "B")
+        ):
+            problems.append(
+                (
+                    str(key),
+                    f"tensor {key!r}: not a LoRA matrix (expected {PREFIX}<module>.lora_A.weight "
+                    "or .lora_B.weight; biases, DoRA magnitudes, embedding LoRA and saved modules "
+                    "cannot be merged)",
+                )
+            )
             continue
         pairs.setdefault(stem.removeprefix(PREFIX), {})[which] = (key, t)
     for module, pair in pairs.items():
         for which in ("A", "B"):
             if which not in pair:
                 have = next(iter(pair.values()))[0]
-                problems.append((have, f"tensor {have!r}: its lora_{which} partner "
-                                       f"{PREFIX}{module}.lora_{which}.weight is missing"))
+                problems.append(
+                    (have, f"tensor {have!r}: its lora_{which} partner {PREFIX}{module}.lora_{which}.weight is missing")
+                )
     return {m: p for m, p in pairs.items() if len(p) == 2}
 
 
@@ -177,11 +199,15 @@ def _check_module(model: Any, module: str, a_key: str, linear: list[str], tied: 
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         return a_key, f"tensor {a_key!r}: unknown target module {module!r}, the served model has no such layer{hint}"
     if not isinstance(layer, torch.nn.Linear):
-        return a_key, (f"tensor {a_key!r}: target module {module!r} is a {type(layer).__name__}; only "
-                       "torch.nn.Linear layers can take a merged LoRA")
+        return a_key, (
+            f"tensor {a_key!r}: target module {module!r} is a {type(layer).__name__}; only "
+            "torch.nn.Linear layers can take a merged LoRA"
+        )
     if f"{module}.weight" in tied:
-        return a_key, (f"tensor {a_key!r}: {module}.weight is tied to another tensor (tie_word_embeddings), so "
-                       "merging would change both; train the adapter without this module")
+        return a_key, (
+            f"tensor {a_key!r}: {module}.weight is tied to another tensor (tie_word_embeddings), so "
+            "merging would change both; train the adapter without this module"
+        )
     return None
 
 
@@ -199,18 +225,27 @@ def _check_pair(module: str, layer: Any, pair: dict[str, Any], r: int) -> list[t
         return out
     want_a, want_b = [r, layer.in_features], [layer.out_features, r]
     if list(a.shape) != want_a:
-        out.append((a_key, f"tensor {a_key!r}: shape {list(a.shape)}, expected {want_a} (rank r={r} from the config "
-                           f"for {module!r} × the layer's in_features)"))
+        out.append(
+            (
+                a_key,
+                f"tensor {a_key!r}: shape {list(a.shape)}, expected {want_a} (rank r={r} from the config "
+                f"for {module!r} × the layer's in_features)",
+            )
+        )
     if list(b.shape) != want_b:
-        out.append((b_key, f"tensor {b_key!r}: shape {list(b.shape)}, expected {want_b} (the layer's out_features × "
-                           f"rank r={r})"))
+        out.append(
+            (
+                b_key,
+                f"tensor {b_key!r}: shape {list(b.shape)}, expected {want_b} (the layer's out_features × rank r={r})",
+            )
+        )
     return out
 
 
 def _tied_names(model: Any) -> set[str]:
     """Names of parameters that share storage with another one (``lm_head`` ↔ embeddings)."""
     seen: dict[int, str] = {}
-    tied = set()
+    tied: set[str] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if p.data_ptr() in seen:
             tied.update((name, seen[p.data_ptr()]))
@@ -218,8 +253,9 @@ def _tied_names(model: Any) -> set[str]:
     return tied
 
 
-def merge_adapter(model: Any, name: str, config: Any, tensors: Mapping[str, Any], base: Mapping[str, Any], *,
-                  source: str = "tensors") -> LoraAdapter:
+def merge_adapter(
+    model: Any, name: str, config: Any, tensors: Mapping[str, Any], base: Mapping[str, Any], *, source: str = "tensors"
+) -> LoraAdapter:
     """Check the adapter against ``model`` and compute its merged weights; nothing is modified.
 
     ``config``: a ``peft.LoraConfig``; ``tensors``: PEFT's adapter state dict (see module
@@ -257,9 +293,11 @@ def merge_adapter(model: Any, name: str, config: Any, tensors: Mapping[str, Any]
     if problems:
         listed = "; ".join(msg for _, msg in problems[:MAX_LISTED])
         more = f"; and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
-        raise WeightUpdateError(f"LoRA adapter {name!r} refused, nothing changed ({len(problems)} problem"
-                                f"{'s' if len(problems) > 1 else ''} in {source}): {listed}{more}",
-                                param=problems[0][0])
+        raise WeightUpdateError(
+            f"LoRA adapter {name!r} refused, nothing changed ({len(problems)} problem"
+            f"{'s' if len(problems) > 1 else ''} in {source}): {listed}{more}",
+            param=problems[0][0],
+        )
     return LoraAdapter(name=name, source=source, rank=int(config.r), merged=merged, modules=tuple(merged))
 
 
@@ -293,8 +331,15 @@ class LoraEngine:
         s = self._lora
         if s.adapter is None:
             return []
-        return [{"name": s.adapter.name, "source": s.adapter.source, "rank": s.adapter.rank,
-                 "modules": len(s.adapter.modules), "weight_version": s.version}]
+        return [
+            {
+                "name": s.adapter.name,
+                "source": s.adapter.source,
+                "rank": s.adapter.rank,
+                "modules": len(s.adapter.modules),
+                "weight_version": s.version,
+            }
+        ]
 
     def control_status(self) -> dict[str, Any]:
         """The control status (``engine.control``) plus ``lora_adapter``: the merged adapter's name."""
@@ -302,9 +347,16 @@ class LoraEngine:
         adapter = self._lora.adapter
         return {**status, "lora_adapter": adapter.name if adapter else None}
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike | None = None, *,
-                                tensors: Mapping[str, Any] | None = None, config: Any = None,
-                                load_inplace: bool = False, weight_version: WeightVersion | None = None) -> WeightVersion:
+    async def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | os.PathLike | None = None,
+        *,
+        tensors: Mapping[str, Any] | None = None,
+        config: Any = None,
+        load_inplace: bool = False,
+        weight_version: WeightVersion | None = None,
+    ) -> WeightVersion:
         """Merge an adapter into the served weights; returns the new weight version.
 
         Give ``lora_path`` (a PEFT adapter directory) or ``tensors`` with ``config`` (PEFT's adapter
@@ -316,27 +368,34 @@ class LoraEngine:
         """
         lora_name = check_lora_name(lora_name)
         if (lora_path is None) == (tensors is None) or (tensors is not None and config is None):
-            raise InvalidRequestError("give lora_path (a PEFT adapter directory) or tensors together with config "
-                                      "(its peft.LoraConfig)", param="lora_path")
+            raise InvalidRequestError(
+                "give lora_path (a PEFT adapter directory) or tensors together with config (its peft.LoraConfig)",
+                param="lora_path",
+            )
         s = self._lora
         async with s.lock:
             current = s.adapter
             if current is not None and not load_inplace:
                 if current.name == lora_name:
-                    raise InvalidRequestError(f"The lora adapter '{lora_name}' has already been loaded; load it with "
-                                              "load_inplace: true to replace its weights", param="lora_name",
-                                              code="lora_adapter_loaded")
+                    raise InvalidRequestError(
+                        f"The lora adapter '{lora_name}' has already been loaded; load it with "
+                        "load_inplace: true to replace its weights",
+                        param="lora_name",
+                        code="lora_adapter_loaded",
+                    )
                 raise ConflictError(
                     f"LoRA adapter {lora_name!r} refused: adapter {current.name!r} is merged into the weights, and "
                     "this engine serves one adapter at a time (it merges W + scale·B·A). Unload it first "
                     "(POST /v1/unload_lora_adapter), or load with load_inplace: true to swap in one update",
-                    code="lora_slot_taken")
+                    code="lora_slot_taken",
+                )
             if lora_path is not None:
                 config, tensors = await asyncio.to_thread(read_adapter, lora_path)
             source = str(lora_path) if lora_path is not None else "tensors"
             assert tensors is not None
-            adapter = await asyncio.to_thread(merge_adapter, self.model, lora_name, config, tensors, s.base,
-                                              source=source)
+            adapter = await asyncio.to_thread(
+                merge_adapter, self.model, lora_name, config, tensors, s.base, source=source
+            )
             new_base = await asyncio.to_thread(self._base_values, adapter, s.base)
             update = dict(adapter.merged)
             for w_name, value in s.base.items():  # tensors the old adapter changed and this one does not
@@ -345,7 +404,9 @@ class LoraEngine:
             s.adapter, s.version, s.base = replace(adapter, merged={}), version, new_base  # the model holds them now
             return version
 
-    async def unload_lora_adapter(self, lora_name: str, *, weight_version: WeightVersion | None = None) -> WeightVersion:
+    async def unload_lora_adapter(
+        self, lora_name: str, *, weight_version: WeightVersion | None = None
+    ) -> WeightVersion:
         """Restore the base weights the merged adapter ``lora_name`` replaced (bit for bit); returns
         the new weight version. Raises ``NotFoundError`` (404) when that adapter is not loaded."""
         lora_name = check_lora_name(lora_name)
@@ -353,8 +414,11 @@ class LoraEngine:
         async with s.lock:
             if s.adapter is None or s.adapter.name != lora_name:
                 loaded = f"adapter {s.adapter.name!r} is" if s.adapter else "no adapter is"
-                raise NotFoundError(f"The lora adapter '{lora_name}' cannot be found: {loaded} loaded",
-                                    param="lora_name", code="lora_adapter_not_found")
+                raise NotFoundError(
+                    f"The lora adapter '{lora_name}' cannot be found: {loaded} loaded",
+                    param="lora_name",
+                    code="lora_adapter_not_found",
+                )
             version = await self._apply_lora(dict(s.base), weight_version)
             s.adapter, s.version, s.base = None, None, {}
             return version
@@ -367,15 +431,22 @@ class LoraEngine:
     async def _apply_lora(self, tensors: dict[str, Any], weight_version: WeightVersion | None) -> WeightVersion:
         return await super().update_weights(tensors, weight_version=weight_version)  # type: ignore[misc]
 
-    async def update_weights(self, tensors: Mapping[str, Any] | None = None, *, path: str | os.PathLike | None = None,
-                             weight_version: WeightVersion | None = None) -> WeightVersion:
+    async def update_weights(
+        self,
+        tensors: Mapping[str, Any] | None = None,
+        *,
+        path: str | os.PathLike | None = None,
+        weight_version: WeightVersion | None = None,
+    ) -> WeightVersion:
         """``WorkerControl.update_weights``, refused (409) while a LoRA adapter is merged: the new
         tensors would overwrite merged values and the kept base values would go stale."""
         s = self._lora
         async with s.lock:  # a LoRA load between the check and the update would keep stale base values
             if s.adapter is not None:
-                raise ConflictError(f"weight update refused: LoRA adapter {s.adapter.name!r} is merged into the "
-                                    "weights. Unload it first (POST /v1/unload_lora_adapter), or push the trained "
-                                    "policy as an adapter (POST /v1/load_lora_adapter with load_inplace: true)",
-                                    code="lora_adapter_merged")
+                raise ConflictError(
+                    f"weight update refused: LoRA adapter {s.adapter.name!r} is merged into the "
+                    "weights. Unload it first (POST /v1/unload_lora_adapter), or push the trained "
+                    "policy as an adapter (POST /v1/load_lora_adapter with load_inplace: true)",
+                    code="lora_adapter_merged",
+                )
             return await super().update_weights(tensors, path=path, weight_version=weight_version)  # type: ignore[misc]

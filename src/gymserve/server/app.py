@@ -35,8 +35,8 @@ from gymserve.errors import GymserveError, InvalidRequestError
 from gymserve.server.capture import CaptureWriter, install_log_redaction
 from gymserve.server.control import CONTROL_PATHS, control_health, install_control
 from gymserve.server.errors import error_response, install_error_handlers
-from gymserve.server.lora import LORA_PATHS, install_lora
 from gymserve.server.limits import ShuttingDownError, read_body
+from gymserve.server.lora import LORA_PATHS, install_lora
 from gymserve.server.metrics import Metrics, usage_tokens
 from gymserve.server.schemas import install_openapi
 

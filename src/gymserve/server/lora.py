@@ -35,23 +35,36 @@ from gymserve.server.control import _ERRORS, Version, _Body, control_guard
 
 LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
-_LORA_ERRORS = {**_ERRORS, 404: {"description": "no LoRA adapter of that name is loaded",
-                                 "content": _ERRORS[400]["content"]},
-                409: {"description": "another LoRA adapter is merged (one at a time), or a wait pause ended",
-                      "content": _ERRORS[400]["content"]}}
+_LORA_ERRORS: dict[int | str, dict[str, Any]] = {code: dict(entry) for code, entry in _ERRORS.items()}
+_LORA_ERRORS[404] = {"description": "no LoRA adapter of that name is loaded", "content": _ERRORS[400]["content"]}
+_LORA_ERRORS[409] = {
+    "description": "another LoRA adapter is merged (one at a time), or a wait pause ended",
+    "content": _ERRORS[400]["content"],
+}
 
-Name = Field(min_length=1, max_length=256, description="the adapter's name; requests name it in `model` (the base "
-             "model's name: it replaces the policy under that name)")
+Name = Field(
+    min_length=1,
+    max_length=256,
+    description="the adapter's name; requests name it in `model` (the base "
+    "model's name: it replaces the policy under that name)",
+)
 
 
 class LoadLoRAAdapterRequest(_Body):
     lora_name: str = Name
-    lora_path: str = Field(min_length=1, description="a PEFT adapter directory (adapter_config.json + "
-                           "adapter_model.safetensors) on the server's machine")
-    load_inplace: StrictBool = Field(False, description="replace the adapter loaded now (this name or another) in "
-                                     "one atomic update; without it a second adapter is refused")
-    weight_version: Version | None = Field(None, description="the new weights' version (default: the number of "
-                                           "updates so far); gymserve's")
+    lora_path: str = Field(
+        min_length=1,
+        description="a PEFT adapter directory (adapter_config.json + "
+        "adapter_model.safetensors) on the server's machine",
+    )
+    load_inplace: StrictBool = Field(
+        False,
+        description="replace the adapter loaded now (this name or another) in "
+        "one atomic update; without it a second adapter is refused",
+    )
+    weight_version: Version | None = Field(
+        None, description="the new weights' version (default: the number of updates so far); gymserve's"
+    )
 
 
 class UnloadLoRAAdapterRequest(_Body):
@@ -65,20 +78,35 @@ def install_lora(app: FastAPI, backend: Any, *, allowed: bool) -> None:
     guard = control_guard(allowed)
 
     def route(path: str, summary: str):  # on the app itself, as the control routes, so app.routes lists them
-        return app.api_route(path, methods=["POST"], summary=summary, tags=["training control"],
-                             dependencies=[Depends(guard)], responses=_LORA_ERRORS)
+        return app.api_route(
+            path,
+            methods=["POST"],
+            summary=summary,
+            tags=["training control"],
+            dependencies=[Depends(guard)],
+            responses=_LORA_ERRORS,
+        )
 
     @route("/v1/load_lora_adapter", "Load a LoRA adapter (vLLM's POST /v1/load_lora_adapter)")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
         t0 = time.perf_counter()
-        version = await backend.load_lora_adapter(body.lora_name, body.lora_path, load_inplace=body.load_inplace,
-                                                  weight_version=body.weight_version)
-        return {"message": f"Success: LoRA adapter '{body.lora_name}' added successfully.",
-                "lora_name": body.lora_name, "weight_version": version, "seconds": round(time.perf_counter() - t0, 6)}
+        version = await backend.load_lora_adapter(
+            body.lora_name, body.lora_path, load_inplace=body.load_inplace, weight_version=body.weight_version
+        )
+        return {
+            "message": f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+            "lora_name": body.lora_name,
+            "weight_version": version,
+            "seconds": round(time.perf_counter() - t0, 6),
+        }
 
     @route("/v1/unload_lora_adapter", "Unload a LoRA adapter (vLLM's POST /v1/unload_lora_adapter)")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
         t0 = time.perf_counter()
         version = await backend.unload_lora_adapter(body.lora_name, weight_version=body.weight_version)
-        return {"message": f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
-                "lora_name": body.lora_name, "weight_version": version, "seconds": round(time.perf_counter() - t0, 6)}
+        return {
+            "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+            "lora_name": body.lora_name,
+            "weight_version": version,
+            "seconds": round(time.perf_counter() - t0, 6),
+        }
