@@ -8,7 +8,8 @@ the transformers engine in this process, each operation ``--reps`` times (median
 - ``full, in-process tensors``: ``engine.update_weights(state_dict)`` (validate every tensor, hand
   the copy to the worker thread between two decode steps);
 - ``full, from disk``: ``engine.update_weights(path=...)`` of the safetensors copy (page cache warm),
-  beside ``read floor``: ``safetensors.torch.load_file`` of the same file;
+  beside ``read floor``: reading the same files' bytes (``safetensors.torch.load_file`` maps them
+  lazily, so it would measure nothing);
 - ``LoRA swap, from disk`` / ``in-process``: ``load_lora_adapter(..., load_inplace=True)`` replacing
   one r=16 adapter on q/k/v/o of all 24 layers by another (``engine.lora``: merge, keep base values).
 
@@ -77,7 +78,7 @@ def _median_seconds(fn, reps: int) -> float:
 
 def update_times(reps: int) -> dict[str, Any]:
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from gymserve.engine.model_store import embedded_model_dir
     from gymserve.engine.transformers_engine import TransformersEngine
@@ -101,7 +102,7 @@ def update_times(reps: int) -> dict[str, Any]:
         rows = {
             "copy floor": _median_seconds(copy_floor, reps),
             "full, in-process tensors": _median_seconds(lambda: run(engine.update_weights(state)), reps),
-            "read floor": _median_seconds(lambda: [load_file(str(f)) for f in files], reps),
+            "read floor": _median_seconds(lambda: [f.read_bytes() for f in files], reps),
             "full, from disk": _median_seconds(lambda: run(engine.update_weights(path=model_dir)), reps),
         }
         adapters = [lora_adapter(engine.model, 16, seed) for seed in (1, 2)]
@@ -126,8 +127,14 @@ def update_times(reps: int) -> dict[str, Any]:
     finally:
         run(engine.close())
         loop.close()
-    return {"seconds": rows, "tensors": len(state), "bytes": n_bytes, "lora_rank": 16, "lora_params": lora_params,
-            "lora_modules": len(adapters[0][1]) // 2}
+    return {
+        "seconds": rows,
+        "tensors": len(state),
+        "bytes": n_bytes,
+        "lora_rank": 16,
+        "lora_params": lora_params,
+        "lora_modules": len(adapters[0][1]) // 2,
+    }
 
 
 # ------------------------------------------------------------------------------ load under updates
@@ -162,8 +169,13 @@ async def session(client: Any, sid: int, stop_at: float, stats: Stats, turns: in
             stats.kept += n
             stats.turns += 1
             stats.spanning += bool(extra.get("weight_version_spans"))
-            messages.append({"role": "assistant", "content": choice.message.content or "",
-                             **{k: extra[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": choice.message.content or "",
+                    **{k: extra[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")},
+                }
+            )
             messages.append({"role": "user", "content": "Go on."})
             turn += 1
 
@@ -191,22 +203,35 @@ async def one_config(server: Any, mode: str | None, args: argparse.Namespace, we
             jobs.append(updater(server, mode, args.updates, args.seconds, weights, stats))
         await asyncio.gather(*jobs)
         elapsed = time.monotonic() - t0
-    return {"mode": mode or "no updates", "seconds": elapsed, "kept_tokens": stats.kept, "thrown_tokens": stats.thrown,
-            "sent": stats.sent, "answered": stats.answered, "failed": stats.failed,
-            "dropped": stats.sent - stats.answered - stats.failed, "aborted": stats.aborted, "turns": stats.turns,
-            "spanning": stats.spanning, "updates": len(stats.pauses), "pause_seconds": stats.pauses,
-            "errors": stats.errors[:5]}
+    return {
+        "mode": mode or "no updates",
+        "seconds": elapsed,
+        "kept_tokens": stats.kept,
+        "thrown_tokens": stats.thrown,
+        "sent": stats.sent,
+        "answered": stats.answered,
+        "failed": stats.failed,
+        "dropped": stats.sent - stats.answered - stats.failed,
+        "aborted": stats.aborted,
+        "turns": stats.turns,
+        "spanning": stats.spanning,
+        "updates": len(stats.pauses),
+        "pause_seconds": stats.pauses,
+        "errors": stats.errors[:5],
+    }
 
 
 def load_under_updates(args: argparse.Namespace) -> dict[str, Any]:
-    from tiny_model import build_tiny_model
-
     from gymserve.engine.model_store import embedded_model_dir
     from gymserve.server.embed import serve_policy
+    from tiny_model import build_tiny_model
 
     tiny = build_tiny_model(Path(tempfile.mkdtemp(prefix="Qwen2.5-Coder-tiny-")), embedded_model_dir())
-    server = serve_policy(str(tiny), model_name="tiny", backend_config={
-        "max_batch_size": args.sessions, "tool_parser": "none", "pause_timeout": 120})
+    server = serve_policy(
+        str(tiny),
+        model_name="tiny",
+        backend_config={"max_batch_size": args.sessions, "tool_parser": "none", "pause_timeout": 120},
+    )
     try:
         base = {k: v.clone() for k, v in server.backend.engine.model.state_dict().items()}
         noisy = {k: v * 1.01 if v.is_floating_point() else v for k, v in base.items()}
@@ -218,8 +243,11 @@ def load_under_updates(args: argparse.Namespace) -> dict[str, Any]:
             for mode in (None, *MODES):
                 res = asyncio.run(one_config(server, mode, args, weights))
                 runs.setdefault(res["mode"], []).append(res)
-                print(f"  {res['mode']:>10}: {res['kept_tokens'] / res['seconds']:.1f} tok/s, {res['updates']} updates, "
-                      f"{res['failed']} failed, {res['aborted']} aborted", flush=True)
+                print(
+                    f"  {res['mode']:>10}: {res['kept_tokens'] / res['seconds']:.1f} tok/s, {res['updates']} updates, "
+                    f"{res['failed']} failed, {res['aborted']} aborted",
+                    flush=True,
+                )
     finally:
         server.stop()
     return {"runs": runs}
@@ -229,8 +257,21 @@ def summarize(load: dict[str, Any]) -> list[dict[str, Any]]:
     """Per configuration: totals over rounds, tokens/s, and the ratio to ``no updates``."""
     out = []
     for mode, runs in load["runs"].items():
-        total = {k: sum(r[k] for r in runs) for k in ("seconds", "kept_tokens", "thrown_tokens", "sent", "failed",
-                                                      "dropped", "aborted", "turns", "spanning", "updates")}
+        total = {
+            k: sum(r[k] for r in runs)
+            for k in (
+                "seconds",
+                "kept_tokens",
+                "thrown_tokens",
+                "sent",
+                "failed",
+                "dropped",
+                "aborted",
+                "turns",
+                "spanning",
+                "updates",
+            )
+        }
         pauses = [p for r in runs for p in r["pause_seconds"]]
         total["tok_s"] = total["kept_tokens"] / total["seconds"]
         total["pause_median"] = statistics.median(pauses) if pauses else float("nan")
@@ -250,21 +291,53 @@ def report(res: dict[str, Any]) -> str:
         s = ut["seconds"]
         floor = s["copy floor"]
         rows = [[k, v, v / floor] for k, v in s.items()]
-        lines.append(common.table(["operation", "seconds (median)", "× copy floor"], rows,
-                                  title=f"Update time, embedded model ({ut['tensors']} tensors, {ut['bytes'] / 2**30:.2f} "
-                                        f"GiB fp32; LoRA r={ut['lora_rank']} on {ut['lora_modules']} modules, "
-                                        f"{ut['lora_params'] / 1e6:.1f} M parameters; {a['reps']} reps)"))
+        lines.append(
+            common.table(
+                ["operation", "seconds (median)", "× copy floor"],
+                rows,
+                title=f"Update time, embedded model ({ut['tensors']} tensors, {ut['bytes'] / 2**30:.2f} "
+                f"GiB fp32; LoRA r={ut['lora_rank']} on {ut['lora_modules']} modules, "
+                f"{ut['lora_params'] / 1e6:.1f} M parameters; {a['reps']} reps)",
+            )
+        )
     rows_out = []
     if res.get("load"):
         rows = summarize(res["load"])
-        table_rows = [[r["mode"], r["tok_s"], r["ratio"], r["updates"], r["pause_median"], r["failed"], r["dropped"],
-                       r["aborted"], r["thrown_tokens"], r["spanning"]] for r in rows]
-        lines.append(common.table(["configuration", "kept tok/s", "× no updates", "updates", "pause s (median)",
-                                   "failed", "dropped", "aborted", "tokens thrown away", "answers spanning"],
-                                  table_rows,
-                                  title=f"Rollout throughput under updates, tiny model ({a['sessions']} sessions × "
-                                        f"{a['turns']} turns × {a['max_tokens']} tokens, {a['seconds']:g} s per "
-                                        f"configuration × {a['rounds']} rounds, {a['updates']} updates each)"))
+        table_rows = [
+            [
+                r["mode"],
+                r["tok_s"],
+                r["ratio"],
+                r["updates"],
+                r["pause_median"],
+                r["failed"],
+                r["dropped"],
+                r["aborted"],
+                r["thrown_tokens"],
+                r["spanning"],
+            ]
+            for r in rows
+        ]
+        lines.append(
+            common.table(
+                [
+                    "configuration",
+                    "kept tok/s",
+                    "× no updates",
+                    "updates",
+                    "pause s (median)",
+                    "failed",
+                    "dropped",
+                    "aborted",
+                    "tokens thrown away",
+                    "answers spanning",
+                ],
+                table_rows,
+                title=f"Rollout throughput under updates, tiny model ({a['sessions']} sessions × "
+                f"{a['turns']} turns × {a['max_tokens']} tokens, {a['seconds']:g} s per "
+                f"configuration × {a['rounds']} rounds, {a['updates']} updates each)",
+            )
+        )
         rows_out = rows
     lines.append("Targets")
     if ut:
@@ -295,9 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     args.seconds = args.seconds or (10.0 if args.quick else 30.0)
     args.updates = args.updates if args.updates is not None else (2 if args.quick else 5)
     args.rounds = args.rounds or (1 if args.quick else 2)
-    res: dict[str, Any] = {"machine": common.machine(), "quick": args.quick,
-                           "args": {k: getattr(args, k) for k in ("reps", "seconds", "updates", "sessions", "turns",
-                                                                   "max_tokens", "rounds")}}
+    res: dict[str, Any] = {
+        "machine": common.machine(),
+        "quick": args.quick,
+        "args": {
+            k: getattr(args, k) for k in ("reps", "seconds", "updates", "sessions", "turns", "max_tokens", "rounds")
+        },
+    }
     if not args.skip_load:
         print("rollout throughput under updates (tiny model):", flush=True)
         res["load"] = load_under_updates(args)

@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     ax_t.legend()
     for ax in (ax_r, ax_k, ax_t):
         ax.grid(alpha=0.3)
-    fig.suptitle(f"gymserve train-demo on {run['model']}: GRPO on a LoRA r={run['config']['rank']}, "
-                 f"{run['config']['prompts']} prompts × {run['config']['group']} samples per step", fontsize=10)
+    fig.suptitle(
+        f"gymserve train-demo on {run['model']}: GRPO on a LoRA r={run['config']['rank']}, "
+        f"{run['config']['prompts']} prompts × {run['config']['group']} samples per step",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(ASSETS / "rl-loop.png", dpi=110)
     print(ASSETS / "rl-loop.png")

@@ -12,14 +12,33 @@ import torch
 from gymserve.cli import main
 from gymserve.harness.rl_loop import LoopCheckError, LoopConfig, check_rollouts, one_word_reward, run_loop
 from gymserve.harness.rl_policy import Rollout, advantages, kl_k3
-from gymserve.server.embed import serve_policy
 from gymserve.harness.verify import load_model
+from gymserve.server.embed import serve_policy
 
 
 def test_train_demo_on_the_tiny_model(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["train-demo", "--model", str(tiny_model_dir), "--steps", "3", "--prompts", "2", "--group", "3",
-                 "--max-tokens", "6", "--lr", "0.05", "--out", str(out), "--num-threads", "1"])
+    code = main(
+        [
+            "train-demo",
+            "--model",
+            str(tiny_model_dir),
+            "--steps",
+            "3",
+            "--prompts",
+            "2",
+            "--group",
+            "3",
+            "--max-tokens",
+            "6",
+            "--lr",
+            "0.05",
+            "--out",
+            str(out),
+            "--num-threads",
+            "1",
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     summary = json.loads((out / "steps.json").read_text())
@@ -48,15 +67,26 @@ def test_the_check_fails_when_the_served_weights_differ(tiny_model_dir, tokenize
     srv = serve_policy(model, tokenizer, model_name="tiny", backend_config={"num_threads": 1, "tool_parser": "none"})
     try:
         with pytest.raises(LoopCheckError, match="differ from teacher forcing"):
-            run_loop(srv.base_url, tiny_model_dir, LoopConfig(steps=1, prompts=1, group=2, max_tokens=4,
-                                                              out=str(tmp_path)))
+            run_loop(
+                srv.base_url, tiny_model_dir, LoopConfig(steps=1, prompts=1, group=2, max_tokens=4, out=str(tmp_path))
+            )
     finally:
         srv.stop()
 
 
 def _rollout(group: int, reward: float, version=1, **kw) -> Rollout:
-    return Rollout(group=group, prompt="p", prompt_ids=[1], gen_ids=[2], log_probs=[-1.0], weight_version=version,
-                   finish_reason=kw.pop("finish_reason", "stop"), text="x", reward=reward, **kw)
+    return Rollout(
+        group=group,
+        prompt="p",
+        prompt_ids=[1],
+        gen_ids=[2],
+        log_probs=[-1.0],
+        weight_version=version,
+        finish_reason=kw.pop("finish_reason", "stop"),
+        text="x",
+        reward=reward,
+        **kw,
+    )
 
 
 def test_checks_and_estimators():
@@ -74,5 +104,7 @@ def test_checks_and_estimators():
     # k3 of a known pair: ρ = e^{-0.5}, ρ - 1 - log ρ = e^{-0.5} - 0.5
     assert kl_k3([torch.tensor([-1.0])], [torch.tensor([-1.5])]) == pytest.approx(0.1065307, abs=1e-6)
     assert one_word_reward("Blue", "stop") == 1.0 and one_word_reward("Red.", "stop") == 1.0
-    assert one_word_reward("An orange.", "stop") == 0.5 and one_word_reward("A color in", "length") == pytest.approx(1 / 6)
+    assert one_word_reward("An orange.", "stop") == 0.5 and one_word_reward("A color in", "length") == pytest.approx(
+        1 / 6
+    )
     assert one_word_reward("42", "stop") == 0.0

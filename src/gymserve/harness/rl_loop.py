@@ -42,8 +42,16 @@ from typing import Any, TextIO
 
 from gymserve.harness.rl_policy import LoraPolicy, Rollout
 
-PROMPTS = ("Name a color.", "Name an animal.", "Name a fruit.", "Name a country.", "Name a planet.",
-           "Name a sport.", "Name a metal.", "Name a flower.")
+PROMPTS = (
+    "Name a color.",
+    "Name an animal.",
+    "Name a fruit.",
+    "Name a country.",
+    "Name a planet.",
+    "Name a sport.",
+    "Name a metal.",
+    "Name a flower.",
+)
 
 
 class LoopCheckError(RuntimeError):
@@ -79,25 +87,37 @@ class LoopConfig:
 
 async def collect(client: Any, model: str, prompts: list[str], group: int, max_tokens: int) -> list[Rollout]:
     """``group`` concurrent chat answers per prompt; raises ``LoopCheckError`` naming every failed one."""
+
     async def one(i: int, prompt: str) -> Rollout:
-        done = await client.chat.completions.create(model=model, max_tokens=max_tokens,
-                                                    messages=[{"role": "user", "content": prompt}])
+        done = await client.chat.completions.create(
+            model=model, max_tokens=max_tokens, messages=[{"role": "user", "content": prompt}]
+        )
         choice = done.choices[0]
         extra = choice.message.model_extra or {}
         missing = [k for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs") if k not in extra]
         if missing:
-            raise LoopCheckError(f"the answer to {prompt!r} has no {', '.join(missing)}: the server is not gymserve's "
-                                 "local backend")
-        return Rollout(group=i, prompt=prompt, prompt_ids=extra["prompt_token_ids"],
-                       gen_ids=extra["generation_token_ids"], log_probs=extra["generation_log_probs"],
-                       weight_version=extra.get("weight_version"), finish_reason=choice.finish_reason,
-                       text=choice.message.content or "", spans=extra.get("weight_version_spans"))
+            raise LoopCheckError(
+                f"the answer to {prompt!r} has no {', '.join(missing)}: the server is not gymserve's local backend"
+            )
+        return Rollout(
+            group=i,
+            prompt=prompt,
+            prompt_ids=extra["prompt_token_ids"],
+            gen_ids=extra["generation_token_ids"],
+            log_probs=extra["generation_log_probs"],
+            weight_version=extra.get("weight_version"),
+            finish_reason=choice.finish_reason,
+            text=choice.message.content or "",
+            spans=extra.get("weight_version_spans"),
+        )
 
     calls = [one(i, p) for i, p in enumerate(prompts) for _ in range(group)]
     results = await asyncio.gather(*calls, return_exceptions=True)
     failed = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
     if failed:
-        raise LoopCheckError(f"{len(failed)} of {len(calls)} rollout requests failed (nothing may be lost): {failed[0]}")
+        raise LoopCheckError(
+            f"{len(failed)} of {len(calls)} rollout requests failed (nothing may be lost): {failed[0]}"
+        )
     return [r for r in results if isinstance(r, Rollout)]
 
 
@@ -128,13 +148,24 @@ class _Control:
 
 def _print_row(out: TextIO, row: dict[str, Any]) -> None:
     kl = "-" if row["kl_to_previous"] is None else f"{row['kl_to_previous']:.2e}"
-    print(f"step {row['step']:>3}  version {row['weight_version']!s:>4}  reward {row['reward']:.3f}  kl_prev {kl:>8}  "
-          f"tf_diff {row['tf_max_diff']:.1e}  rollout {row['rollout_seconds']:.1f}s  train {row['train_seconds']:.1f}s  "
-          f"update {row['update_seconds']:.2f}s  ({row['sample']!r})", file=out, flush=True)
+    print(
+        f"step {row['step']:>3}  version {row['weight_version']!s:>4}  reward {row['reward']:.3f}  kl_prev {kl:>8}  "
+        f"tf_diff {row['tf_max_diff']:.1e}  rollout {row['rollout_seconds']:.1f}s  train {row['train_seconds']:.1f}s  "
+        f"update {row['update_seconds']:.2f}s  ({row['sample']!r})",
+        file=out,
+        flush=True,
+    )
 
 
-def run_loop(base_url: str, model_dir: str | os.PathLike, cfg: LoopConfig, *, api_key: str = "EMPTY",
-             model: str | None = None, out: TextIO | None = None) -> dict[str, Any]:
+def run_loop(
+    base_url: str,
+    model_dir: str | os.PathLike,
+    cfg: LoopConfig,
+    *,
+    api_key: str = "EMPTY",
+    model: str | None = None,
+    out: TextIO | None = None,
+) -> dict[str, Any]:
     """Run the loop against ``base_url`` (ends with ``/v1``) with the trainer's copy of the base
     policy in ``model_dir``; returns ``{"steps": [per-step numbers], "model", "config"}`` and writes
     them (``steps.json``), the rollouts and the adapters under ``cfg.out``. Raises
@@ -156,8 +187,12 @@ async def _run(base_url, model_dir, cfg: LoopConfig, api_key, model, out) -> dic
         name = model or (await client.models.list()).data[0].id
         version = control.call("GET", "/weight_info")["weight_version"]
         kl_prev = None
-        print(f"train-demo: {cfg.steps} steps of {len(prompts)} prompts x {cfg.group} samples on {name!r} at {base_url}; "
-              f"LoRA r={cfg.rank} on {policy.layers_adapted} decoder layers; adapters in {out_dir}", file=out, flush=True)
+        print(
+            f"train-demo: {cfg.steps} steps of {len(prompts)} prompts x {cfg.group} samples on {name!r} at {base_url}; "
+            f"LoRA r={cfg.rank} on {policy.layers_adapted} decoder layers; adapters in {out_dir}",
+            file=out,
+            flush=True,
+        )
         with open(out_dir / "rollouts.jsonl", "w", encoding="utf-8") as log:
             for step in range(cfg.steps):
                 t0 = time.perf_counter()
@@ -170,21 +205,36 @@ async def _run(base_url, model_dir, cfg: LoopConfig, api_key, model, out) -> dic
                 first = first or rollouts
                 stats = await asyncio.to_thread(policy.step, rollouts)
                 if stats["tf_max_diff"] > cfg.tolerance:
-                    raise LoopCheckError(f"step {step}: log-probs of version {version!r} differ from teacher forcing on "
-                                         f"its weights by {stats['tf_max_diff']:.2e} > tolerance {cfg.tolerance:g}")
+                    raise LoopCheckError(
+                        f"step {step}: log-probs of version {version!r} differ from teacher forcing on "
+                        f"its weights by {stats['tf_max_diff']:.2e} > tolerance {cfg.tolerance:g}"
+                    )
                 t1 = time.perf_counter()
                 adapter_dir = out_dir / f"step-{step + 1}"
                 await asyncio.to_thread(policy.save, adapter_dir)
                 save_s = time.perf_counter() - t1
-                pushed = control.call("POST", "/v1/load_lora_adapter", json={
-                    "lora_name": name, "lora_path": str(adapter_dir), "load_inplace": True})
-                row = {"step": step, "weight_version": version, "reward": sum(r.reward for r in rollouts) / len(rollouts),
-                       "kl_to_previous": kl_prev, "tf_max_diff": stats["tf_max_diff"], "loss": stats["loss"],
-                       "grad_norm": stats["grad_norm"], "rollouts": len(rollouts),
-                       "tokens": sum(len(r.gen_ids) for r in rollouts), "rollout_seconds": rollout_s,
-                       "train_seconds": stats["train_seconds"], "save_seconds": save_s,
-                       "update_seconds": pushed["seconds"], "next_version": pushed["weight_version"],
-                       "sample": rollouts[0].text}
+                pushed = control.call(
+                    "POST",
+                    "/v1/load_lora_adapter",
+                    json={"lora_name": name, "lora_path": str(adapter_dir), "load_inplace": True},
+                )
+                row = {
+                    "step": step,
+                    "weight_version": version,
+                    "reward": sum(r.reward for r in rollouts) / len(rollouts),
+                    "kl_to_previous": kl_prev,
+                    "tf_max_diff": stats["tf_max_diff"],
+                    "loss": stats["loss"],
+                    "grad_norm": stats["grad_norm"],
+                    "rollouts": len(rollouts),
+                    "tokens": sum(len(r.gen_ids) for r in rollouts),
+                    "rollout_seconds": rollout_s,
+                    "train_seconds": stats["train_seconds"],
+                    "save_seconds": save_s,
+                    "update_seconds": pushed["seconds"],
+                    "next_version": pushed["weight_version"],
+                    "sample": rollouts[0].text,
+                }
                 rows.append(row)
                 _print_row(out, row)
                 version, kl_prev = pushed["weight_version"], stats["kl"]
@@ -193,14 +243,24 @@ async def _run(base_url, model_dir, cfg: LoopConfig, api_key, model, out) -> dic
         check_rollouts(last, version)
         tail = await asyncio.to_thread(_max_diff, policy, last, True)
         base = await asyncio.to_thread(_max_diff, policy, first, False)
-    summary = {"model": name, "config": asdict(cfg), "steps": rows, "final_version": version,
-               "final_tf_max_diff": tail, "first_step_on_base_tf_max_diff": base}
+    summary = {
+        "model": name,
+        "config": asdict(cfg),
+        "steps": rows,
+        "final_version": version,
+        "final_tf_max_diff": tail,
+        "first_step_on_base_tf_max_diff": base,
+    }
     (out_dir / "steps.json").write_text(json.dumps(summary, indent=1))
     for what, diff in (("the last push", tail), ("step 0's rollouts on the base weights", base)):
         if diff > cfg.tolerance:
             raise LoopCheckError(f"{what}: log-probs differ from teacher forcing by {diff:.2e} > {cfg.tolerance:g}")
-    print(f"train-demo: done; final version {version!r} verified (tf_diff {tail:.1e}), step 0 still verifies on the "
-          f"base weights (tf_diff {base:.1e}); numbers in {out_dir / 'steps.json'}", file=out, flush=True)
+    print(
+        f"train-demo: done; final version {version!r} verified (tf_diff {tail:.1e}), step 0 still verifies on the "
+        f"base weights (tf_diff {base:.1e}); numbers in {out_dir / 'steps.json'}",
+        file=out,
+        flush=True,
+    )
     return summary
 
 
@@ -208,21 +268,30 @@ def _max_diff(policy: LoraPolicy, rollouts: list[Rollout], adapter: bool) -> flo
     import torch
 
     lps = policy.log_probs(rollouts, adapter=adapter)
-    return max((float((lp - torch.tensor(r.log_probs)).abs().max()) for lp, r in zip(lps, rollouts) if r.gen_ids),
-               default=0.0)
+    return max(
+        (float((lp - torch.tensor(r.log_probs)).abs().max()) for lp, r in zip(lps, rollouts) if r.gen_ids), default=0.0
+    )
 
 
 # ---------------------------------------------------------------------------------- the CLI
 def add_train_demo_parser(sub: Any) -> None:
     """The ``train-demo`` subcommand's flags."""
-    p = sub.add_parser("train-demo", help="a minimal on-policy RL loop (GRPO on a LoRA) through gymserve's HTTP API, "
-                                          "pushing each update into the server and verifying it")
+    p = sub.add_parser(
+        "train-demo",
+        help="a minimal on-policy RL loop (GRPO on a LoRA) through gymserve's HTTP API, "
+        "pushing each update into the server and verifying it",
+    )
     d = LoopConfig()
-    p.add_argument("--model", default="embedded", help="the policy: 'embedded', a model directory or a .gguf "
-                                                      "(served in process, and the trainer's copy)")
+    p.add_argument(
+        "--model",
+        default="embedded",
+        help="the policy: 'embedded', a model directory or a .gguf (served in process, and the trainer's copy)",
+    )
     p.add_argument("--base-url", help="a running gymserve (local backend, this machine) instead of one in process")
     p.add_argument("--steps", type=int, default=d.steps, help="updates pushed (one GRPO step each)")
-    p.add_argument("--prompts", type=int, default=d.prompts, help=f"questions per step ({len(PROMPTS)} distinct; more repeat)")
+    p.add_argument(
+        "--prompts", type=int, default=d.prompts, help=f"questions per step ({len(PROMPTS)} distinct; more repeat)"
+    )
     p.add_argument("--group", type=int, default=d.group, help="samples per question (GRPO's group)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="per answer")
     p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate of the LoRA")
@@ -239,9 +308,19 @@ def main_train_demo(args: Any) -> int:
     from gymserve.engine.model_store import resolve_model
     from gymserve.harness.rollout import default_api_key
 
-    cfg = LoopConfig(steps=args.steps, prompts=args.prompts, group=args.group, max_tokens=args.max_tokens,
-                     rank=args.lora_rank, alpha=2 * args.lora_rank, layers=args.lora_layers, lr=args.lr, tolerance=args.tolerance,
-                     seed=args.seed, out=args.out)
+    cfg = LoopConfig(
+        steps=args.steps,
+        prompts=args.prompts,
+        group=args.group,
+        max_tokens=args.max_tokens,
+        rank=args.lora_rank,
+        alpha=2 * args.lora_rank,
+        layers=args.lora_layers,
+        lr=args.lr,
+        tolerance=args.tolerance,
+        seed=args.seed,
+        out=args.out,
+    )
     model_dir = resolve_model(args.model).path
     server = None
     try:
@@ -250,9 +329,14 @@ def main_train_demo(args: Any) -> int:
         else:
             from gymserve.server.embed import serve_policy
 
-            server = serve_policy(str(model_dir), backend_config={
-                "max_batch_size": max(1, cfg.prompts * cfg.group), "tool_parser": "none",
-                "num_threads": args.num_threads})
+            server = serve_policy(
+                str(model_dir),
+                backend_config={
+                    "max_batch_size": max(1, cfg.prompts * cfg.group),
+                    "tool_parser": "none",
+                    "num_threads": args.num_threads,
+                },
+            )
             base_url, api_key = server.base_url, "EMPTY"
         run_loop(base_url, model_dir, cfg, api_key=api_key)
         return 0

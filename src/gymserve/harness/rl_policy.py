@@ -47,9 +47,18 @@ class LoraPolicy:
     ``target_modules``: the Linear layers adapted; ``lr``: Adam's learning rate; ``max_grad_norm``:
     gradient clipping."""
 
-    def __init__(self, model_dir: str | os.PathLike, *, rank: int = 8, alpha: int = 16, layers: int = 4,
-                 target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"), lr: float = 2e-3,
-                 max_grad_norm: float = 1.0, seed: int = 0):
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        rank: int = 8,
+        alpha: int = 16,
+        layers: int = 4,
+        target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+        lr: float = 2e-3,
+        max_grad_norm: float = 1.0,
+        seed: int = 0,
+    ):
         import torch
         from peft import LoraConfig, get_peft_model
 
@@ -60,8 +69,14 @@ class LoraPolicy:
         n_layers = int(base.config.num_hidden_layers)
         chosen = list(range(max(0, n_layers - layers), n_layers)) if layers else None
         self.layers_adapted = len(chosen) if chosen else n_layers
-        self.config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(target_modules),
-                                 layers_to_transform=chosen, bias="none")
+        self.config = LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            lora_dropout=0.0,
+            target_modules=list(target_modules),
+            layers_to_transform=chosen,
+            bias="none",
+        )
         self.model = get_peft_model(base, self.config)
         self.model.eval()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -103,7 +118,9 @@ class LoraPolicy:
 
         t0 = time.perf_counter()
         lps = self.log_probs(rollouts, grad=True)
-        diffs = [float((lp.detach() - torch.tensor(r.log_probs)).abs().max()) for lp, r in zip(lps, rollouts) if r.gen_ids]
+        diffs = [
+            float((lp.detach() - torch.tensor(r.log_probs)).abs().max()) for lp, r in zip(lps, rollouts) if r.gen_ids
+        ]
         adv = advantages(rollouts)
         tokens = max(1, sum(len(r.gen_ids) for r in rollouts))
         loss = -sum(a * lp.sum() for a, lp in zip(adv, lps)) / tokens
@@ -115,8 +132,13 @@ class LoraPolicy:
             self.optimizer.step()
         old = [lp.detach() for lp in lps]
         new = self.log_probs(rollouts)
-        return {"tf_max_diff": max(diffs, default=0.0), "loss": float(loss.detach() if isinstance(loss, torch.Tensor) else loss), "grad_norm": grad_norm,
-                "kl": kl_k3(old, new), "train_seconds": time.perf_counter() - t0}
+        return {
+            "tf_max_diff": max(diffs, default=0.0),
+            "loss": float(loss.detach() if isinstance(loss, torch.Tensor) else loss),
+            "grad_norm": grad_norm,
+            "kl": kl_k3(old, new),
+            "train_seconds": time.perf_counter() - t0,
+        }
 
     def save(self, path: str | os.PathLike) -> None:
         """The adapter in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``)."""
