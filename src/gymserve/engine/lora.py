@@ -16,8 +16,10 @@ bit for bit instead of subtracting the delta again.
 
 One adapter at a time: merged weights serve one policy, so a second adapter while one is loaded is
 refused (409) unless it replaces the first (``load_inplace``), and a full weight update while an
-adapter is merged is refused too (it would mix the adapter into the new base weights). Serving
-several adapters in one batch needs unmerged per-row LoRA kernels (vLLM's punica); not here.
+adapter is merged is refused too (it would mix the adapter into the new base weights); a trainer
+that changes the served model object itself (``update_weight_version``) must unload first, or the
+kept base values go stale. Serving several adapters in one batch needs unmerged per-row LoRA
+kernels (vLLM's Punica); not here.
 
 What cannot be merged exactly is refused before anything changes (``WeightUpdateError``, 400,
 naming the tensor or the config field): DoRA, LoRA biases, ``modules_to_save``, trainable tokens,
