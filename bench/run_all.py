@@ -1,7 +1,7 @@
 """Regenerate everything on the performance page: run the benchmarks, plot, write the docs.
 
-Runs ``bench/growth.py``, ``bench/gateway.py``, ``bench/engine.py``, ``bench/parsers.py`` and
-``bench/ttft.py`` (each in its own process, one after another, so they never compete for the
+Runs ``bench/growth.py``, ``bench/gateway.py``, ``bench/engine.py``, ``bench/parsers.py``,
+``bench/ttft.py`` and ``bench/control.py`` (each in its own process, one after another, so they never compete for the
 cores), then ``bench/plot.py``, then rewrites
 ``docs/performance.md`` from the JSON results under ``docs/assets/perf/``. ``make bench`` calls this.
 
@@ -23,7 +23,7 @@ import plot  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 DOC = common.ROOT / "docs" / "performance.md"
-ORDER = ("growth", "gateway", "engine", "parsers", "ttft")
+ORDER = ("growth", "gateway", "engine", "parsers", "ttft", "control")
 
 
 def run_benchmarks(names: list[str], quick: bool, no_peer: bool) -> list[str]:
@@ -106,6 +106,15 @@ def write_docs(prefer_quick: bool = False) -> Path:
                  "N and 2N characters, each case stretching one part (arguments in every format, plain "
                  "content, whitespace, long names, reasoning): the 2N/N ratio is ~2 when the cost is linear, "
                  "~4 when quadratic. Script: `bench/parsers.py`.",
+                 prefer_quick, plot_image=False),
+        _section("control", "Serving a policy being trained",
+                 "How long a weight update takes on the embedded model (full weights from disk and from "
+                 "in-process tensors, a LoRA swap) against the floor of copying the same tensors in place, and "
+                 "what updates arriving ten times a minute cost a steady load of concurrent multi-turn sessions "
+                 "in each pause mode, against the same load without updates (the tiny random-weight model: the "
+                 "embedded one is too slow on this machine for minutes of steady load). Script: "
+                 "`bench/control.py`; what the modes do: [serving a policy being trained]"
+                 "(concepts/training-control.md).",
                  prefer_quick, plot_image=False),
     ]
     DOC.write_text("\n".join(parts))

@@ -337,7 +337,8 @@ ERROR_MODULES = ("errors.py", "config.py", "backends/__init__.py", "backends/ups
                  "backends/pool.py", "backends/openai_backend.py", "backends/local/request.py",
                  "prompting/splice.py", "engine/model_cache.py", "engine/model_store.py", "server/app.py",
                  "server/auth.py", "server/errors.py", "convert/request_checks.py", "engine/weights.py",
-                 "engine/control.py", "engine/base.py", "backends/base.py", "server/control.py")
+                 "engine/control.py", "engine/base.py", "backends/base.py", "server/control.py",
+                 "engine/lora.py", "backends/local_lora.py", "server/lora.py")
 HINT_FUNCTIONS = ("_not_found_hint", "_connection_hint")
 
 

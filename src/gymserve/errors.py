@@ -130,6 +130,13 @@ class WeightUpdateError(InvalidRequestError):
         super().__init__(message, param=param)
 
 
+class NotFoundError(InvalidRequestError):
+    """The request names something this server does not have (404), e.g. a LoRA adapter that is not
+    loaded or a model that is not served; ``type`` stays ``invalid_request_error`` as OpenAI's 404s."""
+
+    status_code = 404
+
+
 class NotSupportedError(GymserveError):
     """The backend or engine does not implement this operation (501 Not Implemented), e.g. weight
     updates on a backend that has no weights of its own; the message says what would."""

@@ -9,8 +9,9 @@ a backend attribute this class does not declare.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gymserve.backends.context import RequestContext
@@ -154,6 +155,22 @@ class Backend(ABC):
     async def update_weight_version(self, new_version: int | str) -> None:
         """Name the serving weights ``new_version``. Raises ``NotSupportedError`` (501) by default."""
         raise self._no_control("update_weight_version")
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike | None = None, *,
+                                tensors: Mapping[str, Any] | None = None, config: Any = None,
+                                load_inplace: bool = False, weight_version: int | str | None = None) -> int | str:
+        """Merge a LoRA adapter (PEFT format; see ``engine.lora``); returns the new weight version.
+        Raises ``NotSupportedError`` (501) by default."""
+        raise self._no_control("load_lora_adapter")
+
+    async def unload_lora_adapter(self, lora_name: str, *, weight_version: int | str | None = None) -> int | str:
+        """Remove the LoRA adapter ``lora_name``; returns the new weight version. Raises
+        ``NotSupportedError`` (501) by default."""
+        raise self._no_control("unload_lora_adapter")
+
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """The loaded LoRA adapters (``[]`` by default)."""
+        return []
 
     def control_status(self) -> list[dict[str, Any]]:
         """Per replica ``{"replica", "weight_version", "weight_updates", "paused", ...}`` for

@@ -1,4 +1,4 @@
-"""The ``gymserve`` command: serve, launch, status, check, demo, rollout, verify-rollouts.
+"""The ``gymserve`` command: serve, launch, status, check, demo, rollout, train-demo, verify-rollouts.
 
 ``gymserve serve [MODEL]`` reads like ``vllm serve MODEL``; every flag sets one config key
 (``gymserve.cli.flags``), and everything else comes from ``--config FILE`` (YAML, see
@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--concurrency", type=int, default=8, help="rollouts in flight at once")
     roll.add_argument("--resume", action="store_true", help="skip tasks whose rollout is already in --output")
 
+    from gymserve.harness.rl_loop import add_train_demo_parser
+
+    add_train_demo_parser(sub, **sub_options)
+
     ver = sub.add_parser(
         "verify-rollouts", help="check token contiguity and recompute log-probs by teacher forcing", **sub_options
     )
@@ -221,6 +225,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             resume=args.resume,
             model=args.model,
         )
+    if args.command == "train-demo":
+        from gymserve.harness.rl_loop import main_train_demo
+
+        return main_train_demo(args)
     if args.command == "verify-rollouts":
         from gymserve.harness.verify import main_verify
 

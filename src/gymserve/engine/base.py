@@ -144,6 +144,15 @@ class NoControl:
     async def update_weight_version(self, new_version: WeightVersion) -> None:
         raise self._unsupported("update_weight_version")
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, **kwargs: Any) -> WeightVersion:
+        raise self._unsupported("load_lora_adapter")
+
+    async def unload_lora_adapter(self, lora_name: str, **kwargs: Any) -> WeightVersion:
+        raise self._unsupported("unload_lora_adapter")
+
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        return []
+
     def control_status(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "weight_updates": 0, "paused": None}
 
@@ -193,7 +202,9 @@ class Engine(Protocol):
     ``path`` between two decode steps, all or nothing, and returns the new version;
     ``update_weight_version`` names the weights after the caller changed them itself;
     ``control_status()`` is ``{"weight_version", "weight_updates", "paused": mode | None, ...}``.
-    Bad updates raise ``WeightUpdateError`` (400) and change nothing.
+    Bad updates raise ``WeightUpdateError`` (400) and change nothing. LoRA adapters (PEFT format):
+    ``load_lora_adapter(name, path)``, ``unload_lora_adapter(name)``, ``lora_adapters()`` (see
+    ``engine.lora``).
     """
 
     model_name: str
@@ -219,6 +230,12 @@ class Engine(Protocol):
                              weight_version: WeightVersion | None = None) -> WeightVersion: ...
 
     async def update_weight_version(self, new_version: WeightVersion) -> None: ...
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, **kwargs: Any) -> WeightVersion: ...
+
+    async def unload_lora_adapter(self, lora_name: str, **kwargs: Any) -> WeightVersion: ...
+
+    def lora_adapters(self) -> list[dict[str, Any]]: ...
 
     def control_status(self) -> dict[str, Any]: ...
 

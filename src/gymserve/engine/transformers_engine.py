@@ -36,6 +36,7 @@ import torch
 
 from gymserve.engine.base import FinishReason, Generation, SamplingParams, TokenDelta, WeightVersion, collect
 from gymserve.engine.control import Command, ControlState, WorkerControl, check_timeout, check_version
+from gymserve.engine.lora import LoraEngine
 from gymserve.engine.sampling import make_generator, sample_next, top_logprobs
 from gymserve.errors import EngineError
 
@@ -72,7 +73,7 @@ class _Batch:
         self.active, self.cache, self.mask = [], None, None
 
 
-class TransformersEngine(WorkerControl):
+class TransformersEngine(LoraEngine, WorkerControl):
     """The ``Engine`` over a Hugging Face causal LM directory.
 
     ``model_dir``: a directory ``AutoModelForCausalLM`` loads (config + safetensors).
@@ -82,7 +83,8 @@ class TransformersEngine(WorkerControl):
     ``model``: serve this already loaded causal LM instead of loading ``model_dir`` (a trainer's own
     copy; ``model_dir`` then only names it and supplies ``generation_config.json`` when present).
     ``weight_version``: the version of the weights it starts with. ``pause_timeout``: seconds a
-    pause lasts when the caller gives no timeout.
+    pause lasts when the caller gives no timeout. LoRA adapters merge into the weights
+    (``engine.lora``).
     """
 
     engine_name = "transformers"

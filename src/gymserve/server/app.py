@@ -3,7 +3,7 @@
 Routes: ``POST /v1/responses``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus; ``server.metrics``), ``GET /``: a small JSON status (name,
 version, backend, model, links), as NeMo Gym's servers answer there, and the control routes of
-``server.control`` (pause, resume, weight updates). Every model call is timed and
+``server.control`` (pause, resume, weight updates) and ``server.lora`` (LoRA adapters). Every model call is timed and
 counted per backend and replica (``ctx.extra["replica"]``, set by the backend) and, with
 ``capture_path``, written to a JSONL capture file (``server.capture``).
 Bodies are parsed as plain JSON (orjson), checked by ``convert.request_checks.check_request``
@@ -36,6 +36,7 @@ from gymserve.server.capture import CaptureWriter, install_log_redaction
 from gymserve.server.control import CONTROL_PATHS, control_health, install_control
 from gymserve.server.errors import error_response, install_error_handlers
 from gymserve.server.limits import read_body
+from gymserve.server.lora import LORA_PATHS, install_lora
 from gymserve.server.metrics import Metrics, usage_tokens
 from gymserve.server.schemas import install_openapi
 
@@ -167,8 +168,9 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
         from gymserve.server.auth import install_api_key_check
 
         install_api_key_check(app, server_api_key, on_failure=metrics.auth_failures.inc, admin_key=admin_api_key,
-                              admin_paths=CONTROL_PATHS)
+                              admin_paths=CONTROL_PATHS | LORA_PATHS)
     install_control(app, backend, allowed=control_allowed, registry=metrics.registry)
+    install_lora(app, backend, allowed=control_allowed)
     backend_name = backend.name
     default_replica = "local" if backend_name == "local" else "-"
 

@@ -160,9 +160,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any = None) -> None:
-    """Mount the control routes on ``app`` over ``backend``; ``allowed`` False answers them 403
-    (see ``control_allowed``). ``registry``: the app's Prometheus registry for the control metrics."""
+def control_guard(allowed: bool):
+    """The route dependency that answers 403 when ``allowed`` is False (see ``control_allowed``)."""
 
     def guard() -> None:
         if not allowed:
@@ -171,6 +170,14 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
                 "server.admin_api_key (or server.api_key), or bind 127.0.0.1",
                 code="control_closed",
             )
+
+    return guard
+
+
+def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any = None) -> None:
+    """Mount the control routes on ``app`` over ``backend``; ``allowed`` False answers them 403
+    (see ``control_allowed``). ``registry``: the app's Prometheus registry for the control metrics."""
+    guard = control_guard(allowed)
 
     # Routes go on the app itself (not an included APIRouter) so app.routes lists each one.
     def route(method: str, path: str, summary: str):

@@ -11,6 +11,7 @@ the calling thread until done::
     server = serve_policy(model, tokenizer)             # a copy the trainer keeps for serving
     ...collect rollouts from server.base_url...
     server.update_weights(trainer_model.state_dict())   # atomic; returns the new version
+    server.load_lora_adapter("policy", "adapter-dir", load_inplace=True)  # or a LoRA (PEFT format)
     server.stop()
 
 A trainer that changes the served model object itself pauses first so no decode step sees it
@@ -66,6 +67,38 @@ class PolicyServer:
     def update_weight_version(self, new_version: int | str, *, timeout: float | None = 60) -> None:
         """Name the serving weights ``new_version`` (after changing the model object yourself, paused)."""
         self._run(self.backend.update_weight_version(new_version), timeout)
+
+    def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | os.PathLike | None = None,
+        *,
+        tensors: Mapping[str, Any] | None = None,
+        config: Any = None,
+        load_inplace: bool = False,
+        weight_version: int | str | None = None,
+        timeout: float | None = 600,
+    ) -> int | str:
+        """Merge a PEFT LoRA adapter — a directory, or ``tensors`` (``peft.get_peft_model_state_dict``)
+        with its ``peft.LoraConfig`` — served under ``lora_name``; returns the new weight version
+        (see ``engine.lora``; ``load_inplace`` swaps out the adapter loaded now)."""
+        return self._run(
+            self.backend.load_lora_adapter(
+                lora_name,
+                lora_path,
+                tensors=tensors,
+                config=config,
+                load_inplace=load_inplace,
+                weight_version=weight_version,
+            ),
+            timeout,
+        )
+
+    def unload_lora_adapter(
+        self, lora_name: str, *, weight_version: int | str | None = None, timeout: float | None = 600
+    ) -> int | str:
+        """Restore the base weights; returns the new weight version."""
+        return self._run(self.backend.unload_lora_adapter(lora_name, weight_version=weight_version), timeout)
 
     def pause_generation(
         self, mode: str = "abort", *, timeout: float | None = None, wait_timeout: float | None = 600

@@ -19,6 +19,7 @@ from typing import Any
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.local.control import LocalControl
 from gymserve.backends.local.output import CallOutput
+from gymserve.backends.local.lora import LocalLora
 from gymserve.backends.local.request import LocalCall, echo_pinned_sampling, prepare_call
 from gymserve.backends.local.stream import stream_chunks
 from gymserve.backends.pool import Limiter
@@ -28,7 +29,7 @@ from gymserve.protocol import ChatCompletionDict, ChatRequest
 from gymserve.wire.ids import new_id
 
 
-class LocalBackend(LocalControl, Backend):
+class LocalBackend(LocalLora, LocalControl, Backend):
     """Serves one in-process ``Engine``; see the module docstring.
 
     ``config`` is a ``gymserve.config.LocalBackendConfig``; ``engine`` and ``tokenizer`` are loaded
@@ -92,7 +93,7 @@ class LocalBackend(LocalControl, Backend):
         return echo_pinned_sampling(request, self.config.sampling)
 
     async def models(self) -> list[str]:
-        return [self.model_name]
+        return [self.served_model_name()]
 
     async def close(self) -> None:
         await self.engine.close()
@@ -102,9 +103,10 @@ class LocalBackend(LocalControl, Backend):
     def _prepare(self, request: ChatRequest) -> tuple[LocalCall, CallOutput]:
         """The engine call for ``request`` (``request.prepare_call``: 400s for what is refused) and
         the object that turns its tokens into chunks."""
+        self.check_model(request.get("model"))
         call = prepare_call(request, template=self.template, engine=self.engine,
                             sampling_config=self.config.sampling, stop_token_ids=self.stop_token_ids)
-        return call, CallOutput(call, tokenizer=self.tokenizer, model=self.model_name, chunk_id=new_id("chatcmpl"),
+        return call, CallOutput(call, tokenizer=self.tokenizer, model=self.served_model_name(), chunk_id=new_id("chatcmpl"),
                                 tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
                                 reasoning_field=self.config.reasoning_field, stop_token_ids=self.stop_token_ids,
                                 engine=self.engine)

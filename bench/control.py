@@ -1,0 +1,390 @@
+"""Serving a policy being trained: how long weight updates take, and what they cost a steady load.
+
+**Update time** — the embedded model (Qwen2.5-Coder-0.5B-Instruct, fp32: 290 tensors, ~2 GB) on
+the transformers engine in this process, each operation ``--reps`` times (median):
+
+- ``copy floor``: ``tensor.copy_`` of every new tensor into the served one — the least any in-place
+  update must do, and the baseline of the ratios;
+- ``full, in-process tensors``: ``engine.update_weights(state_dict)`` (validate every tensor, hand
+  the copy to the worker thread between two decode steps);
+- ``full, from disk``: ``engine.update_weights(path=...)`` of the safetensors copy (page cache warm),
+  beside ``read floor``: reading the same files' bytes (``safetensors.torch.load_file`` maps them
+  lazily, so it would measure nothing);
+- ``LoRA swap, from disk`` / ``in-process``: ``load_lora_adapter(..., load_inplace=True)`` replacing
+  one r=16 adapter on q/k/v/o of all 24 layers by another (``engine.lora``: merge, keep base values).
+
+**Rollout throughput under updates** — the tiny random-weight model (2 layers; the embedded model
+decodes ~1-5 tokens/s on this machine, too slow for minutes of steady load, so this measures the
+serving path, not the model): ``--sessions`` concurrent multi-turn sessions (``--turns`` turns of
+``--max-tokens`` tokens, each turn sent with the earlier turns' token fields, a new session when one
+ends) through the official openai SDK for ``--seconds`` per configuration — ``no updates`` (the
+baseline), then each pause mode with ``--updates`` updates at even intervals (default: ten a
+minute): ``pause_generation(mode)`` → ``update_weights(in-process tensors)`` →
+``resume_generation()``. Configurations run in interleaved rounds (``--rounds``). Per
+configuration: kept generated tokens/s and its ratio to the baseline, requests failed (any error)
+and dropped (sent, never answered), answers aborted and their tokens (thrown away: the session
+retries the turn), answers spanning an update (``keep``), and the time paused per update.
+
+Targets (issue 19): a LoRA swap well under a second; ``keep`` losing < 10% throughput; no request
+failed or dropped in any mode.
+
+Usage: ``python bench/control.py [--quick] [--reps 3] [--seconds 30] [--updates 5] [--sessions 8]
+[--rounds 2] [--skip-update-time] [--skip-load]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import common  # noqa: E402
+
+MODES = ("abort", "wait", "keep")
+
+
+# ------------------------------------------------------------------------------ update time
+def lora_adapter(model: Any, rank: int, seed: int) -> tuple[Any, dict[str, Any]]:
+    """A random PEFT LoRA (config, tensors) on q/k/v/o of every layer of ``model``."""
+    import torch
+    from peft import LoraConfig
+
+    gen = torch.Generator().manual_seed(seed)
+    mods = ("q_proj", "k_proj", "v_proj", "o_proj")
+    tensors = {}
+    for name, layer in model.named_modules():
+        if name.rsplit(".", 1)[-1] in mods:
+            key = f"base_model.model.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, layer.in_features, generator=gen) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(layer.out_features, rank, generator=gen) * 0.01
+    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(mods)), tensors
+
+
+def _median_seconds(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def update_times(reps: int) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import save_file
+
+    from gymserve.engine.model_store import embedded_model_dir
+    from gymserve.engine.transformers_engine import TransformersEngine
+    from gymserve.engine.weights import safetensors_files
+
+    model_dir = embedded_model_dir()
+    loop = asyncio.new_event_loop()
+    engine = TransformersEngine(model_dir)
+    run = loop.run_until_complete
+    try:
+        state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        served = engine.model.state_dict()
+        n_bytes = sum(v.numel() * v.element_size() for v in state.values())
+
+        def copy_floor():
+            with torch.no_grad():
+                for k, v in state.items():
+                    served[k].copy_(v)
+
+        files = safetensors_files(model_dir)
+        rows = {
+            "copy floor": _median_seconds(copy_floor, reps),
+            "full, in-process tensors": _median_seconds(lambda: run(engine.update_weights(state)), reps),
+            "read floor": _median_seconds(lambda: [f.read_bytes() for f in files], reps),
+            "full, from disk": _median_seconds(lambda: run(engine.update_weights(path=model_dir)), reps),
+        }
+        adapters = [lora_adapter(engine.model, 16, seed) for seed in (1, 2)]
+        tmp = Path(tempfile.mkdtemp(prefix="gymserve-bench-lora-"))
+        for i, (cfg, tensors) in enumerate(adapters):
+            cfg.save_pretrained(str(tmp / str(i)))
+            save_file(tensors, str(tmp / str(i) / "adapter_model.safetensors"))
+        run(engine.load_lora_adapter("policy", str(tmp / "0")))
+        turn = iter(range(1, 10_000))
+
+        def swap_disk():
+            run(engine.load_lora_adapter("policy", str(tmp / str(next(turn) % 2)), load_inplace=True))
+
+        def swap_tensors():
+            cfg, tensors = adapters[next(turn) % 2]
+            run(engine.load_lora_adapter("policy", tensors=tensors, config=cfg, load_inplace=True))
+
+        rows["LoRA swap, from disk"] = _median_seconds(swap_disk, reps)
+        rows["LoRA swap, in-process"] = _median_seconds(swap_tensors, reps)
+        lora_params = sum(t.numel() for t in adapters[0][1].values())
+        run(engine.unload_lora_adapter("policy"))
+    finally:
+        run(engine.close())
+        loop.close()
+    return {
+        "seconds": rows,
+        "tensors": len(state),
+        "bytes": n_bytes,
+        "lora_rank": 16,
+        "lora_params": lora_params,
+        "lora_modules": len(adapters[0][1]) // 2,
+    }
+
+
+# ------------------------------------------------------------------------------ load under updates
+class Stats:
+    def __init__(self) -> None:
+        self.sent = self.answered = self.failed = self.aborted = self.thrown = self.kept = self.spanning = 0
+        self.turns = 0
+        self.errors: list[str] = []
+        self.pauses: list[float] = []
+
+
+async def session(client: Any, sid: int, stop_at: float, stats: Stats, turns: int, max_tokens: int) -> None:
+    while time.monotonic() < stop_at:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"Session {sid}: tell me a long story."}]
+        turn = 0
+        while turn < turns and time.monotonic() < stop_at:
+            stats.sent += 1
+            try:
+                done = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens)
+            except Exception as exc:  # noqa: BLE001 - counted: the goal is none
+                stats.failed += 1
+                stats.errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+                break
+            stats.answered += 1
+            choice = done.choices[0]
+            extra = choice.message.model_extra or {}
+            n = len(extra.get("generation_token_ids", []))
+            if choice.finish_reason == "abort":
+                stats.aborted += 1
+                stats.thrown += n
+                continue  # the turn is sampled again on the new weights
+            stats.kept += n
+            stats.turns += 1
+            stats.spanning += bool(extra.get("weight_version_spans"))
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": choice.message.content or "",
+                    **{k: extra[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")},
+                }
+            )
+            messages.append({"role": "user", "content": "Go on."})
+            turn += 1
+
+
+async def updater(server: Any, mode: str, updates: int, seconds: float, weights: list[dict], stats: Stats) -> None:
+    start = time.monotonic()
+    for k in range(updates):
+        await asyncio.sleep(max(0.0, start + seconds * (k + 1) / (updates + 1) - time.monotonic()))
+        t0 = time.perf_counter()
+        await asyncio.to_thread(server.pause_generation, mode, timeout=60)
+        await asyncio.to_thread(server.update_weights, weights[k % 2])
+        await asyncio.to_thread(server.resume_generation)
+        stats.pauses.append(time.perf_counter() - t0)
+
+
+async def one_config(server: Any, mode: str | None, args: argparse.Namespace, weights: list[dict]) -> dict[str, Any]:
+    from openai import AsyncOpenAI
+
+    stats = Stats()
+    async with AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120) as client:
+        t0 = time.monotonic()
+        stop_at = t0 + args.seconds
+        jobs = [session(client, i, stop_at, stats, args.turns, args.max_tokens) for i in range(args.sessions)]
+        if mode is not None:
+            jobs.append(updater(server, mode, args.updates, args.seconds, weights, stats))
+        await asyncio.gather(*jobs)
+        elapsed = time.monotonic() - t0
+    return {
+        "mode": mode or "no updates",
+        "seconds": elapsed,
+        "kept_tokens": stats.kept,
+        "thrown_tokens": stats.thrown,
+        "sent": stats.sent,
+        "answered": stats.answered,
+        "failed": stats.failed,
+        "dropped": stats.sent - stats.answered - stats.failed,
+        "aborted": stats.aborted,
+        "turns": stats.turns,
+        "spanning": stats.spanning,
+        "updates": len(stats.pauses),
+        "pause_seconds": stats.pauses,
+        "errors": stats.errors[:5],
+    }
+
+
+def load_under_updates(args: argparse.Namespace) -> dict[str, Any]:
+    from gymserve.engine.model_store import embedded_model_dir
+    from gymserve.server.embed import serve_policy
+    from tiny_model import build_tiny_model
+
+    tiny = build_tiny_model(Path(tempfile.mkdtemp(prefix="Qwen2.5-Coder-tiny-")), embedded_model_dir())
+    server = serve_policy(
+        str(tiny),
+        model_name="tiny",
+        backend_config={"max_batch_size": args.sessions, "tool_parser": "none", "pause_timeout": 120},
+    )
+    try:
+        base = {k: v.clone() for k, v in server.backend.engine.model.state_dict().items()}
+        noisy = {k: v * 1.01 if v.is_floating_point() else v for k, v in base.items()}
+        weights = [noisy, base]
+        runs: dict[str, list[dict[str, Any]]] = {}
+        warm = argparse.Namespace(**{**vars(args), "seconds": min(5.0, args.seconds)})
+        asyncio.run(one_config(server, None, warm, weights))  # first calls pay one-time costs; not measured
+        for _ in range(args.rounds):
+            for mode in (None, *MODES):
+                res = asyncio.run(one_config(server, mode, args, weights))
+                runs.setdefault(res["mode"], []).append(res)
+                print(
+                    f"  {res['mode']:>10}: {res['kept_tokens'] / res['seconds']:.1f} tok/s, {res['updates']} updates, "
+                    f"{res['failed']} failed, {res['aborted']} aborted",
+                    flush=True,
+                )
+    finally:
+        server.stop()
+    return {"runs": runs}
+
+
+def summarize(load: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per configuration: totals over rounds, tokens/s, and the ratio to ``no updates``."""
+    out = []
+    for mode, runs in load["runs"].items():
+        total = {
+            k: sum(r[k] for r in runs)
+            for k in (
+                "seconds",
+                "kept_tokens",
+                "thrown_tokens",
+                "sent",
+                "failed",
+                "dropped",
+                "aborted",
+                "turns",
+                "spanning",
+                "updates",
+            )
+        }
+        pauses = [p for r in runs for p in r["pause_seconds"]]
+        total["tok_s"] = total["kept_tokens"] / total["seconds"]
+        total["pause_median"] = statistics.median(pauses) if pauses else float("nan")
+        out.append({"mode": mode, **total})
+    base = out[0]["tok_s"]
+    for row in out:
+        row["ratio"] = row["tok_s"] / base if base else float("nan")
+    return out
+
+
+# ------------------------------------------------------------------------------ report
+def report(res: dict[str, Any]) -> str:
+    a = res["args"]
+    lines = [common.machine_line(res["machine"], mode="quick" if res["quick"] else "full")]
+    ut = res.get("update_time")
+    if ut:
+        s = ut["seconds"]
+        floor = s["copy floor"]
+        rows = [[k, v, v / floor] for k, v in s.items()]
+        lines.append(
+            common.table(
+                ["operation", "seconds (median)", "× copy floor"],
+                rows,
+                title=f"Update time, embedded model ({ut['tensors']} tensors, {ut['bytes'] / 2**30:.2f} "
+                f"GiB fp32; LoRA r={ut['lora_rank']} on {ut['lora_modules']} modules, "
+                f"{ut['lora_params'] / 1e6:.1f} M parameters; {a['reps']} reps)",
+            )
+        )
+    rows_out = []
+    if res.get("load"):
+        rows = summarize(res["load"])
+        table_rows = [
+            [
+                r["mode"],
+                r["tok_s"],
+                r["ratio"],
+                r["updates"],
+                r["pause_median"],
+                r["failed"],
+                r["dropped"],
+                r["aborted"],
+                r["thrown_tokens"],
+                r["spanning"],
+            ]
+            for r in rows
+        ]
+        lines.append(
+            common.table(
+                [
+                    "configuration",
+                    "kept tok/s",
+                    "× no updates",
+                    "updates",
+                    "pause s (median)",
+                    "failed",
+                    "dropped",
+                    "aborted",
+                    "tokens thrown away",
+                    "answers spanning",
+                ],
+                table_rows,
+                title=f"Rollout throughput under updates, tiny model ({a['sessions']} sessions × "
+                f"{a['turns']} turns × {a['max_tokens']} tokens, {a['seconds']:g} s per "
+                f"configuration × {a['rounds']} rounds, {a['updates']} updates each)",
+            )
+        )
+        rows_out = rows
+    lines.append("Targets")
+    if ut:
+        swap = ut["seconds"]["LoRA swap, in-process"]
+        lines.append(f"  {common.verdict(swap < 1.0)} LoRA swap (in-process) well under a second: {swap:.3f} s")
+    if rows_out:
+        keep = next(r for r in rows_out if r["mode"] == "keep")
+        lines.append(f"  {common.verdict(keep['ratio'] >= 0.9)} keep loses < 10% throughput: {keep['ratio']:.2f}x")
+        bad = sum(r["failed"] + r["dropped"] for r in rows_out)
+        lines.append(f"  {common.verdict(bad == 0)} no request failed or dropped: {bad}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, help="repetitions per update-time operation (3; 1 quick)")
+    ap.add_argument("--seconds", type=float, help="seconds per load configuration (30; 10 quick)")
+    ap.add_argument("--updates", type=int, help="updates per configuration (5 in 30 s: ten a minute; 2 quick)")
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, help="interleaved rounds of all configurations (2; 1 quick)")
+    ap.add_argument("--skip-update-time", action="store_true")
+    ap.add_argument("--skip-load", action="store_true")
+    args = ap.parse_args(argv)
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.seconds = args.seconds or (10.0 if args.quick else 30.0)
+    args.updates = args.updates if args.updates is not None else (2 if args.quick else 5)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    res: dict[str, Any] = {
+        "machine": common.machine(),
+        "quick": args.quick,
+        "args": {
+            k: getattr(args, k) for k in ("reps", "seconds", "updates", "sessions", "turns", "max_tokens", "rounds")
+        },
+    }
+    if not args.skip_load:
+        print("rollout throughput under updates (tiny model):", flush=True)
+        res["load"] = load_under_updates(args)
+    if not args.skip_update_time:
+        print("update time (embedded model):", flush=True)
+        res["update_time"] = update_times(args.reps)
+    common.save_results("control-quick" if args.quick else "control", res)
+    print(report(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
