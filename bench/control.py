@@ -224,7 +224,7 @@ async def one_config(server: Any, mode: str | None, args: argparse.Namespace, we
 def load_under_updates(args: argparse.Namespace) -> dict[str, Any]:
     from gymserve.engine.model_store import embedded_model_dir
     from gymserve.server.embed import serve_policy
-    from tiny_model import build_tiny_model
+    from helpers.tiny_model import build_tiny_model
 
     tiny = build_tiny_model(Path(tempfile.mkdtemp(prefix="Qwen2.5-Coder-tiny-")), embedded_model_dir())
     server = serve_policy(

@@ -3,7 +3,7 @@
     python scripts/gen_reference.py          # rewrite docs/reference/configuration.md and cli.md
     python scripts/gen_reference.py --check  # exit 1 when a committed page is out of date
 
-``tests/test_docs.py`` runs the check, so a renamed option or flag fails the test suite until the
+``tests/docs/test_docs.py`` runs the check, so a renamed option or flag fails the test suite until the
 pages are regenerated. ``NOTES`` adds a sentence to options whose pydantic field has no
 ``description``; a note naming a field that no longer exists is an error, not a stale line.
 """

@@ -16,7 +16,7 @@ and is replaced whole; nothing in it is typed by hand:
 Each sample starts with a line saying the machine's core count and load average during the run (the
 times in a sample grow with the load of other jobs).
 
-A run that fails (non-zero exit) writes nothing. ``tests/test_docs.py`` checks the committed samples
+A run that fails (non-zero exit) writes nothing. ``tests/docs/test_docs.py`` checks the committed samples
 against the code: the demo's line format (against a demo run on the tiny test model), the model name,
 the counts (per-turn token counts against each other and the checks' totals), and the rollout's token
 IDs (decoded with the embedded model's tokenizer, they are the prompt and the call shown).

@@ -31,7 +31,7 @@ def tokenizer(embedded_dir):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     """A 2-layer random-weight Qwen2 model with the embedded model's real tokenizer and template."""
-    from tiny_model import build_tiny_model
+    from helpers.tiny_model import build_tiny_model
 
     # Named like the embedded model so `auto` picks the same tool-call parser for both.
     return build_tiny_model(tmp_path_factory.mktemp("Qwen2.5-Coder-tiny"), embedded_dir)
@@ -66,7 +66,7 @@ def transformers_serve(embedded_dir):
     """``(base_url, model_name)`` of a running ``transformers serve`` (stopped at session end): the
     embedded model's safetensors copy served from ``.venv-peer`` (built on first use)."""
     import httpx
-    from fakes import free_port
+    from helpers.fakes import free_port
 
     reason = _build_peer_venv()
     if reason is not None:
@@ -104,7 +104,7 @@ def transformers_serve(embedded_dir):
 @pytest.fixture
 def openai_fake():
     """A fake OpenAI API on 127.0.0.1 (``fakes.openai_handler``), key ``fakes.CLOUD_KEY``, model ``gpt-test``."""
-    from fakes import CLOUD_KEY, FakeServer, openai_handler
+    from helpers.fakes import CLOUD_KEY, FakeServer, openai_handler
 
     with FakeServer(openai_handler(CLOUD_KEY, model="gpt-test")) as s:
         yield s
@@ -114,13 +114,13 @@ def openai_fake():
 def azure_fake():
     """A fake Azure OpenAI resource on 127.0.0.1 (``fakes.azure_handler``), key ``fakes.CLOUD_KEY``,
     ``api-version`` ``fakes.AZURE_VERSION``, deployment ``dep``."""
-    from fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, azure_handler
+    from helpers.fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, azure_handler
 
     with FakeServer(azure_handler(api_key=CLOUD_KEY, api_version=AZURE_VERSION, deployment="dep")) as s:
         yield s
 
 
-# ---------------------------------------------------------------- the model cache (tests/fake_store.py)
+# ---------------------------------------------------------------- the model cache (tests/helpers/fake_store.py)
 @pytest.fixture
 def model_cache(tmp_path, monkeypatch) -> Path:
     """An empty model cache: ``GYMSERVE_CACHE`` points at a directory not created yet."""
@@ -132,7 +132,7 @@ def model_cache(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def fake_wheels(tmp_path, model_cache, monkeypatch) -> dict:
     """The embedded model's wheels replaced by six synthetic ones (1 MB) and its conversion by a fake."""
-    from fake_store import install, make_wheels, unique_prefix
+    from helpers.fake_store import install, make_wheels, unique_prefix
 
     spec = make_wheels(tmp_path / "wheels", os.urandom(1 << 20), prefix=unique_prefix("fake"))
     return install({**spec, "convert": "fake", "delay": 0.05}, monkeypatch)

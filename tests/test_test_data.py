@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from spec import CASES_PATH, SPEC_PATH, load_cases
+from helpers.spec import CASES_PATH, SPEC_PATH, load_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 CASE_ID = re.compile(r"\b(?:RC|CR|RP|TP|TE|CL|AZ|ST)-\d{2}\b")

@@ -85,7 +85,7 @@ class BindError(OSError):
 def _addresses(host: str, port: int) -> list[tuple[int, tuple]]:
     """``[(family, sockaddr)]`` for ``host``. An IP literal (the usual 127.0.0.1, 0.0.0.0, ::) is
     read without ``getaddrinfo``: a lookup in this process before Ray starts made a restarting Ray
-    replica fail calls instead of queueing them (tests/test_ray.py's killed-replica test)."""
+    replica fail calls instead of queueing them (tests/backends/test_ray.py's killed-replica test)."""
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:

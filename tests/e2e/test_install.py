@@ -1,0 +1,106 @@
+"""``make install``: torch first (its CPU build), then gymserve with torch pinned.
+
+The Makefile's order and switches are read from ``make -n`` (what make would run); the torch step,
+``scripts/install_torch.py``, runs for real in the modes that install nothing (keep the installed
+torch, check the pin), against this environment's torch.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "install_torch.py"
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+
+
+def make_n(*args: str) -> list[str]:
+    done = subprocess.run(
+        ["make", "-n", "-B", "install", "VENV=/tmp/gymserve-venv", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.splitlines()
+
+
+def _index(lines: list[str], needle: str) -> int:
+    return next(i for i, line in enumerate(lines) if needle in line)
+
+
+def test_torch_is_installed_first_then_pinned_for_the_extras():
+    lines = make_n()
+    torch_step = _index(lines, "scripts/install_torch.py --torch")
+    extras = _index(lines, '-e ".[local,test,docs,lint]"')
+    check = _index(lines, "scripts/install_torch.py --check")
+    assert torch_step < extras < check
+    assert '--torch "torch==2.13.0"' in lines[torch_step] and "--try-local" in lines[torch_step]
+    assert '--index "https://download.pytorch.org/whl/cpu"' in lines[torch_step]
+    assert "-c /tmp/gymserve-venv/torch-constraints.txt" in lines[extras]
+    assert "--constraints /tmp/gymserve-venv/torch-constraints.txt" in lines[torch_step]
+
+
+def test_overrides():
+    [index_only] = [x for x in make_n("TORCH_INDEX=https://mirror.example/whl/cpu") if "--torch" in x]
+    assert '--index "https://mirror.example/whl/cpu"' in index_only and "--try-local" not in index_only
+    [own] = [x for x in make_n("TORCH=") if "--torch" in x]
+    assert '--torch ""' in own
+    [other] = [x for x in make_n("TORCH=torch==2.6.0") if "--torch" in x]
+    assert '--torch "torch==2.6.0"' in other and "--try-local" in other
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_keeping_the_installed_torch_pins_it_and_names_its_build(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+
+    pins = tmp_path / "torch-constraints.txt"
+    done = run_script("--torch", "", "--constraints", str(pins))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert pins.read_text() == f"torch=={metadata.version('torch')}\n"
+    build = "CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build"
+    assert f"torch {torch.__version__} is a {build}" in done.stdout
+    assert "from the environment (TORCH is empty" in done.stdout
+
+    assert run_script("--check", "--constraints", str(pins)).returncode == 0
+    pins.write_text("torch==0.0.1\n")
+    changed = run_script("--check", "--constraints", str(pins))
+    assert changed.returncode == 1 and "torch changed from 0.0.1 to" in changed.stdout
+
+
+def test_describe_build():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import install_torch
+    finally:
+        sys.path.pop(0)
+    assert install_torch.describe_build({"version": "2.13.0+cpu", "cuda": None, "hip": None}) == (
+        True,
+        "torch 2.13.0+cpu is a CPU build (torch.version.cuda is None)",
+    )
+    assert install_torch.describe_build({"version": "2.13.0", "cuda": "13.0", "hip": None}) == (
+        False,
+        "torch 2.13.0 is a CUDA 13.0 build, not the CPU build",
+    )
+    assert install_torch.describe_build({"version": "2.13.0+rocm6.4", "cuda": None, "hip": "6.4"})[0] is False
+
+
+def test_getting_started_quotes_the_makefiles_install_commands():
+    """The extras and the constraints file Getting started says ``make install`` uses are the Makefile's."""
+    import re
+
+    page = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    [quoted] = re.findall(r'`pip install -c \.venv/torch-constraints\.txt -e "(\.\[[\w,]+\])"`', page)
+    [extras] = [x for x in make_n() if "-c /tmp/gymserve-venv/torch-constraints.txt -e" in x]
+    assert f'-e "{quoted}"' in extras, f"docs say {quoted}; the Makefile runs: {extras}"
+    assert "`.venv/torch-constraints.txt`" in page

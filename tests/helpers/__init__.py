@@ -1,0 +1,1 @@
+"""Test helpers (fakes, spec validation, templates, tiny models), imported as ``helpers.x``."""
