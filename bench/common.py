@@ -96,14 +96,22 @@ def machine() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
-            "loadavg_1m": round(os.getloadavg()[0], 2), "platform": platform.platform(terse=True)}
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "platform": platform.platform(terse=True),
+    }
 
 
 def machine_line(info: dict[str, Any] | None = None, **extra: Any) -> str:
     info = info or machine()
-    parts = [f"{info['nproc']} cores ({info['cpu']})", f"load {info['loadavg_1m']} at start",
-             f"Python {info['python']}"]
+    parts = [
+        f"{info['nproc']} cores ({info['cpu']})",
+        f"load {info['loadavg_1m']} at start",
+        f"Python {info['python']}",
+    ]
     parts += [f"{k}: {v}" for k, v in extra.items()]
     return "machine: " + "; ".join(parts)
 
@@ -184,16 +192,24 @@ class Child:
             self.proc.wait(5)
 
 
-def start_child(name: str, cmd: Sequence[str], port: int, *, env: dict[str, str] | None = None,
-                cwd: str | os.PathLike | None = None, log_dir: Path | None = None) -> Child:
+def start_child(
+    name: str,
+    cmd: Sequence[str],
+    port: int,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    log_dir: Path | None = None,
+) -> Child:
     """Start ``cmd`` in a new session (so ``stop`` ends it and only it), output to a log file."""
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / "gymserve-bench"
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}-{port}.log"
     fh = open(log, "wb")
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen(list(cmd), stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        list(cmd), stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True
+    )
     fh.close()
     return Child(name, proc, log, port)
 
@@ -206,8 +222,9 @@ def wait_http(child: Child, url: str, timeout: float, *, method: str = "GET", bo
         if not child.alive():
             raise RuntimeError(f"{child.name} exited with {child.proc.returncode} while starting:\n{child.tail()}")
         try:
-            req = urllib.request.Request(url, data=body, method=method,
-                                         headers={"content-type": "application/json"} if body else {})
+            req = urllib.request.Request(
+                url, data=body, method=method, headers={"content-type": "application/json"} if body else {}
+            )
             with urllib.request.urlopen(req, timeout=5) as r:
                 if r.status < 500:
                     return
@@ -225,8 +242,11 @@ def wait_http(child: Child, url: str, timeout: float, *, method: str = "GET", bo
 def start_fake_chat(port: int | None = None, delay_ms: float = 0.0) -> Child:
     """``bench/fake_chat_server.py`` in its own process; base URL ``http://127.0.0.1:PORT/v1``."""
     port = port or free_port()
-    child = start_child("fake-chat", [sys.executable, str(ROOT / "bench" / "fake_chat_server.py"),
-                                      "--port", str(port), "--delay-ms", str(delay_ms)], port)
+    child = start_child(
+        "fake-chat",
+        [sys.executable, str(ROOT / "bench" / "fake_chat_server.py"), "--port", str(port), "--delay-ms", str(delay_ms)],
+        port,
+    )
     wait_http(child, f"http://127.0.0.1:{port}/v1/models", 20)
     return child
 
@@ -256,8 +276,9 @@ class LoadResult:
         return percentile(self.latencies, q)
 
 
-async def run_load(one: Callable[[int], Awaitable[None]], *, requests: int, concurrency: int,
-                   time_limit: float) -> LoadResult:
+async def run_load(
+    one: Callable[[int], Awaitable[None]], *, requests: int, concurrency: int, time_limit: float
+) -> LoadResult:
     """Call ``await one(i)`` ``requests`` times, ``concurrency`` at a time, stopping new calls after
     ``time_limit`` seconds (bounded in count and in time). ``one`` raises on failure."""
     latencies: list[float] = []
@@ -328,16 +349,37 @@ def nemo_venv(install: bool = True) -> Path | None:
     if not py.exists():
         _run([sys.executable, "-m", "venv", str(venv)], "nemo venv", 300)
     tmp = Path(tempfile.mkdtemp(prefix="nemo-wheel-"))
-    _run([str(venv / "bin" / "pip"), "download", "-q", "--no-deps", "--ignore-requires-python", "--python-version",
-          "3.13", "--only-binary=:all:", "nemo-gym==0.7.0", "-d", str(tmp)], "nemo-gym wheel", 600)
+    _run(
+        [
+            str(venv / "bin" / "pip"),
+            "download",
+            "-q",
+            "--no-deps",
+            "--ignore-requires-python",
+            "--python-version",
+            "3.13",
+            "--only-binary=:all:",
+            "nemo-gym==0.7.0",
+            "-d",
+            str(tmp),
+        ],
+        "nemo-gym wheel",
+        600,
+    )
     wheel = next(tmp.glob("nemo_gym-0.7.0-*.whl"))
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        reqs = [line.split(":", 1)[1].strip() for line in z.read(meta).decode().splitlines()
-                if line.startswith("Requires-Dist:") and "extra ==" not in line]
+        reqs = [
+            line.split(":", 1)[1].strip()
+            for line in z.read(meta).decode().splitlines()
+            if line.startswith("Requires-Dist:") and "extra ==" not in line
+        ]
     _run([str(venv / "bin" / "pip"), "install", "-q", *reqs], "nemo-gym requirements", 3600)
-    _run([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--ignore-requires-python", str(wheel)],
-         "nemo-gym wheel", 600)
+    _run(
+        [str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--ignore-requires-python", str(wheel)],
+        "nemo-gym wheel",
+        600,
+    )
     shutil.rmtree(tmp, ignore_errors=True)
     return _nemo_app_dir(venv)
 

@@ -54,14 +54,25 @@ TASKS = [
 
 
 def messages(i: int) -> list[dict[str, str]]:
-    return [{"role": "user", "content": f"Write a Python function that {TASKS[i % len(TASKS)]}. "
-                                        "Include type hints, a docstring, comments and an example."}]
+    return [
+        {
+            "role": "user",
+            "content": f"Write a Python function that {TASKS[i % len(TASKS)]}. "
+            "Include type hints, a docstring, comments and an example.",
+        }
+    ]
 
 
 def _summary(name: str, streams: int, tokens: int, latencies: list[float], wall: float) -> dict[str, Any]:
-    return {"config": name, "streams": streams, "tokens": tokens, "seconds": wall,
-            "tok_s": tokens / wall if wall > 0 else float("nan"),
-            "p50_s": common.percentile(latencies, 50), "p95_s": common.percentile(latencies, 95)}
+    return {
+        "config": name,
+        "streams": streams,
+        "tokens": tokens,
+        "seconds": wall,
+        "tok_s": tokens / wall if wall > 0 else float("nan"),
+        "p50_s": common.percentile(latencies, 50),
+        "p95_s": common.percentile(latencies, 95),
+    }
 
 
 # ---------------------------------------------------------------------------------- raw generate
@@ -82,18 +93,26 @@ class RawGenerate:
         eos = self.model.generation_config.eos_token_id
         self.eos = {self.tok.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])}
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        self.texts = [self.tok.apply_chat_template(messages(i), add_generation_prompt=True, tokenize=False)
-                      for i in range(8)]
+        self.texts = [
+            self.tok.apply_chat_template(messages(i), add_generation_prompt=True, tokenize=False) for i in range(8)
+        ]
 
     def generate(self, batch: list[str], n: int) -> tuple[int, float]:
         enc = self.tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
         t0 = time.perf_counter()
         with self.torch.inference_mode():
-            out = self.model.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=self.pad, top_p=None,
-                                      top_k=None, temperature=None)
+            out = self.model.generate(
+                **enc,
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=self.pad,
+                top_p=None,
+                top_k=None,
+                temperature=None,
+            )
         dt = time.perf_counter() - t0
         count = 0
-        for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        for row in out[:, enc["input_ids"].shape[1] :].tolist():
             for t in row:
                 count += 1
                 if t in self.eos:
@@ -133,8 +152,9 @@ class HttpServer:
 
         async def one(i: int) -> tuple[int, float]:
             t0 = time.perf_counter()
-            r = await client.chat.completions.create(model=self.model, messages=messages(i), max_tokens=n,
-                                                     temperature=0)
+            r = await client.chat.completions.create(
+                model=self.model, messages=messages(i), max_tokens=n, temperature=0
+            )
             return r.usage.completion_tokens, time.perf_counter() - t0
 
         try:
@@ -159,13 +179,24 @@ class HttpServer:
 
 def start_gymserve(model_dir: Path, threads: int) -> HttpServer:
     port = common.free_port()
-    cfg = {"server": {"host": "127.0.0.1", "port": port},
-           "backend": {"type": "local", "model": str(model_dir), "max_batch_size": 8, "num_threads": threads,
-                       "sampling": {"temperature": 0}}}
+    cfg = {
+        "server": {"host": "127.0.0.1", "port": port},
+        "backend": {
+            "type": "local",
+            "model": str(model_dir),
+            "max_batch_size": 8,
+            "num_threads": threads,
+            "sampling": {"temperature": 0},
+        },
+    }
     path = Path(tempfile.gettempdir()) / f"gymserve-bench-engine-{port}.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
-    child = common.start_child("gymserve-local", common.gymserve_cmd("serve", "--config", str(path)), port,
-                               env={"OMP_NUM_THREADS": str(threads)})
+    child = common.start_child(
+        "gymserve-local",
+        common.gymserve_cmd("serve", "--config", str(path)),
+        port,
+        env={"OMP_NUM_THREADS": str(threads)},
+    )
     common.wait_http(child, f"http://127.0.0.1:{port}/health", 600)
     return HttpServer("gymserve", child, "embedded")
 
@@ -182,8 +213,12 @@ def start_peer(model_dir: Path, threads: int, cb: bool, install: bool) -> HttpSe
         # less, and other processes share this machine.
         cmd += ["--continuous-batching", "--cb-max-memory-percent", "0.2"]
         name += " --continuous-batching"
-    child = common.start_child("transformers-serve" + ("-cb" if cb else ""), cmd, port,
-                               env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)})
+    child = common.start_child(
+        "transformers-serve" + ("-cb" if cb else ""),
+        cmd,
+        port,
+        env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)},
+    )
     common.wait_http(child, f"http://127.0.0.1:{port}/health", 600)
     return HttpServer(name, child, str(model_dir))
 
@@ -201,12 +236,18 @@ def run(args) -> dict[str, Any]:
     max_tokens = args.max_tokens or (16 if args.quick else 48)
     rounds = args.reps or (1 if args.quick else 2)
     info = common.machine()
-    starters = [("raw generate", lambda: RawGenerate(model_dir, threads)),
-                ("gymserve", lambda: start_gymserve(model_dir, threads))]
+    starters = [
+        ("raw generate", lambda: RawGenerate(model_dir, threads)),
+        ("gymserve", lambda: start_gymserve(model_dir, threads)),
+    ]
     if not args.no_peer:
-        starters += [("transformers serve", lambda: start_peer(model_dir, threads, False, not args.no_install)),
-                     ("transformers serve --continuous-batching",
-                      lambda: start_peer(model_dir, threads, True, not args.no_install))]
+        starters += [
+            ("transformers serve", lambda: start_peer(model_dir, threads, False, not args.no_install)),
+            (
+                "transformers serve --continuous-batching",
+                lambda: start_peer(model_dir, threads, True, not args.no_install),
+            ),
+        ]
     notes, configs = [], []
     try:
         for name, start in starters:
@@ -236,17 +277,30 @@ def run(args) -> dict[str, Any]:
                     a[0] += tokens
                     a[1] += lat
                     a[2] += wall
-                    print(f"  round {r + 1}/{rounds} {cfg.name:<42} {streams} stream(s): {tokens / wall:6.2f} tok/s "
-                          f"({tokens} tokens in {wall:.1f} s)", file=sys.stderr, flush=True)
+                    print(
+                        f"  round {r + 1}/{rounds} {cfg.name:<42} {streams} stream(s): {tokens / wall:6.2f} tok/s "
+                        f"({tokens} tokens in {wall:.1f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         rss = {cfg.name: round(cfg.rss()) for cfg in configs}
     finally:
         for cfg in reversed(configs):
             cfg.close()
     rows = [_summary(name, streams, *a) for (name, streams), a in acc.items()]
     rows.sort(key=lambda r: (r["streams"], [c.name for c in configs].index(r["config"])))
-    return {"machine": info, "model": model_dir.name, "max_tokens": max_tokens, "reps": rounds, "threads": threads,
-            "client": "openai AsyncOpenAI (servers); in-process model.generate (raw)", "quick": args.quick,
-            "rows": rows, "rss_mib": rss, "notes": notes}
+    return {
+        "machine": info,
+        "model": model_dir.name,
+        "max_tokens": max_tokens,
+        "reps": rounds,
+        "threads": threads,
+        "client": "openai AsyncOpenAI (servers); in-process model.generate (raw)",
+        "quick": args.quick,
+        "rows": rows,
+        "rss_mib": rss,
+        "notes": notes,
+    }
 
 
 def _get(rows, config, streams):
@@ -255,17 +309,36 @@ def _get(rows, config, streams):
 
 def report(res: dict[str, Any]) -> str:
     rows = res["rows"]
-    out = [common.machine_line(res["machine"], model=f"{res['model']} fp32, greedy, {res['max_tokens']} new tokens, "
-                                                    f"{res['threads']} torch threads", client=res["client"],
-                               mode="quick" if res["quick"] else "full")]
+    out = [
+        common.machine_line(
+            res["machine"],
+            model=f"{res['model']} fp32, greedy, {res['max_tokens']} new tokens, {res['threads']} torch threads",
+            client=res["client"],
+            mode="quick" if res["quick"] else "full",
+        )
+    ]
     table_rows = []
     for r in rows:
         raw = _get(rows, "raw generate", r["streams"])
-        table_rows.append([r["config"], r["streams"], r["tok_s"], r["tok_s"] / raw["tok_s"] if raw else float("nan"),
-                           r["p50_s"], r["p95_s"], r["tokens"], res["rss_mib"].get(r["config"], "-")])
-    out.append(common.table(["configuration", "streams", "tokens/s", "÷ raw generate", "p50 s", "p95 s",
-                             "tokens", "RSS MiB"], table_rows,
-                            "Local engine throughput (8 streams: aggregate; raw generate = one left-padded batch)"))
+        table_rows.append(
+            [
+                r["config"],
+                r["streams"],
+                r["tok_s"],
+                r["tok_s"] / raw["tok_s"] if raw else float("nan"),
+                r["p50_s"],
+                r["p95_s"],
+                r["tokens"],
+                res["rss_mib"].get(r["config"], "-"),
+            ]
+        )
+    out.append(
+        common.table(
+            ["configuration", "streams", "tokens/s", "÷ raw generate", "p50 s", "p95 s", "tokens", "RSS MiB"],
+            table_rows,
+            "Local engine throughput (8 streams: aggregate; raw generate = one left-padded batch)",
+        )
+    )
     for n in res["notes"]:
         out.append(f"note: {n}")
     out.append("\nTargets:")
@@ -287,7 +360,9 @@ def targets(res: dict[str, Any]) -> list[str]:
     if g8 and peers:
         best = max(peers, key=lambda r: r["tok_s"])
         r = g8["tok_s"] / best["tok_s"]
-        lines.append(f"{common.verdict(r >= 1.0)}  8 streams: {r:.2f}× the peer's best ({best['config']}) (target ≥ 1.0×)")
+        lines.append(
+            f"{common.verdict(r >= 1.0)}  8 streams: {r:.2f}× the peer's best ({best['config']}) (target ≥ 1.0×)"
+        )
     elif g8:
         lines.append("n/a   8 streams vs peer: the peer was not measured")
     return lines

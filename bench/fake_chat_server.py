@@ -22,27 +22,49 @@ MODEL = "fake"
 
 def completion_body() -> bytes:
     """The one ChatCompletion every chat request gets (a tool call, as a policy model would emit)."""
-    return json.dumps({
-        "id": "chatcmpl-fake0000000000000000", "object": "chat.completion", "created": int(time.time()),
-        "model": MODEL, "system_fingerprint": None,
-        "choices": [{
-            "index": 0, "finish_reason": "tool_calls", "logprobs": None,
-            "message": {"role": "assistant", "content": None, "refusal": None,
-                        "tool_calls": [{"id": "call_fake000000000000000000", "type": "function",
-                                        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-        }],
-        "usage": {"prompt_tokens": 2048, "completion_tokens": 16, "total_tokens": 2064},
-    }, separators=(",", ":")).encode()
+    return json.dumps(
+        {
+            "id": "chatcmpl-fake0000000000000000",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": MODEL,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "tool_calls",
+                    "logprobs": None,
+                    "message": {
+                        "role": "assistant",
+                        "content": None,
+                        "refusal": None,
+                        "tool_calls": [
+                            {
+                                "id": "call_fake000000000000000000",
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                            }
+                        ],
+                    },
+                }
+            ],
+            "usage": {"prompt_tokens": 2048, "completion_tokens": 16, "total_tokens": 2064},
+        },
+        separators=(",", ":"),
+    ).encode()
 
 
 def models_body() -> bytes:
-    return json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0,
-                                                    "owned_by": "fake"}]}).encode()
+    return json.dumps(
+        {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "fake"}]}
+    ).encode()
 
 
 def _response(status: str, body: bytes) -> bytes:
-    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: keep-alive\r\n\r\n").encode() + body
+    return (
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: keep-alive\r\n\r\n"
+    ).encode() + body
 
 
 class _Http(asyncio.Protocol):
@@ -71,7 +93,7 @@ class _Http(asyncio.Protocol):
                     length = int(value.strip())
             if len(self.buf) < end + 4 + length:
                 return
-            del self.buf[:end + 4 + length]
+            del self.buf[: end + 4 + length]
             method, path = head.split(" ", 2)[:2]
             path = path.split("?", 1)[0]
             if method == "POST" and path.endswith("/chat/completions"):
@@ -96,9 +118,12 @@ class _Http(asyncio.Protocol):
 
 
 async def serve(host: str, port: int, delay_ms: float = 0.0) -> None:
-    answers = {"chat": _response("200 OK", completion_body()), "models": _response("200 OK", models_body()),
-               "health": _response("200 OK", b"{}"),
-               "404": _response("404 Not Found", b'{"error": {"message": "not found"}}')}
+    answers = {
+        "chat": _response("200 OK", completion_body()),
+        "models": _response("200 OK", models_body()),
+        "health": _response("200 OK", b"{}"),
+        "404": _response("404 Not Found", b'{"error": {"message": "not found"}}'),
+    }
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: _Http(answers, delay_ms / 1000), host, port, backlog=1024)
     print(f"ready {server.sockets[0].getsockname()[1]}", flush=True)

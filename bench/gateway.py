@@ -40,10 +40,20 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Get the current weather for a city.",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
-                         "required": ["city"], "additionalProperties": False},
-          "strict": False}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Get the current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "City name"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "strict": False,
+    }
+]
 CITIES = ["Paris", "Berlin", "Madrid", "Rome", "Vienna", "Prague", "Lisbon", "Oslo", "Dublin", "Athens"]
 
 
@@ -51,16 +61,37 @@ def _turn(i: int, pad: int) -> list[dict[str, Any]]:
     """One agent turn: the model's function call, the tool's output (``pad`` bytes of report), the
     model's answer, the user's next question."""
     city = CITIES[i % len(CITIES)]
-    report = {"city": city, "temperature_c": 10 + i % 17, "conditions": "partly cloudy",
-              "wind_kph": 5 + i % 30, "humidity": 40 + i % 50,
-              "forecast": ("Mild with a light breeze; clouds clearing towards evening. " * 40)[:max(0, pad)]}
+    report = {
+        "city": city,
+        "temperature_c": 10 + i % 17,
+        "conditions": "partly cloudy",
+        "wind_kph": 5 + i % 30,
+        "humidity": 40 + i % 50,
+        "forecast": ("Mild with a light breeze; clouds clearing towards evening. " * 40)[: max(0, pad)],
+    }
     return [
-        {"type": "function_call", "id": f"fc_{i:06d}", "call_id": f"call_{i:06d}", "name": "get_weather",
-         "arguments": json.dumps({"city": city}), "status": "completed"},
+        {
+            "type": "function_call",
+            "id": f"fc_{i:06d}",
+            "call_id": f"call_{i:06d}",
+            "name": "get_weather",
+            "arguments": json.dumps({"city": city}),
+            "status": "completed",
+        },
         {"type": "function_call_output", "call_id": f"call_{i:06d}", "output": json.dumps(report)},
-        {"type": "message", "id": f"msg_{i:06d}", "role": "assistant", "status": "completed",
-         "content": [{"type": "output_text", "text": f"In {city} it is {report['temperature_c']} °C and partly cloudy.",
-                      "annotations": []}]},
+        {
+            "type": "message",
+            "id": f"msg_{i:06d}",
+            "role": "assistant",
+            "status": "completed",
+            "content": [
+                {
+                    "type": "output_text",
+                    "text": f"In {city} it is {report['temperature_c']} °C and partly cloudy.",
+                    "annotations": [],
+                }
+            ],
+        },
         {"type": "message", "role": "user", "content": f"And what about {CITIES[(i + 1) % len(CITIES)]}?"},
     ]
 
@@ -68,9 +99,12 @@ def _turn(i: int, pad: int) -> list[dict[str, Any]]:
 def responses_request(target_bytes: int, model: str = "fake") -> dict[str, Any]:
     """A Responses create request whose JSON body is ``target_bytes`` long, give or take 5%."""
     req: dict[str, Any] = {
-        "model": model, "instructions": "You are a weather assistant. Use the get_weather tool.",
+        "model": model,
+        "instructions": "You are a weather assistant. Use the get_weather tool.",
         "input": [{"type": "message", "role": "user", "content": "What is the weather in Paris?"}],
-        "tools": TOOLS, "max_output_tokens": 64, "temperature": 1.0,
+        "tools": TOOLS,
+        "max_output_tokens": 64,
+        "temperature": 1.0,
     }
     size = lambda: len(json.dumps(req).encode())  # noqa: E731
     i = 0
@@ -91,8 +125,10 @@ def chat_request(resp_req: dict[str, Any]) -> dict[str, Any]:
     """The Chat Completions request gymserve's chat backend sends for ``resp_req``."""
     from gymserve.convert import ConvertOptions, responses_to_chat
 
-    return responses_to_chat(resp_req, ConvertOptions(reasoning_mode="reasoning_content", developer_role="system",
-                                                      max_tokens_field="max_tokens"))
+    return responses_to_chat(
+        resp_req,
+        ConvertOptions(reasoning_mode="reasoning_content", developer_role="system", max_tokens_field="max_tokens"),
+    )
 
 
 # ---------------------------------------------------------------------------------- servers
@@ -100,8 +136,19 @@ def start_gymserve(upstream: str, name: str = "gymserve", cmd: list[str] | None 
     """``gymserve serve --backend chat`` in its own process; ``cmd`` replaces ``python -m gymserve.cli``
     (``--variant``: the same arguments follow it)."""
     port = common.free_port()
-    args = ["serve", "--backend", "chat", "--base-url", upstream, "--model", "fake", "--port", str(port),
-            "--host", "127.0.0.1"]
+    args = [
+        "serve",
+        "--backend",
+        "chat",
+        "--base-url",
+        upstream,
+        "--model",
+        "fake",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+    ]
     child = common.start_child(name, (cmd + args) if cmd else common.gymserve_cmd(*args), port)
     common.wait_http(child, f"http://127.0.0.1:{port}/health", 60)
     return child
@@ -114,27 +161,39 @@ def start_nemo(upstream: str, install: bool) -> common.Child | None:
     py = common.ROOT / ".venv-nemo" / "bin" / "python"
     port, head = common.free_port(), common.free_port()
     opts = "++policy_model.responses_api_models.vllm_model."
-    cmd = [str(py), "app.py", f"+config_paths=[{app / 'configs' / 'vllm_model.yaml'}]",
-           f"++policy_base_url={upstream}", "++policy_api_key=dummy", "++policy_model_name=fake",
-           f"{opts}return_token_id_information=false", f"{opts}uses_reasoning_parser=false",
-           f"{opts}host=127.0.0.1", f"{opts}port={port}",
-           "++head_server.host=127.0.0.1", f"++head_server.port={head}"]
-    child = common.start_child("nemo-gym", cmd, port, cwd=str(app), env={"NEMO_GYM_CONFIG_PATH": "policy_model",
-                                                                       "PYTHONWARNINGS": "ignore"})
+    cmd = [
+        str(py),
+        "app.py",
+        f"+config_paths=[{app / 'configs' / 'vllm_model.yaml'}]",
+        f"++policy_base_url={upstream}",
+        "++policy_api_key=dummy",
+        "++policy_model_name=fake",
+        f"{opts}return_token_id_information=false",
+        f"{opts}uses_reasoning_parser=false",
+        f"{opts}host=127.0.0.1",
+        f"{opts}port={port}",
+        "++head_server.host=127.0.0.1",
+        f"++head_server.port={head}",
+    ]
+    child = common.start_child(
+        "nemo-gym", cmd, port, cwd=str(app), env={"NEMO_GYM_CONFIG_PATH": "policy_model", "PYTHONWARNINGS": "ignore"}
+    )
     probe = json.dumps(responses_request(1000)).encode()
     common.wait_http(child, f"http://127.0.0.1:{port}/v1/responses", 180, method="POST", body=probe)
     return child
 
 
 # ---------------------------------------------------------------------------------- load
-async def measure(url: str, body: bytes, *, concurrency: int, requests: int, time_limit: float,
-                  pid: int, warmup: int = 20) -> dict[str, Any]:
+async def measure(
+    url: str, body: bytes, *, concurrency: int, requests: int, time_limit: float, pid: int, warmup: int = 20
+) -> dict[str, Any]:
     """One cell: warm up, then ``requests`` POSTs of ``body`` at ``concurrency``; CPU of ``pid``."""
     import aiohttp
 
     conn = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     headers = {"content-type": "application/json", "authorization": "Bearer dummy"}
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+
         async def one(_i: int) -> None:
             async with s.post(url, data=body, headers=headers) as r:
                 data = await r.read()
@@ -147,8 +206,15 @@ async def measure(url: str, body: bytes, *, concurrency: int, requests: int, tim
         cpu = common.cpu_seconds(pid) - cpu0
     if res.n == 0:
         raise RuntimeError(f"no request to {url} succeeded: {res.first_error}")
-    return {"n": res.n, "errors": res.errors, "rps": res.rps, "p50_ms": res.p(50) * 1e3, "p99_ms": res.p(99) * 1e3,
-            "cpu_s_per_1k": cpu / res.n * 1000, "first_error": res.first_error}
+    return {
+        "n": res.n,
+        "errors": res.errors,
+        "rps": res.rps,
+        "p50_ms": res.p(50) * 1e3,
+        "p99_ms": res.p(99) * 1e3,
+        "cpu_s_per_1k": cpu / res.n * 1000,
+        "first_error": res.first_error,
+    }
 
 
 def run(args) -> dict[str, Any]:
@@ -162,8 +228,10 @@ def run(args) -> dict[str, Any]:
     try:
         gs = start_gymserve(upstream)
         children.append(gs)
-        targets = {"direct": (f"{upstream}/chat/completions", fake.pid),
-                   "gymserve": (f"http://127.0.0.1:{gs.port}/v1/responses", gs.pid)}
+        targets = {
+            "direct": (f"{upstream}/chat/completions", fake.pid),
+            "gymserve": (f"http://127.0.0.1:{gs.port}/v1/responses", gs.pid),
+        }
         for spec in args.variant or []:
             vname, _, vcmd = spec.partition("=")
             v = start_gymserve(upstream, vname, vcmd.split())
@@ -189,19 +257,39 @@ def run(args) -> dict[str, Any]:
             for c in concs:
                 n = n_c1 if c == 1 else n_cx
                 for name, (url, pid) in targets.items():
-                    cell = asyncio.run(measure(url, bodies.get(name, bodies["gymserve"]), concurrency=c, requests=n, time_limit=t_lim, pid=pid))
+                    cell = asyncio.run(
+                        measure(
+                            url,
+                            bodies.get(name, bodies["gymserve"]),
+                            concurrency=c,
+                            requests=n,
+                            time_limit=t_lim,
+                            pid=pid,
+                        )
+                    )
                     cell.update(target=name, kb=kb, body_bytes=len(bodies.get(name, bodies["gymserve"])), concurrency=c)
                     rows.append(cell)
-                    print(f"  {kb:>3} KB c={c:<3} {name:<9} {cell['rps']:8.0f} req/s  p50 {cell['p50_ms']:7.2f} ms  "
-                          f"p99 {cell['p99_ms']:7.2f} ms  cpu {cell['cpu_s_per_1k']:6.2f} s/1k  (n={cell['n']}, "
-                          f"errors={cell['errors']})", file=sys.stderr, flush=True)
+                    print(
+                        f"  {kb:>3} KB c={c:<3} {name:<9} {cell['rps']:8.0f} req/s  p50 {cell['p50_ms']:7.2f} ms  "
+                        f"p99 {cell['p99_ms']:7.2f} ms  cpu {cell['cpu_s_per_1k']:6.2f} s/1k  (n={cell['n']}, "
+                        f"errors={cell['errors']})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         rss = {ch.name: round(common.rss_mib(ch.pid), 1) for ch in children if ch.alive()}
     finally:
         for ch in reversed(children):
             ch.stop()
-    return {"machine": info, "client": f"aiohttp {_version('aiohttp')}, one process, pre-serialized bodies",
-            "quick": args.quick, "rows": rows, "rss_mib": rss, "peer_note": peer_note,
-            "gymserve_version": _version("gymserve"), "nemo_gym_version": "0.7.0" if "nemo-gym" in rss else None}
+    return {
+        "machine": info,
+        "client": f"aiohttp {_version('aiohttp')}, one process, pre-serialized bodies",
+        "quick": args.quick,
+        "rows": rows,
+        "rss_mib": rss,
+        "peer_note": peer_note,
+        "gymserve_version": _version("gymserve"),
+        "nemo_gym_version": "0.7.0" if "nemo-gym" in rss else None,
+    }
 
 
 def _version(dist: str) -> str:
@@ -222,21 +310,53 @@ def _cell(rows, target, kb, c):
 
 def report(res: dict[str, Any]) -> str:
     rows = res["rows"]
-    out = [common.machine_line(res["machine"], client=res["client"], upstream="bench/fake_chat_server.py (own process)",
-                               mode="quick" if res["quick"] else "full")]
+    out = [
+        common.machine_line(
+            res["machine"],
+            client=res["client"],
+            upstream="bench/fake_chat_server.py (own process)",
+            mode="quick" if res["quick"] else "full",
+        )
+    ]
     table_rows = []
     for r in rows:
         d = _cell(rows, "direct", r["kb"], r["concurrency"])
         peer = _cell(rows, "nemo-gym", r["kb"], r["concurrency"])
         added = r["p50_ms"] - d["p50_ms"] if d else float("nan")
         vs_peer = r["rps"] / peer["rps"] if peer and r["target"] not in ("direct", "nemo-gym") else float("nan")
-        table_rows.append([f"{r['kb']} KB", r["concurrency"], r["target"], r["rps"], r["p50_ms"], r["p99_ms"],
-                           added if r["target"] != "direct" else float("nan"), r["rps"] / d["rps"] if d else float("nan"),
-                           vs_peer, r["cpu_s_per_1k"]])
-    out.append(common.table(["history", "conc.", "server", "req/s", "p50 ms", "p99 ms", "added p50 ms",
-                             "req/s ÷ direct", "req/s ÷ peer", "server CPU s/1k req"], table_rows,
-                            "Responses gateway over a fake chat backend (CPU: the measured server process; "
-                            "for 'direct' the fake itself)"))
+        table_rows.append(
+            [
+                f"{r['kb']} KB",
+                r["concurrency"],
+                r["target"],
+                r["rps"],
+                r["p50_ms"],
+                r["p99_ms"],
+                added if r["target"] != "direct" else float("nan"),
+                r["rps"] / d["rps"] if d else float("nan"),
+                vs_peer,
+                r["cpu_s_per_1k"],
+            ]
+        )
+    out.append(
+        common.table(
+            [
+                "history",
+                "conc.",
+                "server",
+                "req/s",
+                "p50 ms",
+                "p99 ms",
+                "added p50 ms",
+                "req/s ÷ direct",
+                "req/s ÷ peer",
+                "server CPU s/1k req",
+            ],
+            table_rows,
+            "Responses gateway over a fake chat backend (CPU: the measured server process; "
+            "for 'direct' the fake itself)",
+        )
+    )
     out.append(f"\nRSS at the end (MiB): {res['rss_mib']}")
     if res.get("peer_note"):
         out.append(f"peer: {res['peer_note']}")
@@ -255,13 +375,17 @@ def targets(res: dict[str, Any]) -> list[str]:
         lines.append(f"{common.verdict(added <= 1.0)}  added p50 at concurrency 1: {added:.2f} ms (target ≤ 1 ms)")
     gcpu = [r["cpu_s_per_1k"] for r in rows if r["target"] == "gymserve" and r["kb"] == 10]
     if gcpu:
-        lines.append(f"{common.verdict(max(gcpu) <= 1.0)}  gymserve CPU per 1,000 requests: worst {max(gcpu):.2f} s, "
-                     f"best {min(gcpu):.2f} s (target ≤ 1 s)")
+        lines.append(
+            f"{common.verdict(max(gcpu) <= 1.0)}  gymserve CPU per 1,000 requests: worst {max(gcpu):.2f} s, "
+            f"best {min(gcpu):.2f} s (target ≤ 1 s)"
+        )
     g64, p64 = _cell(rows, "gymserve", 10, 64), _cell(rows, "nemo-gym", 10, 64)
     if g64 and p64:
         ratio = g64["rps"] / p64["rps"]
-        lines.append(f"{common.verdict(ratio >= 5)}  throughput at concurrency 64: {ratio:.1f}× the peer's "
-                     f"({g64['rps']:.0f} vs {p64['rps']:.0f} req/s; target ≥ 5×)")
+        lines.append(
+            f"{common.verdict(ratio >= 5)}  throughput at concurrency 64: {ratio:.1f}× the peer's "
+            f"({g64['rps']:.0f} vs {p64['rps']:.0f} req/s; target ≥ 5×)"
+        )
     elif g64:
         lines.append("n/a   throughput vs peer: the peer was not measured")
     return lines
@@ -285,8 +409,26 @@ def profile(args) -> None:
         url = f"http://127.0.0.1:{gs.port}/v1/responses"
         asyncio.run(measure(url, body, concurrency=16, requests=200, time_limit=5, pid=gs.pid))
         duration = 6 if args.quick else 20
-        spy = subprocess.Popen(["py-spy", "record", "-p", str(gs.pid), "-d", str(duration), "-r", "200", "-f", "raw",
-                                "-o", str(out), "--nonblocking", "--gil"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        spy = subprocess.Popen(
+            [
+                "py-spy",
+                "record",
+                "-p",
+                str(gs.pid),
+                "-d",
+                str(duration),
+                "-r",
+                "200",
+                "-f",
+                "raw",
+                "-o",
+                str(out),
+                "--nonblocking",
+                "--gil",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         time.sleep(1)
         asyncio.run(measure(url, body, concurrency=16, requests=100000, time_limit=duration + 2, pid=gs.pid, warmup=0))
         spy.wait(60)
@@ -308,14 +450,23 @@ def hot_spots(path: Path, top: int = 25) -> str:
         if not stack:
             continue
         k = int(count)
-        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].split("site-packages/")[-1].split("/src/")[-1]
-                  + ")" if " (" in f else f for f in stack.split(";")]
+        frames = [
+            f.split(" (")[0]
+            + " ("
+            + f.split(" (")[1].split(":")[0].split("site-packages/")[-1].split("/src/")[-1]
+            + ")"
+            if " (" in f
+            else f
+            for f in stack.split(";")
+        ]
         n += k
         self_c[frames[-1]] += k
         for f in set(frames):
             total_c[f] += k
-    lines = [f"py-spy: {n} samples of gymserve under the 10 KB, concurrency-16 gateway load ({path})",
-             "\nTop by self time:"]
+    lines = [
+        f"py-spy: {n} samples of gymserve under the 10 KB, concurrency-16 gateway load ({path})",
+        "\nTop by self time:",
+    ]
     lines += [f"  {c / n * 100:5.1f}%  {f}" for f, c in self_c.most_common(top)]
     lines.append("\nBy layer (a sample counts for the innermost layer it is in):")
     for layer, c in _layers(path).most_common():
@@ -333,8 +484,12 @@ _LAYERS = [  # (layer, path fragments); decisive layers first
     ("httpx / httpcore client transport", ("httpx", "httpcore")),
     ("uvicorn / starlette / fastapi server", ("uvicorn/", "starlette/", "fastapi/")),
 ]
-_AMBIGUOUS = (("h11 (HTTP/1.1 parser)", ("h11/",)), ("stdlib json", ("json/",)),
-              ("anyio / sniffio", ("anyio/", "sniffio/")), ("asyncio event loop + sockets", ("asyncio/", "selectors.py")))
+_AMBIGUOUS = (
+    ("h11 (HTTP/1.1 parser)", ("h11/",)),
+    ("stdlib json", ("json/",)),
+    ("anyio / sniffio", ("anyio/", "sniffio/")),
+    ("asyncio event loop + sockets", ("asyncio/", "selectors.py")),
+)
 
 
 def _layers(path: Path) -> collections.Counter:
@@ -363,9 +518,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--no-peer", action="store_true", help="skip NeMo Gym")
     p.add_argument("--no-install", action="store_true", help="never build .venv-nemo (skip the peer if absent)")
-    p.add_argument("--variant", action="append", metavar="NAME=CMD",
-                   help="also measure another gymserve build: CMD (e.g. '/tmp/venv/bin/python -m gymserve.cli') is "
-                        "followed by the serve arguments; for before/after comparisons in one run")
+    p.add_argument(
+        "--variant",
+        action="append",
+        metavar="NAME=CMD",
+        help="also measure another gymserve build: CMD (e.g. '/tmp/venv/bin/python -m gymserve.cli') is "
+        "followed by the serve arguments; for before/after comparisons in one run",
+    )
     p.add_argument("--profile", action="store_true", help="py-spy hot spots of gymserve under the 10 KB load")
     args = p.parse_args(argv)
     if args.profile:

@@ -30,8 +30,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Get the current weather for a city.",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Get the current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 CITIES = ["Paris", "Berlin", "Madrid", "Rome", "Vienna", "Prague", "Lisbon", "Oslo", "Dublin", "Athens"]
 
 
@@ -64,20 +70,48 @@ class Pipeline:
     def prompt(self, chat):
         from gymserve.prompting import build_prompt
 
-        return build_prompt(self.template, chat["messages"], tools=chat.get("tools"),
-                            chat_template_kwargs=chat.get("chat_template_kwargs"), eos_token_ids=self.eos,
-                            vocab_size=self.vocab_size)
+        return build_prompt(
+            self.template,
+            chat["messages"],
+            tools=chat.get("tools"),
+            chat_template_kwargs=chat.get("chat_template_kwargs"),
+            eos_token_ids=self.eos,
+            vocab_size=self.vocab_size,
+        )
 
     def completion(self, prompt_ids: list[int], gen_ids: list[int], city: str) -> dict[str, Any]:
-        return {"id": "chatcmpl-growth", "object": "chat.completion", "created": 0, "model": "embedded",
-                "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "message": {
-                    "role": "assistant", "content": None,
-                    "tool_calls": [{"id": f"call_{len(prompt_ids)}", "type": "function",
-                                    "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}],
-                    "prompt_token_ids": prompt_ids, "generation_token_ids": gen_ids,
-                    "generation_log_probs": [-0.25] * len(gen_ids)}}],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(gen_ids) + 1,
-                          "total_tokens": len(prompt_ids) + len(gen_ids) + 1}}
+        return {
+            "id": "chatcmpl-growth",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "embedded",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "tool_calls",
+                    "logprobs": None,
+                    "message": {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": f"call_{len(prompt_ids)}",
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+                            }
+                        ],
+                        "prompt_token_ids": prompt_ids,
+                        "generation_token_ids": gen_ids,
+                        "generation_log_probs": [-0.25] * len(gen_ids),
+                    },
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(gen_ids) + 1,
+                "total_tokens": len(prompt_ids) + len(gen_ids) + 1,
+            },
+        }
 
     def back(self, completion, request):
         from gymserve.convert import chat_to_response
@@ -93,9 +127,13 @@ class Pipeline:
 def build_rollouts(pipe: Pipeline, max_turns: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """``(request, completion)`` for turns 1..max_turns of one rollout, each request holding every
     earlier turn with its token fields (built by running the pipeline itself, turn by turn)."""
-    request: dict[str, Any] = {"model": "embedded", "instructions": "You are a weather assistant. Use the tools.",
-                               "input": [{"type": "message", "role": "user", "content": "What is the weather in Paris?"}],
-                               "tools": TOOLS, "max_output_tokens": 48}
+    request: dict[str, Any] = {
+        "model": "embedded",
+        "instructions": "You are a weather assistant. Use the tools.",
+        "input": [{"type": "message", "role": "user", "content": "What is the weather in Paris?"}],
+        "tools": TOOLS,
+        "max_output_tokens": 48,
+    }
     out = []
     for t in range(max_turns):
         city = CITIES[t % len(CITIES)]
@@ -133,8 +171,7 @@ def time_turn(pipe: Pipeline, request, completion, reps: int, min_time: float) -
         i += 1
         if i >= reps * 20:
             break
-    return {k: common.percentile(v, 50) for k, v in samples.items()} | {"reps": i,
-                                                                         "total_min": min(samples["total"])}
+    return {k: common.percentile(v, 50) for k, v in samples.items()} | {"reps": i, "total_min": min(samples["total"])}
 
 
 def run(args) -> dict[str, Any]:
@@ -147,29 +184,72 @@ def run(args) -> dict[str, Any]:
     for n in turns:
         request, completion = rollout[n - 1]
         r = time_turn(pipe, request, completion, reps, min_time)
-        r.update(turns=n, request_bytes=len(json.dumps(request)),
-                 prompt_tokens=len(completion["choices"][0]["message"]["prompt_token_ids"]))
+        r.update(
+            turns=n,
+            request_bytes=len(json.dumps(request)),
+            prompt_tokens=len(completion["choices"][0]["message"]["prompt_token_ids"]),
+        )
         rows.append(r)
-        print(f"  {n:>3} turns: {r['total']:9.0f} µs/request (convert {r['convert']:.0f}, prompt {r['prompt']:.0f}, "
-              f"back {r['back']:.0f}; {r['reps']} reps)", file=sys.stderr, flush=True)
-    return {"machine": info, "quick": args.quick, "rows": rows, "model": pipe.model_dir.name,
-            "tokenizer": type(pipe.tokenizer).__name__}
+        print(
+            f"  {n:>3} turns: {r['total']:9.0f} µs/request (convert {r['convert']:.0f}, prompt {r['prompt']:.0f}, "
+            f"back {r['back']:.0f}; {r['reps']} reps)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return {
+        "machine": info,
+        "quick": args.quick,
+        "rows": rows,
+        "model": pipe.model_dir.name,
+        "tokenizer": type(pipe.tokenizer).__name__,
+    }
 
 
 def report(res: dict[str, Any]) -> str:
     rows = res["rows"]
     base = rows[0]
-    out = [common.machine_line(res["machine"], tokenizer=f"{res['model']} ({res['tokenizer']})",
-                               client="direct function calls, median of repetitions",
-                               mode="quick" if res["quick"] else "full")]
+    out = [
+        common.machine_line(
+            res["machine"],
+            tokenizer=f"{res['model']} ({res['tokenizer']})",
+            client="direct function calls, median of repetitions",
+            mode="quick" if res["quick"] else "full",
+        )
+    ]
     table_rows = []
     for r in rows:
-        table_rows.append([r["turns"], f"{r['request_bytes'] / 1024:.0f} KB", r["prompt_tokens"], r["convert"], r["prompt"],
-                           r["back"], r["total"], r["total"] / r["turns"], r["total"] / base["total"],
-                           r["turns"] / base["turns"]])
-    out.append(common.table(["turns", "request", "prompt tokens", "convert µs", "template+splice µs", "back µs",
-                             "total µs", "µs per turn", "total ÷ 1 turn", "turns ÷ 1 turn"], table_rows,
-                            "Per-request work around the engine (local backend path; engine excluded)"))
+        table_rows.append(
+            [
+                r["turns"],
+                f"{r['request_bytes'] / 1024:.0f} KB",
+                r["prompt_tokens"],
+                r["convert"],
+                r["prompt"],
+                r["back"],
+                r["total"],
+                r["total"] / r["turns"],
+                r["total"] / base["total"],
+                r["turns"] / base["turns"],
+            ]
+        )
+    out.append(
+        common.table(
+            [
+                "turns",
+                "request",
+                "prompt tokens",
+                "convert µs",
+                "template+splice µs",
+                "back µs",
+                "total µs",
+                "µs per turn",
+                "total ÷ 1 turn",
+                "turns ÷ 1 turn",
+            ],
+            table_rows,
+            "Per-request work around the engine (local backend path; engine excluded)",
+        )
+    )
     out.append("\nTarget: growth no faster than linear in turns")
     for line in targets(res):
         out.append("  " + line)
@@ -187,9 +267,11 @@ def targets(res: dict[str, Any]) -> list[str]:
     # (10% allowance for timer noise on a shared machine).
     ok = per_hi <= per_lo * 1.1
     growth = (hi["total"] / lo["total"]) / (hi["turns"] / lo["turns"])
-    return [f"{common.verdict(ok)}  µs per turn: {per_lo:.0f} at {lo['turns']} turns, {per_hi:.0f} at {hi['turns']} "
-            f"turns; total grew {hi['total'] / lo['total']:.1f}× for {hi['turns'] / lo['turns']:.0f}× the turns "
-            f"(growth ÷ linear = {growth:.2f}; ≤ 1.1 passes)"]
+    return [
+        f"{common.verdict(ok)}  µs per turn: {per_lo:.0f} at {lo['turns']} turns, {per_hi:.0f} at {hi['turns']} "
+        f"turns; total grew {hi['total'] / lo['total']:.1f}× for {hi['turns'] / lo['turns']:.0f}× the turns "
+        f"(growth ÷ linear = {growth:.2f}; ≤ 1.1 passes)"
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,15 +36,25 @@ HARD_DEADLINE_SLACK = 60.0  # seconds past warm-up + duration after which everyt
 
 
 def _turn_body(session: int, turn: int, history: list[dict]) -> dict:
-    return {"model": "fake", "input": history, "max_output_tokens": 64,
-            "tools": [{"type": "function", "name": "get_weather", "description": "Weather for a city",
-                       "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                      "required": ["city"]}}],
-            "metadata": {"session": str(session), "turn": str(turn)}}
+    return {
+        "model": "fake",
+        "input": history,
+        "max_output_tokens": 64,
+        "tools": [
+            {
+                "type": "function",
+                "name": "get_weather",
+                "description": "Weather for a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            }
+        ],
+        "metadata": {"session": str(session), "turn": str(turn)},
+    }
 
 
-async def _session_loop(client, url: str, sid: int, turns: int, stats: dict, stop_at: float, measure_from: float,
-                        max_requests: int) -> None:
+async def _session_loop(
+    client, url: str, sid: int, turns: int, stats: dict, stop_at: float, measure_from: float, max_requests: int
+) -> None:
     import aiohttp
 
     n = 0
@@ -58,11 +68,12 @@ async def _session_loop(client, url: str, sid: int, turns: int, stats: dict, sto
             stats["sent"] += 1
             t0 = time.monotonic()
             try:
-                async with client.post(url, json=_turn_body(sid, turn, history),
-                                       headers={"X-Session-ID": session}) as r:
+                async with client.post(
+                    url, json=_turn_body(sid, turn, history), headers={"X-Session-ID": session}
+                ) as r:
                     body = await r.read()
                     status = r.status
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 status, body = -1, f"{type(exc).__name__}: {exc}".encode()
             took = time.monotonic() - t0
             measured = t0 >= measure_from
@@ -75,9 +86,18 @@ async def _session_loop(client, url: str, sid: int, turns: int, stats: dict, sto
             stats["ok"] += 1
             out = json.loads(body)["output"]
             calls = [o for o in out if o.get("type") == "function_call"]
-            history = history + out + [{"type": "function_call_output", "call_id": c["call_id"],
-                                        "output": json.dumps({"city": "Paris", "temperature_c": 21 + turn})}
-                                       for c in calls]
+            history = (
+                history
+                + out
+                + [
+                    {
+                        "type": "function_call_output",
+                        "call_id": c["call_id"],
+                        "output": json.dumps({"city": "Paris", "temperature_c": 21 + turn}),
+                    }
+                    for c in calls
+                ]
+            )
             if not calls:
                 history.append({"role": "user", "content": "And tomorrow?"})
 
@@ -93,8 +113,12 @@ async def _drive(base: str, args, server_pid: int) -> dict:
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         url = base + "/v1/responses"
-        tasks = [asyncio.create_task(_session_loop(client, url, i, args.turns, stats, stop_at, measure_from,
-                                                   args.max_requests)) for i in range(args.sessions)]
+        tasks = [
+            asyncio.create_task(
+                _session_loop(client, url, i, args.turns, stats, stop_at, measure_from, args.max_requests)
+            )
+            for i in range(args.sessions)
+        ]
         await asyncio.sleep(max(0.0, measure_from - time.monotonic()))
         rss_warm = rss_mib(server_pid, children=False)
         cpu_warm = cpu_seconds(server_pid, children=False)
@@ -118,9 +142,14 @@ async def _drive(base: str, args, server_pid: int) -> dict:
     measured_ok = stats["ok"] - ok_warm
     lat = stats["latencies"]
     return {
-        "sessions": args.sessions, "turns_per_session": args.turns, "warmup_s": args.warmup,
-        "duration_s": round(elapsed, 1), "requests_ok": stats["ok"], "requests_measured": measured_ok,
-        "errors": stats["errors"], "first_error": stats["first_error"],
+        "sessions": args.sessions,
+        "turns_per_session": args.turns,
+        "warmup_s": args.warmup,
+        "duration_s": round(elapsed, 1),
+        "requests_ok": stats["ok"],
+        "requests_measured": measured_ok,
+        "errors": stats["errors"],
+        "first_error": stats["first_error"],
         "throughput_rps": round(measured_ok / elapsed, 1) if elapsed else None,
         "latency_ms": {q: round(percentile(lat, p) * 1000, 1) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))}
         | {"max": round(max(lat) * 1000, 1) if lat else None},
@@ -147,9 +176,21 @@ def main(argv: list[str] | None = None) -> int:
 
     fake = start_fake_chat(delay_ms=args.delay_ms)
     port = free_port()
-    server = start_child("gymserve-load", gymserve_cmd(
-        "serve", "--base-url", f"http://127.0.0.1:{fake.port}/v1", "--host", "127.0.0.1", "--port", str(port),
-        "--model", "fake"), port)
+    server = start_child(
+        "gymserve-load",
+        gymserve_cmd(
+            "serve",
+            "--base-url",
+            f"http://127.0.0.1:{fake.port}/v1",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--model",
+            "fake",
+        ),
+        port,
+    )
     try:
         wait_http(server, f"http://127.0.0.1:{port}/health", 60)
         hard = args.warmup + args.duration + args.request_timeout + HARD_DEADLINE_SLACK
@@ -157,20 +198,32 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
         fake.stop()
-    ok = result["errors"] == 0 and result["requests_measured"] > 0 and \
-        result["rss_growth_pct"] is not None and result["rss_growth_pct"] <= args.rss_tolerance
+    ok = (
+        result["errors"] == 0
+        and result["requests_measured"] > 0
+        and result["rss_growth_pct"] is not None
+        and result["rss_growth_pct"] <= args.rss_tolerance
+    )
     result["pass"] = ok
     lat = result["latency_ms"]
-    print(f"gymserve load: {result['sessions']} sessions x {result['turns_per_session']} turns, "
-          f"{result['duration_s']} s measured after {result['warmup_s']} s warm-up (loopback, shared cores)")
-    print(f"  requests ok {result['requests_ok']} (measured {result['requests_measured']}), errors {result['errors']}"
-          + (f" (first: {result['first_error']})" if result["first_error"] else ""))
-    print(f"  throughput {result['throughput_rps']} req/s; latency p50 {lat['p50']} ms, p90 {lat['p90']} ms, "
-          f"p99 {lat['p99']} ms, max {lat['max']} ms")
+    print(
+        f"gymserve load: {result['sessions']} sessions x {result['turns_per_session']} turns, "
+        f"{result['duration_s']} s measured after {result['warmup_s']} s warm-up (loopback, shared cores)"
+    )
+    print(
+        f"  requests ok {result['requests_ok']} (measured {result['requests_measured']}), errors {result['errors']}"
+        + (f" (first: {result['first_error']})" if result["first_error"] else "")
+    )
+    print(
+        f"  throughput {result['throughput_rps']} req/s; latency p50 {lat['p50']} ms, p90 {lat['p90']} ms, "
+        f"p99 {lat['p99']} ms, max {lat['max']} ms"
+    )
     rss = result["server_rss_mib"]
-    print(f"  server RSS {rss['after_warmup']} MiB after warm-up -> {rss['end']} MiB at end "
-          f"({result['rss_growth_pct']:+.2f} %, peak {rss['peak']} MiB); "
-          f"server CPU {result['server_cpu_s_per_1000_requests']} s per 1,000 requests")
+    print(
+        f"  server RSS {rss['after_warmup']} MiB after warm-up -> {rss['end']} MiB at end "
+        f"({result['rss_growth_pct']:+.2f} %, peak {rss['peak']} MiB); "
+        f"server CPU {result['server_cpu_s_per_1000_requests']} s per 1,000 requests"
+    )
     print("  PASS" if ok else "  FAIL")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -19,7 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
 from gymserve.parsers import StreamingParser, get_reasoning_parser, get_tool_call_parser  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -41,8 +40,11 @@ def cases(n: int) -> dict[str, tuple[str, str | None, str]]:
         "arguments as a string": ("hermes", None, '<tool_call>{"name": "get_weather", "arguments": "' + words + '"}'),
         "plain content": ("hermes", None, words),
         "bare JSON answer": ("qwen2_5_coder", None, '{"answer": "' + words + '"}'),
-        "extra member after arguments": ("hermes", None, '<tool_call>{"name": "get_weather", "arguments": {}, "x": "'
-                                         + words + '"}</tool_call>'),
+        "extra member after arguments": (
+            "hermes",
+            None,
+            '<tool_call>{"name": "get_weather", "arguments": {}, "x": "' + words + '"}</tool_call>',
+        ),
         "whitespace before a close tag": ("hermes", None, f"<tool_call>{CALL}" + "\n" * n + "</tool_call>"),
         "whitespace before bare JSON": ("qwen2_5_coder", None, "\n" * n + CALL),
         "long call name": ("qwen2_5_coder", None, '{"name": "' + words + '", "arguments": {}}'),
@@ -52,8 +54,12 @@ def cases(n: int) -> dict[str, tuple[str, str | None, str]]:
 
 
 def feed_seconds(tool: str, reasoning: str | None, text: str) -> float:
-    parser = StreamingParser(get_tool_call_parser(tool), get_reasoning_parser(reasoning) if reasoning else None,
-                             "<|im_start|>assistant\n" if reasoning is None else "", TOOLS)
+    parser = StreamingParser(
+        get_tool_call_parser(tool),
+        get_reasoning_parser(reasoning) if reasoning else None,
+        "<|im_start|>assistant\n" if reasoning is None else "",
+        TOOLS,
+    )
     t0 = time.perf_counter()
     for ch in text:
         parser.feed(ch)
@@ -74,13 +80,18 @@ def report(res: dict) -> str:
     n = res["n"]
     rows = [[r["case"], f"{r['small_s']:.3f}", f"{r['large_s']:.3f}", f"{r['ratio']:.2f}"] for r in res["rows"]]
     worst = max(r["ratio"] for r in res["rows"])
-    return "\n".join([
-        common.machine_line(res["machine"], n=n, mode="quick" if res["quick"] else "full"),
-        common.table(["case", f"{n} chars s", f"{2 * n} chars s", "ratio"], rows,
-                     "StreamingParser, fed one character at a time"),
-        "\nTargets",
-        f"  {common.verdict(worst < 3)}  worst 2N/N ratio {worst:.2f} (below 3: linear, not quadratic)",
-    ])
+    return "\n".join(
+        [
+            common.machine_line(res["machine"], n=n, mode="quick" if res["quick"] else "full"),
+            common.table(
+                ["case", f"{n} chars s", f"{2 * n} chars s", "ratio"],
+                rows,
+                "StreamingParser, fed one character at a time",
+            ),
+            "\nTargets",
+            f"  {common.verdict(worst < 3)}  worst 2N/N ratio {worst:.2f} (below 3: linear, not quadratic)",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,8 +100,11 @@ def plot_growth(res: dict[str, Any], out: Path) -> Path:
     turns = [r["turns"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     bottom = [0.0] * len(rows)
-    for stage, label in (("convert", "responses_to_chat"), ("prompt", "build_prompt (template + splice)"),
-                         ("back", "chat_to_response")):
+    for stage, label in (
+        ("convert", "responses_to_chat"),
+        ("prompt", "build_prompt (template + splice)"),
+        ("back", "chat_to_response"),
+    ):
         vals = [r[stage] / 1000 for r in rows]
         ax1.bar([str(t) for t in turns], vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]

@@ -50,9 +50,18 @@ def bench_model_dir() -> Path:
 
     embedded = embedded_model_dir()
     real = json.loads((embedded / "config.json").read_text())
-    cfg = Qwen2Config(vocab_size=real["vocab_size"], hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+    cfg = Qwen2Config(
+        vocab_size=real["vocab_size"],
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
     torch.manual_seed(0)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -77,9 +86,13 @@ async def workload(backend, sessions: int, turns: int, max_tokens: int, tag: str
             msg = out["choices"][0]["message"]
             tokens += out["usage"]["completion_tokens"]
             messages = messages + [
-                {"role": "assistant", "content": msg["content"], **{k: msg[k] for k in
-                 ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}},
-                {"role": "user", "content": f"Continue (turn {turn + 2})."}]
+                {
+                    "role": "assistant",
+                    "content": msg["content"],
+                    **{k: msg[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")},
+                },
+                {"role": "user", "content": f"Continue (turn {turn + 2})."},
+            ]
         return tokens
 
     await asyncio.gather(*(one(i) for i in range(min(2, sessions))))  # warm-up: first-call costs
@@ -110,14 +123,25 @@ def main() -> int:
     per = args.cpus_per_replica
     model = args.model or str(bench_model_dir())
     local = {"model": model, "context_window": 2048, "max_batch_size": args.max_batch_size}
-    print(f"machine: {cores} cores ({os.cpu_count()} logical), load average {os.getloadavg()[0]:.1f}; model {model}",
-          flush=True)
-    print(f"workload: {args.sessions} concurrent sessions x {args.turns} turns x {args.max_tokens} tokens; per engine "
-          f"{per} CPU/thread, batch <= {args.max_batch_size}; best of {args.repeat} alternating rounds", flush=True)
+    print(
+        f"machine: {cores} cores ({os.cpu_count()} logical), load average {os.getloadavg()[0]:.1f}; model {model}",
+        flush=True,
+    )
+    print(
+        f"workload: {args.sessions} concurrent sessions x {args.turns} turns x {args.max_tokens} tokens; per engine "
+        f"{per} CPU/thread, batch <= {args.max_batch_size}; best of {args.repeat} alternating rounds",
+        flush=True,
+    )
 
-    base = {"type": "ray", "ray_address": "local", "object_store_memory": 100 * 1024 * 1024,
-            "health_check_interval": 5, "startup_timeout": 600,
-            "replica_resources": {"num_cpus": per}, **local}
+    base = {
+        "type": "ray",
+        "ray_address": "local",
+        "object_store_memory": 100 * 1024 * 1024,
+        "health_check_interval": 5,
+        "startup_timeout": 600,
+        "replica_resources": {"num_cpus": per},
+        **local,
+    }
     # Both fleets (1 and 2 replicas) stay up for the whole run so rounds can alternate without
     # restarts; Ray is told it has enough logical CPUs for all three replicas, though only one
     # fleet works at a time (the other's replicas sit idle).
@@ -133,8 +157,10 @@ def main() -> int:
                 for name, backend in fleets.items():
                     n, secs = await workload(backend, args.sessions, args.turns, args.max_tokens, f"{name}-{rnd}")
                     best[name] = max(best.get(name, 0.0), n / secs)
-                    print(f"  round {rnd + 1}  {name:<7}: {n:5d} tokens in {secs:6.2f} s = {n / secs:7.1f} tok/s",
-                          flush=True)
+                    print(
+                        f"  round {rnd + 1}  {name:<7}: {n:5d} tokens in {secs:6.2f} s = {n / secs:7.1f} tok/s",
+                        flush=True,
+                    )
         finally:
             for backend in fleets.values():
                 await backend.close()
@@ -145,8 +171,10 @@ def main() -> int:
         ray.shutdown()
 
     print("best:", ", ".join(f"{k} {v:.1f} tok/s" for k, v in best.items()))
-    print(f"ratio ray x2 / ray x1 = {best['ray x2'] / best['ray x1']:.2f}  "
-          f"(on {cores} cores; load average now {os.getloadavg()[0]:.1f})")
+    print(
+        f"ratio ray x2 / ray x1 = {best['ray x2'] / best['ray x1']:.2f}  "
+        f"(on {cores} cores; load average now {os.getloadavg()[0]:.1f})"
+    )
     print(f"ratio ray x1 / local  = {best['ray x1'] / best['local']:.2f}  (Ray routing overhead; 1.00 = none)")
     return 0
 

@@ -58,10 +58,17 @@ def _section(name: str, title: str, intro: str, prefer_quick: bool, plot_image: 
         out.append(line)
     body = "\n".join(out).strip()
     # Targets and notes as a list under the table.
-    body = body.replace("\nTargets", "\n\n**Targets**").replace("\n  PASS", "\n- PASS").replace(
-        "\n  FAIL", "\n- FAIL").replace("\n  n/a", "\n- n/a")
-    mode = ("quick mode on a shared, busy machine: indicative only; `make bench` reruns the full version"
-            if res.get("quick") else "full mode")
+    body = (
+        body.replace("\nTargets", "\n\n**Targets**")
+        .replace("\n  PASS", "\n- PASS")
+        .replace("\n  FAIL", "\n- FAIL")
+        .replace("\n  n/a", "\n- n/a")
+    )
+    mode = (
+        "quick mode on a shared, busy machine: indicative only; `make bench` reruns the full version"
+        if res.get("quick")
+        else "full mode"
+    )
     image = f"![{title}](assets/perf/{name}.png)\n" if plot_image else ""
     return f"## {title}\n\n{intro}\n\n*Machine: {machine}.* ({mode})\n\n{body}\n\n{image}"
 
@@ -75,47 +82,68 @@ def write_docs(prefer_quick: bool = False) -> Path:
         "in seconds to minutes. Every number is compared with a baseline measured in the same run — "
         "absolute numbers on a small shared machine move by 10% or more between runs, ratios much less. "
         "Raw results: `docs/assets/perf/*.json`.\n",
-        _section("engine", "Local engine throughput",
-                 "gymserve's token-exact local backend over HTTP against the ceiling (`model.generate` in one "
-                 "process; 8 streams as one left-padded batch) and against `transformers serve` with and "
-                 "without `--continuous-batching` on the same safetensors copy of the embedded model. All "
-                 "configurations are loaded first and measured in interleaved rounds. Script: `bench/engine.py`.",
-                 prefer_quick),
-        _section("gateway", "Gateway overhead (chat backend)",
-                 "Multi-turn tool-calling Responses requests (1 KB, 10 KB and 100 KB histories) through "
-                 "gymserve's `/v1/responses` to a fast fake chat server, compared with the equivalent chat "
-                 "request sent straight to the fake (`direct`) and with NeMo Gym 0.7.0's `vllm_model` server "
-                 "in front of the same fake (`nemo-gym`). Each server runs in its own process; *server CPU* is "
-                 "that process's CPU time per 1,000 requests. Script: `bench/gateway.py`.",
-                 prefer_quick),
-        _section("growth", "Cost growth with conversation length",
-                 "The local backend's work around the engine for one request carrying N earlier turns with "
-                 "their token fields (as a trainer sends them): `responses_to_chat`, `build_prompt` (chat "
-                 "template with the real tokenizer + prefix splice) and `chat_to_response`. Note that the "
-                 "request itself grows quadratically with the turns, because every earlier turn carries its "
-                 "whole prompt's token IDs. Script: `bench/growth.py`.",
-                 prefer_quick),
-        _section("ttft", "Streaming latency (local engine)",
-                 "Time to the first event and to the first generated output of a streamed `/v1/responses` "
-                 "call on the embedded model (greedy), as a fraction of the same request's non-streamed "
-                 "total, for a text answer and for a tool call (whose first argument delta can only come "
-                 "after the model has written the call's head). Script: `bench/ttft.py`.",
-                 prefer_quick, plot_image=False),
-        _section("parsers", "Streaming parser cost",
-                 "The tool-call and reasoning parsers fed a generation one character at a time, for texts of "
-                 "N and 2N characters, each case stretching one part (arguments in every format, plain "
-                 "content, whitespace, long names, reasoning): the 2N/N ratio is ~2 when the cost is linear, "
-                 "~4 when quadratic. Script: `bench/parsers.py`.",
-                 prefer_quick, plot_image=False),
-        _section("control", "Serving a policy being trained",
-                 "How long a weight update takes on the embedded model (full weights from disk and from "
-                 "in-process tensors, a LoRA swap) against the floor of copying the same tensors in place, and "
-                 "what updates arriving ten times a minute cost a steady load of concurrent multi-turn sessions "
-                 "in each pause mode, against the same load without updates (the tiny random-weight model: the "
-                 "embedded one is too slow on this machine for minutes of steady load). Script: "
-                 "`bench/control.py`; what the modes do: [serving a policy being trained]"
-                 "(concepts/training-control.md).",
-                 prefer_quick, plot_image=False),
+        _section(
+            "engine",
+            "Local engine throughput",
+            "gymserve's token-exact local backend over HTTP against the ceiling (`model.generate` in one "
+            "process; 8 streams as one left-padded batch) and against `transformers serve` with and "
+            "without `--continuous-batching` on the same safetensors copy of the embedded model. All "
+            "configurations are loaded first and measured in interleaved rounds. Script: `bench/engine.py`.",
+            prefer_quick,
+        ),
+        _section(
+            "gateway",
+            "Gateway overhead (chat backend)",
+            "Multi-turn tool-calling Responses requests (1 KB, 10 KB and 100 KB histories) through "
+            "gymserve's `/v1/responses` to a fast fake chat server, compared with the equivalent chat "
+            "request sent straight to the fake (`direct`) and with NeMo Gym 0.7.0's `vllm_model` server "
+            "in front of the same fake (`nemo-gym`). Each server runs in its own process; *server CPU* is "
+            "that process's CPU time per 1,000 requests. Script: `bench/gateway.py`.",
+            prefer_quick,
+        ),
+        _section(
+            "growth",
+            "Cost growth with conversation length",
+            "The local backend's work around the engine for one request carrying N earlier turns with "
+            "their token fields (as a trainer sends them): `responses_to_chat`, `build_prompt` (chat "
+            "template with the real tokenizer + prefix splice) and `chat_to_response`. Note that the "
+            "request itself grows quadratically with the turns, because every earlier turn carries its "
+            "whole prompt's token IDs. Script: `bench/growth.py`.",
+            prefer_quick,
+        ),
+        _section(
+            "ttft",
+            "Streaming latency (local engine)",
+            "Time to the first event and to the first generated output of a streamed `/v1/responses` "
+            "call on the embedded model (greedy), as a fraction of the same request's non-streamed "
+            "total, for a text answer and for a tool call (whose first argument delta can only come "
+            "after the model has written the call's head). Script: `bench/ttft.py`.",
+            prefer_quick,
+            plot_image=False,
+        ),
+        _section(
+            "parsers",
+            "Streaming parser cost",
+            "The tool-call and reasoning parsers fed a generation one character at a time, for texts of "
+            "N and 2N characters, each case stretching one part (arguments in every format, plain "
+            "content, whitespace, long names, reasoning): the 2N/N ratio is ~2 when the cost is linear, "
+            "~4 when quadratic. Script: `bench/parsers.py`.",
+            prefer_quick,
+            plot_image=False,
+        ),
+        _section(
+            "control",
+            "Serving a policy being trained",
+            "How long a weight update takes on the embedded model (full weights from disk and from "
+            "in-process tensors, a LoRA swap) against the floor of copying the same tensors in place, and "
+            "what updates arriving ten times a minute cost a steady load of concurrent multi-turn sessions "
+            "in each pause mode, against the same load without updates (the tiny random-weight model: the "
+            "embedded one is too slow on this machine for minutes of steady load). Script: "
+            "`bench/control.py`; what the modes do: [serving a policy being trained]"
+            "(concepts/training-control.md).",
+            prefer_quick,
+            plot_image=False,
+        ),
     ]
     DOC.write_text("\n".join(parts))
     return DOC

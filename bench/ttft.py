@@ -30,8 +30,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather of a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 REQUESTS = {
     "text": {"input": "Explain in three sentences what a hash map is."},
     "tool call": {"input": "What is the weather in Paris right now? Use the tool.", "tools": TOOLS},
@@ -41,8 +47,10 @@ FIRST_OUTPUT = ("response.output_text.delta", "response.function_call_arguments.
 
 def start(model_dir: Path) -> common.Child:
     port = common.free_port()
-    cfg = {"server": {"host": "127.0.0.1", "port": port},
-           "backend": {"type": "local", "model": str(model_dir), "sampling": {"temperature": 0}}}
+    cfg = {
+        "server": {"host": "127.0.0.1", "port": port},
+        "backend": {"type": "local", "model": str(model_dir), "sampling": {"temperature": 0}},
+    }
     path = Path(tempfile.gettempdir()) / f"gymserve-bench-ttft-{port}.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     child = common.start_child("gymserve-ttft", common.gymserve_cmd("serve", "--config", str(path)), port)
@@ -85,10 +93,14 @@ def run(reps: int, max_tokens: int, model: Path | None, quick: bool) -> dict:
         child.stop()
     rows = []
     for name, rounds in runs.items():
-        med = {k: statistics.median(r[k] for r in rounds if k in r)
-               for k in ("total", "first event", "first output", "stream total") if any(k in r for r in rounds)}
-        rows.append({"request": name, **med, "first output kind": sorted({r.get("first output kind") or "-"
-                                                                           for r in rounds})})
+        med = {
+            k: statistics.median(r[k] for r in rounds if k in r)
+            for k in ("total", "first event", "first output", "stream total")
+            if any(k in r for r in rounds)
+        }
+        rows.append(
+            {"request": name, **med, "first output kind": sorted({r.get("first output kind") or "-" for r in rounds})}
+        )
     return {"machine": common.machine(), "quick": quick, "reps": reps, "max_tokens": max_tokens, "rows": rows}
 
 
@@ -96,22 +108,44 @@ def report(res: dict) -> str:
     rows = []
     for r in res["rows"]:
         first = r.get("first output", float("nan"))
-        rows.append([r["request"], common.fmt(r["total"]), common.fmt(r["first event"], 3),
-                     common.fmt(r["first event"] / r["total"], 3), common.fmt(first),
-                     common.fmt(first / r["total"]), common.fmt(r["stream total"] / r["total"]),
-                     ", ".join(r["first output kind"])])
+        rows.append(
+            [
+                r["request"],
+                common.fmt(r["total"]),
+                common.fmt(r["first event"], 3),
+                common.fmt(r["first event"] / r["total"], 3),
+                common.fmt(first),
+                common.fmt(first / r["total"]),
+                common.fmt(r["stream total"] / r["total"]),
+                ", ".join(r["first output kind"]),
+            ]
+        )
     text = next(r for r in res["rows"] if r["request"] == "text")
     ok = text["first event"] / text["total"] < 0.1 and text.get("first output", 1e9) / text["total"] < 0.5
-    return "\n".join([
-        common.machine_line(res["machine"], reps=res["reps"], max_tokens=res["max_tokens"],
-                            mode="quick" if res["quick"] else "full"),
-        common.table(["request", "total s", "first event s", "ratio", "first output s", "ratio", "stream/total",
-                      "first output event"], rows,
-                     "Local engine streaming latency (medians; ratios to the non-streamed total)"),
-        "\nTargets",
-        f"  {common.verdict(ok)}  text: first event before 0.1 and first text delta before 0.5 of the "
-        "non-streamed total",
-    ])
+    return "\n".join(
+        [
+            common.machine_line(
+                res["machine"], reps=res["reps"], max_tokens=res["max_tokens"], mode="quick" if res["quick"] else "full"
+            ),
+            common.table(
+                [
+                    "request",
+                    "total s",
+                    "first event s",
+                    "ratio",
+                    "first output s",
+                    "ratio",
+                    "stream/total",
+                    "first output event",
+                ],
+                rows,
+                "Local engine streaming latency (medians; ratios to the non-streamed total)",
+            ),
+            "\nTargets",
+            f"  {common.verdict(ok)}  text: first event before 0.1 and first text delta before 0.5 of the "
+            "non-streamed total",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="model directory (default: the embedded model)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
-    res = run(args.reps or (2 if args.quick else 5), args.max_tokens or (24 if args.quick else 48), args.model,
-              args.quick)
+    res = run(
+        args.reps or (2 if args.quick else 5), args.max_tokens or (24 if args.quick else 48), args.model, args.quick
+    )
     common.save_results("ttft-quick" if args.quick else "ttft", res)
     print(report(res))
     return 0

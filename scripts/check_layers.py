@@ -103,8 +103,10 @@ def check(src: Path) -> list[str]:
         for line, target in imports_of(path, module):
             theirs = layer_of(target) or layer_of(target.rpartition(".")[0])
             if theirs is not None and theirs[1] > own[1]:
-                problems.append(f"{where}:{line}: {module} (layer {own[1]}, {own[0]}) imports {target} "
-                                f"(layer {theirs[1]}, {theirs[0]}): an upward import")
+                problems.append(
+                    f"{where}:{line}: {module} (layer {own[1]}, {own[0]}) imports {target} "
+                    f"(layer {theirs[1]}, {theirs[0]}): an upward import"
+                )
     return problems
 
 

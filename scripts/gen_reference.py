@@ -32,25 +32,26 @@ NOTES: dict[tuple[str, str], str] = {
     ("ServerConfig", "host"): "Bind address. Anything other than localhost without `api_key` logs a warning.",
     ("ServerConfig", "port"): "TCP port; 0 picks a free one.",
     ("ServerConfig", "api_key"): "Key clients must send as `Authorization: Bearer <key>` (or `api-key`); "
-                                 "every route but `/health` then requires it. Unset: open.",
+    "every route but `/health` then requires it. Unset: open.",
     ("ServerConfig", "max_body_bytes"): "Larger request bodies are refused with 413 `request_too_large`.",
     ("ServerConfig", "capture_path"): "Append every model call (request, response, latency, session, replica; "
-                                      "keys redacted) to this JSONL file (`--capture FILE`).",
+    "keys redacted) to this JSONL file (`--capture FILE`).",
     ("ServerConfig", "max_queue"): "Requests that may wait for a free backend slot before 429 `overloaded` "
-                                   "with `Retry-After` (every backend).",
+    "with `Retry-After` (every backend).",
     ("SamplingConfig", "temperature"): "0 is greedy.",
     ("SamplingConfig", "top_k"): "None, 0 or -1: off.",
     ("SamplingConfig", "seed"): "Seeds each request's sampler (None: unseeded).",
     ("SamplingConfig", "stop_token_ids"): "Extra token IDs that end a generation, besides the model's EOS IDs.",
     ("SamplingConfig", "on_mismatch"): "`reject`: a request sending another temperature/top_p/top_k/seed gets a 400; "
-                                       "`override`: the config's values are used silently.",
+    "`override`: the config's values are used silently.",
     ("LocalBackendConfig", "model"): f"`embedded` (the bundled {EMBEDDED_MODEL_NAME}, which `/v1/models` lists "
-                                     "under that name), a Hugging Face model directory, or a `.gguf` file.",
-    ("LocalBackendConfig", "engine"): "Inference engine, one of " + ", ".join(f"`{n}`" for n in ENGINES.names())
-                                      + " ([engines](../model-servers/local.md#engines)).",
+    "under that name), a Hugging Face model directory, or a `.gguf` file.",
+    ("LocalBackendConfig", "engine"): "Inference engine, one of "
+    + ", ".join(f"`{n}`" for n in ENGINES.names())
+    + " ([engines](../model-servers/local.md#engines)).",
     ("LocalBackendConfig", "chat_template"): "Jinja template file (or text) replacing the tokenizer's.",
     ("LocalBackendConfig", "chat_template_kwargs"): "Default template variables (e.g. `enable_thinking`); a "
-                                                    "request's own override them key by key.",
+    "request's own override them key by key.",
     ("LocalBackendConfig", "tool_parser"): "Tool-call parser name, `auto` (inferred from the model), or `none`.",
     ("LocalBackendConfig", "reasoning_parser"): "`deepseek_r1` or `qwen3`; None: no reasoning is split off.",
     ("LocalBackendConfig", "max_batch_size"): "Sequences decoded together; more requests wait.",
@@ -59,43 +60,43 @@ NOTES: dict[tuple[str, str], str] = {
     ("LocalBackendConfig", "reasoning_field"): "Chat message field that carries parsed reasoning.",
     ("LocalBackendConfig", "sampling"): "Pinned sampling params, see `sampling` below.",
     ("ChatBackendConfig", "base_urls"): "One URL per replica, each ending where `/chat/completions` is appended "
-                                        "(usually `/v1`); a comma-separated string works too.",
+    "(usually `/v1`); a comma-separated string works too.",
     ("ChatBackendConfig", "tool_parser"): "Parse tool calls from raw text on gymserve's side (for servers started "
-                                          "without a tool-call parser); `auto` infers it from `model`.",
+    "without a tool-call parser); `auto` infers it from `model`.",
     ("ChatBackendConfig", "reasoning_parser"): "Split `<think>` reasoning on gymserve's side when the server "
-                                               "sends no reasoning field.",
+    "sends no reasoning field.",
     ("ChatBackendConfig", "return_token_id_information"): "Ask the server for prompt/generation token IDs and "
-                                                          "log-probs (vLLM ≥ 0.10.2) and return them as training fields.",
+    "log-probs (vLLM ≥ 0.10.2) and return them as training fields.",
     ("_RemoteBackendConfig", "api_key"): "Upstream key (`Authorization: Bearer`; Azure: `api-key` header).",
     ("_RemoteBackendConfig", "model"): "Model name sent upstream (Azure: falls back as the deployment name).",
     ("_RemoteBackendConfig", "num_concurrent_requests"): "Upstream calls in flight at once; more wait (see "
-                                                         "`server.max_queue`).",
+    "`server.max_queue`).",
     ("_RemoteBackendConfig", "timeout"): "Seconds per upstream call.",
     ("_RemoteBackendConfig", "max_retries"): "Retries of connection errors, 429 and 5xx (never of 4xx or a "
-                                             "context-window overflow).",
+    "context-window overflow).",
     ("_RemoteBackendConfig", "default_query"): "Query parameters added to every upstream call.",
     ("_RemoteBackendConfig", "default_headers"): "Headers added to every upstream call.",
     ("_RemoteBackendConfig", "extra_body"): "Fields merged into every upstream request body (the request wins).",
     ("_RemoteBackendConfig", "chat_template_kwargs"): "Sent as `chat_template_kwargs` (vLLM, SGLang); merged "
-                                                      "with the request's.",
+    "with the request's.",
     ("_RemoteBackendConfig", "reasoning_mode"): "How reasoning items from the history reach the chat request: "
-                                                "`reasoning_content`, `reasoning`, `think_tags` or `drop`.",
+    "`reasoning_content`, `reasoning`, `think_tags` or `drop`.",
     ("_RemoteBackendConfig", "developer_role"): "`system` folds developer messages into the system message; "
-                                                "`keep` passes them through (default: system for chat, keep for "
-                                                "openai/azure).",
+    "`keep` passes them through (default: system for chat, keep for "
+    "openai/azure).",
     ("_RemoteBackendConfig", "max_tokens_field"): "Where `max_output_tokens` goes (default: `max_tokens` for chat, "
-                                                  "`max_completion_tokens` for openai/azure).",
+    "`max_completion_tokens` for openai/azure).",
     ("OpenAIBackendConfig", "base_url"): "Where `/responses` and `/chat/completions` are appended.",
     ("AzureBackendConfig", "endpoint"): "`https://RESOURCE.openai.azure.com` (an `/openai/...` tail is tolerated).",
     ("AzureBackendConfig", "deployment"): "Deployment name (default: one named in a `/deployments/NAME` endpoint, "
-                                          "else `model`).",
+    "else `model`).",
     ("AzureBackendConfig", "api"): "`chat`: Chat Completions (deployment-scoped URL); `responses`: the Responses "
-                                   "API (resource-scoped URL).",
+    "API (resource-scoped URL).",
     ("AzureBackendConfig", "chat_base_url"): "Gateway base replacing the derived chat base.",
     ("AzureBackendConfig", "responses_base_url"): "Gateway base replacing the derived Responses base.",
     ("AzureBackendConfig", "azure_ad_token"): "Entra ID token, sent as `Authorization: Bearer` instead of `api-key`.",
     ("AzureBackendConfig", "api_version"): "Required. Sent as `?api-version=` on every call; `preview`/`latest` "
-                                           "select the `/openai/v1` Responses base.",
+    "select the `/openai/v1` Responses base.",
 }
 
 
@@ -199,8 +200,10 @@ def _field_table(model: type, skip: tuple[str, ...] = ()) -> str:
         limits = _constraints(field)
         if limits:
             meaning = f"{meaning} ({limits})" if meaning else f"({limits})"
-        rows.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {_aliases(name, field)} | "
-                    f"{_cell(meaning)} |")
+        rows.append(
+            f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {_aliases(name, field)} | "
+            f"{_cell(meaning)} |"
+        )
     return "\n".join(rows)
 
 
@@ -227,17 +230,23 @@ def configuration_page() -> str:
         for name, field in backend.model_fields.items():
             if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
                 sections.append((f"`backend.{name}` ({kind})", field.annotation, f"backend.{name}"))
-    out = [HEADER, "# Configuration reference\n\n",
-           "A gymserve config is one YAML file with two sections, `server` and `backend`; "
-           "`gymserve serve --config FILE` reads it (see [the CLI reference](cli.md) for flags that override it). "
-           "Every option is validated when the server starts: a misspelt option is an error naming the key, "
-           "never a silently ignored line.\n\n",
-           "## How the file is read\n\n", _doc(c).split("\n\nErrors:")[0].strip() + "\n\n",
-           "Other spellings of `backend.type`: "
-           + ", ".join(f"`{k}` → `{v}`" for k, v in sorted(c._TYPE_ALIASES.items())) + ".\n\n",
-           "NeMo Gym model-server options that have no meaning here are accepted and ignored, so a copied "
-           "config loads: " + ", ".join(f"`{k}`" for k in sorted(c._NEMO_GYM_IGNORED))
-           + "; `replace_developer_role_with_system: true` sets `developer_role: system`.\n\n"]
+    out = [
+        HEADER,
+        "# Configuration reference\n\n",
+        "A gymserve config is one YAML file with two sections, `server` and `backend`; "
+        "`gymserve serve --config FILE` reads it (see [the CLI reference](cli.md) for flags that override it). "
+        "Every option is validated when the server starts: a misspelt option is an error naming the key, "
+        "never a silently ignored line.\n\n",
+        "## How the file is read\n\n",
+        _doc(c).split("\n\nErrors:")[0].strip() + "\n\n",
+        "Other spellings of `backend.type`: "
+        + ", ".join(f"`{k}` → `{v}`" for k, v in sorted(c._TYPE_ALIASES.items()))
+        + ".\n\n",
+        "NeMo Gym model-server options that have no meaning here are accepted and ignored, so a copied "
+        "config loads: "
+        + ", ".join(f"`{k}`" for k in sorted(c._NEMO_GYM_IGNORED))
+        + "; `replace_developer_role_with_system: true` sets `developer_role: system`.\n\n",
+    ]
     for title, model, path in sections:
         out.append(f"## {title}\n\n")
         doc = _doc(model)
@@ -317,10 +326,13 @@ def cli_page() -> str:
     os.environ["COLUMNS"] = "100"  # argparse wraps usage at the terminal width: fix it
     try:
         parser = build_parser()
-        out = [HEADER, "# CLI reference\n\n",
-               f"`gymserve` — {_rst_to_md(parser.description or '')}\n\n",
-               "```text\n" + parser.format_usage().strip() + "\n```\n\n",
-               _options_table(parser) + "\n\n"]
+        out = [
+            HEADER,
+            "# CLI reference\n\n",
+            f"`gymserve` — {_rst_to_md(parser.description or '')}\n\n",
+            "```text\n" + parser.format_usage().strip() + "\n```\n\n",
+            _options_table(parser) + "\n\n",
+        ]
         for name, sub in _subcommands(parser).items():
             out.append(f"## `gymserve {name}`\n\n{_help_of(parser, name)}\n\n")
             out.append("```text\n" + sub.format_usage().strip() + "\n```\n\n")

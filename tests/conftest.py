@@ -48,9 +48,11 @@ def _build_peer_venv() -> str | None:
     if PEER_BIN.exists():
         return None
     pip = str(PEER / "bin" / "pip")
-    steps = [[sys.executable, "-m", "venv", str(PEER)],
-             [pip, "install", "-q", "torch==2.13.0"],  # first and pinned: a looser torch pulls CUDA wheels
-             [pip, "install", "-q", "transformers[serving]", "accelerate"]]
+    steps = [
+        [sys.executable, "-m", "venv", str(PEER)],
+        [pip, "install", "-q", "torch==2.13.0"],  # first and pinned: a looser torch pulls CUDA wheels
+        [pip, "install", "-q", "transformers[serving]", "accelerate"],
+    ]
     for step in steps:
         try:
             done = subprocess.run(step, capture_output=True, text=True, timeout=1800)
@@ -66,6 +68,7 @@ def transformers_serve(embedded_dir):
     """``(base_url, model_name)`` of a running ``transformers serve`` (stopped at session end): the
     embedded model's safetensors copy served from ``.venv-peer`` (built on first use)."""
     import httpx
+
     from helpers.fakes import free_port
 
     reason = _build_peer_venv()
@@ -73,9 +76,17 @@ def transformers_serve(embedded_dir):
         pytest.skip(f"cannot build .venv-peer for transformers serve: {reason}")
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    log = open(ROOT / ".pytest_cache" / "transformers-serve.log", "w") if (ROOT / ".pytest_cache").is_dir() else subprocess.DEVNULL
-    proc = subprocess.Popen([str(PEER_BIN), "serve", str(embedded_dir), "--port", str(port), "--host", "127.0.0.1"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    log = (
+        open(ROOT / ".pytest_cache" / "transformers-serve.log", "w")
+        if (ROOT / ".pytest_cache").is_dir()
+        else subprocess.DEVNULL
+    )
+    proc = subprocess.Popen(
+        [str(PEER_BIN), "serve", str(embedded_dir), "--port", str(port), "--host", "127.0.0.1"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

@@ -7,8 +7,14 @@ import textwrap
 import pytest
 
 from gymserve.config import (
-    AzureBackendConfig, ChatBackendConfig, ConfigError, GymserveConfig, LocalBackendConfig, OpenAIBackendConfig,
-    load_config, validate_config,
+    AzureBackendConfig,
+    ChatBackendConfig,
+    ConfigError,
+    GymserveConfig,
+    LocalBackendConfig,
+    OpenAIBackendConfig,
+    load_config,
+    validate_config,
 )
 
 KEY = "sk-test-SECRET-0123456789"
@@ -25,16 +31,28 @@ def test_defaults_are_the_local_embedded_model():
     assert isinstance(cfg, GymserveConfig)
     assert isinstance(cfg.backend, LocalBackendConfig)
     assert cfg.backend.model == "embedded" and cfg.backend.sampling.on_mismatch == "reject"
-    assert (cfg.server.host, cfg.server.port, cfg.server.max_queue, cfg.server.max_body_bytes) == ("127.0.0.1", 8000, 1024, 16 << 20)
+    assert (cfg.server.host, cfg.server.port, cfg.server.max_queue, cfg.server.max_body_bytes) == (
+        "127.0.0.1",
+        8000,
+        1024,
+        16 << 20,
+    )
 
 
 def test_chat_backend_with_env_yaml_interpolation_and_policy_names(tmp_path):
-    write(tmp_path, "env.yaml", f"""
+    write(
+        tmp_path,
+        "env.yaml",
+        f"""
         policy_base_url: http://127.0.0.1:9000/v1/
         policy_api_key: {KEY}
         policy_model_name: Qwen/Qwen3-8B
-    """)
-    path = write(tmp_path, "gymserve.yaml", """
+    """,
+    )
+    path = write(
+        tmp_path,
+        "gymserve.yaml",
+        """
         server: {port: 9100}
         backend:
           type: chat
@@ -43,7 +61,8 @@ def test_chat_backend_with_env_yaml_interpolation_and_policy_names(tmp_path):
           model: ${policy_model_name}
           return_token_id_information: true
           chat_template_kwargs: {enable_thinking: false}
-    """)
+    """,
+    )
     cfg = load_config(str(path))
     b = cfg.backend
     assert isinstance(b, ChatBackendConfig)
@@ -56,12 +75,16 @@ def test_chat_backend_with_env_yaml_interpolation_and_policy_names(tmp_path):
 
 def test_nemo_gym_flat_keys_make_a_chat_backend(tmp_path, monkeypatch):
     monkeypatch.setenv("GYMSERVE_TEST_KEY", KEY)
-    path = write(tmp_path, "flat.yaml", """
+    path = write(
+        tmp_path,
+        "flat.yaml",
+        """
         policy_base_url: http://127.0.0.1:8000/v1
         policy_api_key: ${oc.env:GYMSERVE_TEST_KEY}
         policy_model_name: policy
         num_concurrent_requests: 8
-    """)
+    """,
+    )
     b = load_config(str(path)).backend
     assert isinstance(b, ChatBackendConfig)
     assert b.base_urls == ["http://127.0.0.1:8000/v1"] and b.model == "policy" and b.num_concurrent_requests == 8
@@ -69,12 +92,19 @@ def test_nemo_gym_flat_keys_make_a_chat_backend(tmp_path, monkeypatch):
 
 
 def test_nemo_gym_nested_azure_config_loads_unchanged(tmp_path):
-    write(tmp_path, "env.yaml", f"""
+    write(
+        tmp_path,
+        "env.yaml",
+        f"""
         policy_base_url: https://RESOURCE.openai.azure.com
         policy_api_key: {KEY}
         policy_model_name: gpt-5-nano
-    """)
-    path = write(tmp_path, "azure_openai_model.yaml", """
+    """,
+    )
+    path = write(
+        tmp_path,
+        "azure_openai_model.yaml",
+        """
         policy_model:
           responses_api_models:
             azure_openai_model:
@@ -85,7 +115,8 @@ def test_nemo_gym_nested_azure_config_loads_unchanged(tmp_path):
               default_query:
                 api-version: 2024-10-21
               num_concurrent_requests: 8
-    """)
+    """,
+    )
     b = load_config(str(path)).backend
     assert isinstance(b, AzureBackendConfig)
     assert b.api_version == "2024-10-21" and b.default_query == {}
@@ -94,7 +125,10 @@ def test_nemo_gym_nested_azure_config_loads_unchanged(tmp_path):
 
 
 def test_nemo_gym_vllm_model_options(tmp_path):
-    path = write(tmp_path, "vllm_model.yaml", """
+    path = write(
+        tmp_path,
+        "vllm_model.yaml",
+        """
         policy_model:
           responses_api_models:
             vllm_model:
@@ -106,7 +140,8 @@ def test_nemo_gym_vllm_model_options(tmp_path):
               uses_reasoning_parser: true
               replace_developer_role_with_system: true
               extra_body: {top_k: 20}
-    """)
+    """,
+    )
     b = load_config(str(path)).backend
     assert isinstance(b, ChatBackendConfig)
     assert b.developer_role == "system" and b.extra_body == {"top_k": 20} and b.return_token_id_information
@@ -124,14 +159,20 @@ def test_overrides_apply_last(tmp_path):
     assert cfg.server.port == 9999 and cfg.backend.model == "x"
 
 
-@pytest.mark.parametrize("backend, key_path", [
-    ({"type": "chat", "base_urls": ["http://h/v1"], "num_concurrent_requests": 0}, "backend.num_concurrent_requests"),
-    ({"type": "chat", "base_urls": ["http://h/v1"], "tool_parzer": "hermes"}, "backend.tool_parzer"),
-    ({"type": "chat", "base_urls": ["localhost:8000/v1"]}, "backend.base_urls"),
-    ({"type": "chat"}, "backend.base_urls"),
-    ({"type": "nope"}, "backend"),
-    ({"type": "local", "sampling": {"temperature": -1}}, "backend.sampling.temperature"),
-])
+@pytest.mark.parametrize(
+    "backend, key_path",
+    [
+        (
+            {"type": "chat", "base_urls": ["http://h/v1"], "num_concurrent_requests": 0},
+            "backend.num_concurrent_requests",
+        ),
+        ({"type": "chat", "base_urls": ["http://h/v1"], "tool_parzer": "hermes"}, "backend.tool_parzer"),
+        ({"type": "chat", "base_urls": ["localhost:8000/v1"]}, "backend.base_urls"),
+        ({"type": "chat"}, "backend.base_urls"),
+        ({"type": "nope"}, "backend"),
+        ({"type": "local", "sampling": {"temperature": -1}}, "backend.sampling.temperature"),
+    ],
+)
 def test_validation_errors_name_the_key(backend, key_path):
     with pytest.raises(ConfigError) as info:
         validate_config({"backend": backend})
@@ -142,15 +183,27 @@ def test_unknown_top_level_key_and_missing_variable(tmp_path):
     with pytest.raises(ConfigError, match="sever: unknown top-level key"):
         load_config(str(write(tmp_path, "a.yaml", "sever: {port: 1}\n")))
     with pytest.raises(ConfigError, match="backend.model"):
-        load_config(str(write(tmp_path, "b.yaml", "backend: {type: chat, base_url: 'http://h/v1', model: '${nope}'}\n")))
+        load_config(
+            str(write(tmp_path, "b.yaml", "backend: {type: chat, base_url: 'http://h/v1', model: '${nope}'}\n"))
+        )
     with pytest.raises(ConfigError, match="not found"):
         load_config(str(tmp_path / "missing.yaml"))
 
 
 def test_secret_never_in_validation_errors():
     with pytest.raises(ConfigError) as info:
-        validate_config({"backend": {"type": "azure", "endpoint": "https://r.openai.azure.com", "deployment": "d",
-                                     "api_key": KEY, "api_version": "v", "timeout": -1}})
+        validate_config(
+            {
+                "backend": {
+                    "type": "azure",
+                    "endpoint": "https://r.openai.azure.com",
+                    "deployment": "d",
+                    "api_key": KEY,
+                    "api_version": "v",
+                    "timeout": -1,
+                }
+            }
+        )
     assert "backend.timeout" in str(info.value) and KEY not in str(info.value)
     with pytest.raises(ConfigError) as info:
         validate_config({"backend": {"type": "chat", "base_urls": [f"http://user:{KEY}@h/v1", f"h/v1?api_key={KEY}"]}})
@@ -158,15 +211,23 @@ def test_secret_never_in_validation_errors():
 
 
 # ------------------------------------------------------------------------------------ Azure
-AZ = {"type": "azure", "endpoint": "https://RESOURCE.openai.azure.com/", "deployment": "DEPLOYMENT",
-      "api_version": "API_VERSION", "api_key": KEY}
+AZ = {
+    "type": "azure",
+    "endpoint": "https://RESOURCE.openai.azure.com/",
+    "deployment": "DEPLOYMENT",
+    "api_version": "API_VERSION",
+    "api_key": KEY,
+}
 
 
 def test_azure_urls_from_endpoint():
     b = validate_config({"backend": AZ}).backend
     assert b.chat_base == "https://RESOURCE.openai.azure.com/openai/deployments/DEPLOYMENT"
     assert b.responses_base == "https://RESOURCE.openai.azure.com/openai"
-    for ep in ("https://RESOURCE.openai.azure.com/openai/", "https://RESOURCE.openai.azure.com/openai/deployments/DEPLOYMENT/"):
+    for ep in (
+        "https://RESOURCE.openai.azure.com/openai/",
+        "https://RESOURCE.openai.azure.com/openai/deployments/DEPLOYMENT/",
+    ):
         b = validate_config({"backend": {**AZ, "endpoint": ep}}).backend
         assert b.chat_base == "https://RESOURCE.openai.azure.com/openai/deployments/DEPLOYMENT"
         assert "/deployments/" not in b.responses_base and "//openai" not in b.responses_base
@@ -177,19 +238,27 @@ def test_azure_urls_from_endpoint():
 
 
 def test_azure_deployment_taken_from_a_deployment_scoped_endpoint():
-    b = validate_config({"backend": {**AZ, "deployment": None,
-                                     "endpoint": "https://R.openai.azure.com/openai/deployments/dep1"}}).backend
+    b = validate_config(
+        {"backend": {**AZ, "deployment": None, "endpoint": "https://R.openai.azure.com/openai/deployments/dep1"}}
+    ).backend
     assert b.deployment_name == "dep1" and b.responses_base == "https://R.openai.azure.com/openai"
 
 
 def test_azure_api_version_required_or_from_default_query():
     with pytest.raises(ConfigError, match=r"backend\.api_version: .*api-version"):
         validate_config({"backend": {k: v for k, v in AZ.items() if k != "api_version"}})
-    b = validate_config({"backend": {**{k: v for k, v in AZ.items() if k != "api_version"},
-                                     "default_query": {"api-version": "2024-10-21", "x": "1"}}}).backend
+    b = validate_config(
+        {
+            "backend": {
+                **{k: v for k, v in AZ.items() if k != "api_version"},
+                "default_query": {"api-version": "2024-10-21", "x": "1"},
+            }
+        }
+    ).backend
     assert b.api_version == "2024-10-21" and b.default_query == {"x": "1"}
-    b = validate_config({"backend": {**{k: v for k, v in AZ.items() if k != "api_version"},
-                                     "policy_api_version": "2025-01-01"}}).backend
+    b = validate_config(
+        {"backend": {**{k: v for k, v in AZ.items() if k != "api_version"}, "policy_api_version": "2025-01-01"}}
+    ).backend
     assert b.api_version == "2025-01-01"
 
 
@@ -203,8 +272,16 @@ def test_azure_endpoint_needs_a_scheme_and_chat_needs_a_deployment():
 
 
 def test_azure_gateway_bases_without_endpoint():
-    b = validate_config({"backend": {"type": "azure_openai", "chat_base_url": "https://GATEWAY/azure/",
-                                     "responses_base_url": "https://GATEWAY/azure/v1", "api_version": "V"}}).backend
+    b = validate_config(
+        {
+            "backend": {
+                "type": "azure_openai",
+                "chat_base_url": "https://GATEWAY/azure/",
+                "responses_base_url": "https://GATEWAY/azure/v1",
+                "api_version": "V",
+            }
+        }
+    ).backend
     assert b.chat_base == "https://GATEWAY/azure" and b.responses_base == "https://GATEWAY/azure/v1"
 
 

@@ -27,8 +27,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gymserve"
 
 
 def _classes() -> dict[str, type[GymserveError]]:
-    return {name: cls for name, cls in vars(errors).items()
-            if inspect.isclass(cls) and issubclass(cls, GymserveError)}
+    return {name: cls for name, cls in vars(errors).items() if inspect.isclass(cls) and issubclass(cls, GymserveError)}
 
 
 def test_the_docstring_draws_every_class_under_its_parent():
@@ -62,28 +61,36 @@ def test_status_and_code_come_from_the_class():
     assert (limited.status_code, limited.retry_after, limited.code) == (429, 1.0, "upstream_rate_limited")
     assert isinstance(limited, OverloadedError)
     rejected = UpstreamRejectedError("bad tool", status_code=422, param="tools", code="x")
-    assert rejected.to_dict() == {"error": {"message": "bad tool", "type": "invalid_request_error",
-                                            "param": "tools", "code": "x"}}
+    assert rejected.to_dict() == {
+        "error": {"message": "bad tool", "type": "invalid_request_error", "param": "tools", "code": "x"}
+    }
     assert rejected.status_code == 422 and UpstreamError.status_code == 502
 
 
 def test_only_unreachable_5xx_and_429_are_retryable():
     retryable = {name for name, cls in _classes().items() if cls.retryable}
-    assert retryable == {UpstreamUnreachableError.__name__, UpstreamServerError.__name__,
-                         UpstreamRateLimitedError.__name__}
+    assert retryable == {
+        UpstreamUnreachableError.__name__,
+        UpstreamServerError.__name__,
+        UpstreamRateLimitedError.__name__,
+    }
 
 
-@pytest.mark.parametrize("exc", [
-    ContextLengthExceededError(900, 512),
-    ContextLengthExceededError(None, None, message="upstream", url="http://h/v1", param=None),
-    OverloadedError("busy", retry_after=3.0),
-    UpstreamRateLimitedError("slow", upstream_retry_after=2.5),
-    UpstreamError("boom", status_code=504, code="x", url="http://h"),
-    UpstreamRejectedError("nope", status_code=422, param="tools"),
-    errors.ShuttingDownError(),
-    errors.RequestTooLargeError(10, 5),
-    errors.SpliceError("ambiguous"),
-], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ContextLengthExceededError(900, 512),
+        ContextLengthExceededError(None, None, message="upstream", url="http://h/v1", param=None),
+        OverloadedError("busy", retry_after=3.0),
+        UpstreamRateLimitedError("slow", upstream_retry_after=2.5),
+        UpstreamError("boom", status_code=504, code="x", url="http://h"),
+        UpstreamRejectedError("nope", status_code=422, param="tools"),
+        errors.ShuttingDownError(),
+        errors.RequestTooLargeError(10, 5),
+        errors.SpliceError("ambiguous"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
 def test_errors_pickle_with_every_field(exc):
     """How errors cross from a Ray replica to the front end."""
     got = pickle.loads(pickle.dumps(exc))
@@ -102,9 +109,18 @@ def test_no_code_compares_error_codes_or_mutates_an_error():
                 for side in (node.left, *node.comparators):
                     if isinstance(side, ast.Attribute) and side.attr == "code":
                         bad.append(f"{path.relative_to(SRC)}:{node.lineno} compares .code")
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AugAssign)
+                else []
+            )
             for target in targets:
-                if isinstance(target, ast.Attribute) and target.attr in ("code", "status_code", "error_type") \
-                        and not (isinstance(target.value, ast.Name) and target.value.id == "self"):
+                if (
+                    isinstance(target, ast.Attribute)
+                    and target.attr in ("code", "status_code", "error_type")
+                    and not (isinstance(target.value, ast.Name) and target.value.id == "self")
+                ):
                     bad.append(f"{path.relative_to(SRC)}:{node.lineno} sets .{target.attr}")
     assert not bad, bad

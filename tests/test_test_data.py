@@ -38,6 +38,9 @@ def test_every_cited_case_id_resolves_in_the_repository():
 
 
 def test_no_test_reads_a_path_outside_the_repository():
-    offenders = [str(p.relative_to(ROOT)) for p in _sources("tests", suffixes=(".py",))
-                 if p != Path(__file__).resolve() and OUTSIDE.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in _sources("tests", suffixes=(".py",))
+        if p != Path(__file__).resolve() and OUTSIDE.search(p.read_text())
+    ]
     assert not offenders, f"these tests name a path outside the checkout: {offenders}"

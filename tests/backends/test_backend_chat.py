@@ -7,20 +7,31 @@ import asyncio
 import logging
 
 import pytest
-from helpers.fakes import ChatScript, FakeServer, chat_chunks, completion, sse, vllm_error
 
 from gymserve.backends import RequestContext, build_backend
 from gymserve.backends.chat import ChatBackend
 from gymserve.config import ConfigError, validate_config
 from gymserve.errors import OverloadedError, UpstreamConnectionError, UpstreamError
+from helpers.fakes import ChatScript, FakeServer, chat_chunks, completion, sse, vllm_error
 
 KEY = "sk-chat-SECRET-abcdef0123"
 MSG = [{"role": "user", "content": "hi"}]
 
 
 def make(urls, max_queue=1024, **options) -> ChatBackend:
-    cfg = validate_config({"server": {"max_queue": max_queue}, "backend": {
-        "type": "chat", "base_urls": urls, "model": "policy", "api_key": KEY, "retry_backoff": 0.01, **options}})
+    cfg = validate_config(
+        {
+            "server": {"max_queue": max_queue},
+            "backend": {
+                "type": "chat",
+                "base_urls": urls,
+                "model": "policy",
+                "api_key": KEY,
+                "retry_backoff": 0.01,
+                **options,
+            },
+        }
+    )
     return build_backend(cfg)
 
 
@@ -40,14 +51,24 @@ def servers():
 
 async def test_chat_passes_body_model_key_and_options(servers):
     s = servers()
-    b = make([s.url + "/v1/"], chat_template_kwargs={"enable_thinking": False}, extra_body={"top_k": 20},
-             default_headers={"X-Team": "rl"}, served_model_name="public")
+    b = make(
+        [s.url + "/v1/"],
+        chat_template_kwargs={"enable_thinking": False},
+        extra_body={"top_k": 20},
+        default_headers={"X-Team": "rl"},
+        served_model_name="public",
+    )
     out = await b.chat({"model": "whatever", "messages": MSG, "max_tokens": 4, "top_k": 5}, RequestContext())
     rec = s.requests[-1]
     assert rec.path == "/v1/chat/completions" and rec.headers["authorization"] == f"Bearer {KEY}"
     assert rec.headers["x-team"] == "rl"
-    assert rec.body == {"model": "policy", "messages": MSG, "max_tokens": 4, "top_k": 5,
-                        "chat_template_kwargs": {"enable_thinking": False}}
+    assert rec.body == {
+        "model": "policy",
+        "messages": MSG,
+        "max_tokens": 4,
+        "top_k": 5,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
     assert out["choices"][0]["message"]["content"] == "from r0" and out["model"] == "public"
     assert await b.models() == ["public"]
     await b.close()
@@ -72,7 +93,9 @@ async def test_responses_go_through_the_converter(servers):
     await b.close()
 
 
-@pytest.mark.parametrize("fields", [{"reasoning": "r"}, {"reasoning_content": "r"}, {"reasoning": "r", "reasoning_content": "r"}])
+@pytest.mark.parametrize(
+    "fields", [{"reasoning": "r"}, {"reasoning_content": "r"}, {"reasoning": "r", "reasoning_content": "r"}]
+)
 async def test_reasoning_comes_back_under_both_names(servers, fields):
     s = servers(ChatScript(default=lambda r: (200, completion("4", **fields))))
     b = make([s.url + "/v1"])
@@ -85,7 +108,7 @@ async def test_sessions_stick_to_a_replica_and_new_ones_round_robin(servers):
     a, c = servers(), servers()
     b = make([a.url + "/v1", c.url + "/v1"])
     seen = {}
-    for turn in range(3):
+    for _turn in range(3):
         for sid in ("s1", "s2", "s3", "s4"):
             out = await b.chat({"messages": MSG}, RequestContext(session_id=sid))
             seen.setdefault(sid, set()).add(out["choices"][0]["message"]["content"])
@@ -120,14 +143,23 @@ def test_health_is_true_from_start_up_and_follows_the_replica_within_one_interva
 
     import httpx
 
-    from helpers.fakes import free_port
     from gymserve.server.run import start_background_server
+    from helpers.fakes import free_port
 
     interval = 0.5
     port = free_port()
-    cfg = validate_config({"server": {"port": 0}, "backend": {
-        "type": "chat", "base_urls": [f"http://127.0.0.1:{port}/v1"], "model": "policy", "api_key": KEY,
-        "health_check_interval": interval}})
+    cfg = validate_config(
+        {
+            "server": {"port": 0},
+            "backend": {
+                "type": "chat",
+                "base_urls": [f"http://127.0.0.1:{port}/v1"],
+                "model": "policy",
+                "api_key": KEY,
+                "health_check_interval": interval,
+            },
+        }
+    )
     with start_background_server(cfg) as srv:
         root = srv.base_url.removesuffix("/v1")
         t_start = time.time()
@@ -235,7 +267,10 @@ async def test_unreachable_error_names_url_and_never_the_key(servers, caplog):
     caplog.set_level(logging.DEBUG)
     with pytest.raises(UpstreamConnectionError) as info:
         await b.chat({"messages": MSG}, RequestContext())
-    assert f"http://127.0.0.1:{port}/v1/chat/completions" in info.value.message and "ConnectionRefusedError" in info.value.message
+    assert (
+        f"http://127.0.0.1:{port}/v1/chat/completions" in info.value.message
+        and "ConnectionRefusedError" in info.value.message
+    )
     assert KEY not in info.value.message and KEY not in caplog.text and "retry 1/1" in caplog.text
     await b.close()
 
@@ -253,9 +288,18 @@ async def test_token_ids_requested_in_vllm_forms_and_moved_to_the_message(server
     b = make([s.url + "/v1"], return_token_id_information=True)
     out = await b.chat({"messages": MSG}, RequestContext())
     body = s.requests[-1].body
-    assert body["return_token_ids"] and body["logprobs"] and body["return_tokens_as_token_ids"] and body["top_logprobs"] == 0
+    assert (
+        body["return_token_ids"]
+        and body["logprobs"]
+        and body["return_tokens_as_token_ids"]
+        and body["top_logprobs"] == 0
+    )
     msg = out["choices"][0]["message"]
-    assert (msg["prompt_token_ids"], msg["generation_token_ids"], msg["generation_log_probs"]) == ([1, 2, 3], [11, 12], [-0.5, -0.25])
+    assert (msg["prompt_token_ids"], msg["generation_token_ids"], msg["generation_log_probs"]) == (
+        [1, 2, 3],
+        [11, 12],
+        [-0.5, -0.25],
+    )
     assert out["choices"][0]["logprobs"] is None  # the client did not ask for them
     resp = await b.responses({"input": "x"}, RequestContext())
     assert resp["output"][-1]["generation_token_ids"] == [11, 12]
@@ -271,8 +315,19 @@ def vllm_stream(pieces, *, prompt=(1, 2, 3), finish="stop"):
         first["prompt_token_ids"] = list(prompt)
     chunks = [first]
     for text, tid, lp in pieces:
-        chunks.append({**head, "choices": [{"index": 0, "delta": {"content": text}, "token_ids": [tid],
-                                            "logprobs": {"content": [{"token": f"token_id:{tid}", "logprob": lp}]}}]})
+        chunks.append(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": text},
+                        "token_ids": [tid],
+                        "logprobs": {"content": [{"token": f"token_id:{tid}", "logprob": lp}]},
+                    }
+                ],
+            }
+        )
     if finish:
         chunks.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish, "token_ids": []}]})
     return chunks
@@ -285,8 +340,9 @@ def streaming_vllm(r):
     if r.body.get("stream"):
         return sse(vllm_stream(PIECES))
     c = completion("Hello!", extra={"prompt_token_ids": [1, 2, 3]})
-    c["choices"][0].update(token_ids=[11, 12, 13], logprobs={"content": [
-        {"token": f"token_id:{t}", "logprob": lp} for _, t, lp in PIECES]})
+    c["choices"][0].update(
+        token_ids=[11, 12, 13], logprobs={"content": [{"token": f"token_id:{t}", "logprob": lp} for _, t, lp in PIECES]}
+    )
     return 200, c
 
 
@@ -301,13 +357,18 @@ async def test_token_ids_streamed_by_vllm_ride_on_the_finish_chunk(servers):
     last = chunks[-1]["choices"][0]
     assert last["finish_reason"] == "stop"
     fields = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-    assert [last["delta"][f] for f in fields] == [whole[f] for f in fields] == [[1, 2, 3], [11, 12, 13], [-0.5, -0.25, -0.125]]
+    assert (
+        [last["delta"][f] for f in fields]
+        == [whole[f] for f in fields]
+        == [[1, 2, 3], [11, 12, 13], [-0.5, -0.25, -0.125]]
+    )
     # vLLM's own fields are not forwarded, nor the log-probs the client did not ask for.
     assert not any("token_ids" in ch or ch.get("logprobs") for c in chunks for ch in c["choices"])
     assert not any("prompt_token_ids" in c for c in chunks)
     kept = [c async for c in b.chat_stream({"messages": MSG, "stream": True, "logprobs": True}, RequestContext())]
-    assert [e["logprob"] for c in kept for ch in c["choices"] for e in (ch.get("logprobs") or {}).get("content", [])] \
-        == [-0.5, -0.25, -0.125]
+    assert [
+        e["logprob"] for c in kept for ch in c["choices"] for e in (ch.get("logprobs") or {}).get("content", [])
+    ] == [-0.5, -0.25, -0.125]
     # The Responses stream over it carries the same fields on its last item.
     events = [e async for e in b.responses_stream({"model": "policy", "input": "x", "stream": True}, RequestContext())]
     item = events[-1]["response"]["output"][-1]
@@ -316,8 +377,12 @@ async def test_token_ids_streamed_by_vllm_ride_on_the_finish_chunk(servers):
 
 
 async def test_streamed_token_ids_use_tokenize_for_a_missing_prompt_and_fail_on_a_cut_stream(servers):
-    s = servers(ChatScript(default=lambda r: sse(vllm_stream(PIECES, prompt=None)),
-                           tokenize=lambda r: (200, {"count": 2, "tokens": [5, 6]})))
+    s = servers(
+        ChatScript(
+            default=lambda r: sse(vllm_stream(PIECES, prompt=None)),
+            tokenize=lambda r: (200, {"count": 2, "tokens": [5, 6]}),
+        )
+    )
     b = make([s.url + "/v1"], return_token_id_information=True)
     chunks = [c async for c in b.chat_stream({"messages": MSG, "stream": True}, RequestContext())]
     assert chunks[-1]["choices"][0]["delta"]["prompt_token_ids"] == [5, 6]
@@ -325,8 +390,13 @@ async def test_streamed_token_ids_use_tokenize_for_a_missing_prompt_and_fail_on_
     with pytest.raises(UpstreamError, match="without a finish_reason") as info:
         [c async for c in b.chat_stream({"messages": MSG, "stream": True}, RequestContext())]
     assert info.value.code == "upstream_token_ids"
-    s.handler.default = lambda r: sse([{k: v for k, v in c.items() if k != "prompt_token_ids"} | {
-        "choices": [{**ch, "logprobs": None} for ch in c["choices"]]} for c in vllm_stream(PIECES)])
+    s.handler.default = lambda r: sse(
+        [
+            {k: v for k, v in c.items() if k != "prompt_token_ids"}
+            | {"choices": [{**ch, "logprobs": None} for ch in c["choices"]]}
+            for c in vllm_stream(PIECES)
+        ]
+    )
     s.handler.tokenize = lambda r: (200, {"tokens": [5]})
     with pytest.raises(UpstreamError, match="no log-probs in the answer"):
         [c async for c in b.chat_stream({"messages": MSG, "stream": True}, RequestContext())]
@@ -345,17 +415,26 @@ async def test_prompt_ids_from_tokenize_fallback_and_message_level_fields(server
     assert msg["prompt_token_ids"] == [5, 6] and msg["generation_token_ids"] == [7]
     tok = [r for r in s.requests if r.path == "/tokenize"][0]
     assert tok.body["messages"] == MSG and tok.body["add_generation_prompt"] is True
-    s.handler.default = lambda r: (200, completion("a", prompt_token_ids=[1], generation_token_ids=[2], generation_log_probs=[-0.1]))
+    s.handler.default = lambda r: (
+        200,
+        completion("a", prompt_token_ids=[1], generation_token_ids=[2], generation_log_probs=[-0.1]),
+    )
     msg = (await b.chat({"messages": MSG}, RequestContext()))["choices"][0]["message"]
     assert msg["generation_log_probs"] == [-0.1]
     await b.close()
 
 
-@pytest.mark.parametrize("answer, words", [
-    (completion("a"), "no generation token IDs"),
-    (completion("a", prompt_token_ids=[1], generation_token_ids=[2]), "must come together"),
-    (completion("a", prompt_token_ids=[1], generation_token_ids=[2, 3], generation_log_probs=[-1.0]), "one log-prob per"),
-])
+@pytest.mark.parametrize(
+    "answer, words",
+    [
+        (completion("a"), "no generation token IDs"),
+        (completion("a", prompt_token_ids=[1], generation_token_ids=[2]), "must come together"),
+        (
+            completion("a", prompt_token_ids=[1], generation_token_ids=[2, 3], generation_log_probs=[-1.0]),
+            "one log-prob per",
+        ),
+    ],
+)
 async def test_partial_token_metadata_is_an_error(servers, answer, words):
     s = servers(ChatScript(default=lambda r: (200, answer), tokenize=lambda r: (200, {"tokens": [1]})))
     b = make([s.url + "/v1"], return_token_id_information=True)
@@ -388,8 +467,10 @@ def _fine_chunks(comp, size=3):
     text = comp["choices"][0]["message"]["content"]
     chunks = chat_chunks(comp)
     head, tail = chunks[0], chunks[-1]
-    body = [{**head, "choices": [{"index": 0, "delta": {"content": text[i:i + size]}, "finish_reason": None}]}
-            for i in range(0, len(text), size)]
+    body = [
+        {**head, "choices": [{"index": 0, "delta": {"content": text[i : i + size]}, "finish_reason": None}]}
+        for i in range(0, len(text), size)
+    ]
     return [head, *body, tail]
 
 
@@ -414,8 +495,10 @@ def _fold(chunks):
 
 
 async def test_client_side_parsers_parse_a_stream_as_it_arrives(servers):
-    raw = ('<think>user wants weather</think>\nChecking.\n<tool_call>\n'
-           '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>')
+    raw = (
+        "<think>user wants weather</think>\nChecking.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    )
     comp = completion(raw)
     s = servers(ChatScript(default=lambda r: sse(_fine_chunks(comp)) if r.body.get("stream") else (200, comp)))
     b = make([s.url + "/v1"], tool_parser="hermes", reasoning_parser="qwen3")
@@ -425,42 +508,77 @@ async def test_client_side_parsers_parse_a_stream_as_it_arrives(servers):
     args = '{"city": "Paris", "unit": "celsius"}'
     assert (content, reasoning, finish) == ("Checking.", "user wants weather", "tool_calls")
     assert calls[0][:2] == ("get_weather", args) and calls[0][2] > 5  # arguments streamed piece by piece
-    assert (whole["message"]["content"], whole["message"]["reasoning_content"], whole["finish_reason"]) == \
-        (content, reasoning, finish)
-    assert [(t["function"]["name"], t["function"]["arguments"]) for t in whole["message"]["tool_calls"]] == \
-        [c[:2] for c in calls]
+    assert (whole["message"]["content"], whole["message"]["reasoning_content"], whole["finish_reason"]) == (
+        content,
+        reasoning,
+        finish,
+    )
+    assert [(t["function"]["name"], t["function"]["arguments"]) for t in whole["message"]["tool_calls"]] == [
+        c[:2] for c in calls
+    ]
     assert not any("<tool_call>" in (ch["delta"].get("content") or "") for c in chunks for ch in c["choices"])
     # The Responses stream over it: same final response as the non-streamed call.
-    body = {"model": "policy", "input": "x", "tools": [{"type": "function", "name": "get_weather",
-                                                       "parameters": {"type": "object"}}]}
+    body = {
+        "model": "policy",
+        "input": "x",
+        "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+    }
     events = [e async for e in b.responses_stream({**body, "stream": True}, RequestContext())]
     full = await b.responses(body, RequestContext())
     final = events[-1]["response"]
     assert [e["type"] for e in events].count("response.function_call_arguments.delta") > 5
-    assert [(i["type"], i.get("arguments")) for i in final["output"]] == \
-        [(i["type"], i.get("arguments")) for i in full["output"]] == \
-        [("reasoning", None), ("message", None), ("function_call", args)]
+    assert (
+        [(i["type"], i.get("arguments")) for i in final["output"]]
+        == [(i["type"], i.get("arguments")) for i in full["output"]]
+        == [("reasoning", None), ("message", None), ("function_call", args)]
+    )
     await b.close()
 
 
 async def test_streaming_passthrough(servers):
-    chunks = [{"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy",
-               "choices": [{"index": 0, "delta": {"role": "assistant", "reasoning": "hm"}, "finish_reason": None}]},
-              {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy",
-               "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}]
+    chunks = [
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "policy",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "reasoning": "hm"}, "finish_reason": None}],
+        },
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "policy",
+            "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}],
+        },
+    ]
     s = servers(ChatScript(default=lambda r: sse(chunks)))
     b = make([s.url + "/v1"])
     got = [c async for c in b.chat_stream({"messages": MSG, "stream": True}, RequestContext())]
     assert s.requests[-1].body["stream"] is True
-    assert got[0]["choices"][0]["delta"]["reasoning_content"] == "hm" and got[1]["choices"][0]["delta"]["content"] == "hi"
+    assert (
+        got[0]["choices"][0]["delta"]["reasoning_content"] == "hm" and got[1]["choices"][0]["delta"]["content"] == "hi"
+    )
     await b.close()
 
 
 async def test_responses_stream_over_the_chat_stream(servers):
-    chunks = [{"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy",
-               "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": None}]},
-              {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy",
-               "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+    chunks = [
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "policy",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": None}],
+        },
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "policy",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        },
+    ]
     s = servers(ChatScript(default=lambda r: sse(chunks)))
     b = make([s.url + "/v1"])
     events = [e async for e in b.responses_stream({"model": "policy", "input": "x", "stream": True}, RequestContext())]

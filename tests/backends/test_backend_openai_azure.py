@@ -7,12 +7,12 @@ import io
 import logging
 
 import pytest
-from helpers.fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, azure_handler
 
 from gymserve.backends import RequestContext, build_backend
 from gymserve.check import main_check, run_check
 from gymserve.config import validate_config
 from gymserve.errors import UpstreamError
+from helpers.fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, azure_handler
 
 KEY, VERSION = CLOUD_KEY, AZURE_VERSION
 MSG = [{"role": "user", "content": "hi"}]
@@ -27,9 +27,17 @@ async def test_openai_chat_and_native_responses(openai_fake):
     b = backend(type="openai", base_url=openai_fake.url + "/v1/", api_key=KEY, model="gpt-test")
     out = await b.chat({"model": "x", "messages": MSG, "max_completion_tokens": 4}, CTX)
     assert out["choices"][0]["message"]["content"] == "hello from openai"
-    history = [{"type": "message", "role": "user", "content": "hi"},
-               {"type": "message", "role": "assistant", "content": "yo", "prompt_token_ids": [1],
-                "generation_token_ids": [2], "generation_log_probs": [-1.0]}]
+    history = [
+        {"type": "message", "role": "user", "content": "hi"},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": "yo",
+            "prompt_token_ids": [1],
+            "generation_token_ids": [2],
+            "generation_log_probs": [-1.0],
+        },
+    ]
     resp = await b.responses({"model": "x", "input": history, "stream": False}, CTX)
     rec = openai_fake.requests[-1]
     assert rec.method == "POST" and rec.path == "/v1/responses" and rec.headers["authorization"] == f"Bearer {KEY}"
@@ -44,7 +52,9 @@ async def test_openai_native_streaming_and_context_overflow(openai_fake):
     events = [e async for e in b.responses_stream({"input": "hi", "stream": True}, CTX)]
     assert openai_fake.requests[-1].body["stream"] is True
     types = [e["type"] for e in events]
-    assert types[0] == "response.created" and types[-1] == "response.completed" and "response.output_text.delta" in types
+    assert (
+        types[0] == "response.created" and types[-1] == "response.completed" and "response.output_text.delta" in types
+    )
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[-1]["response"]["model"] == "pub"
     resp = await b.responses({"input": "overflow"}, CTX)
@@ -77,7 +87,11 @@ async def test_azure_chat_is_deployment_scoped_with_api_version_and_api_key(azur
     b = backend(**AZ, endpoint=azure_fake.url + "/")
     out = await b.chat({"model": "anything", "messages": MSG}, CTX)
     rec = azure_fake.requests[-1]
-    assert (rec.method, rec.path, rec.query) == ("POST", "/openai/deployments/dep/chat/completions", {"api-version": VERSION})
+    assert (rec.method, rec.path, rec.query) == (
+        "POST",
+        "/openai/deployments/dep/chat/completions",
+        {"api-version": VERSION},
+    )
     assert rec.headers["api-key"] == KEY and "authorization" not in rec.headers
     assert out["choices"][0]["message"]["content"] == "hello from azure chat"
     # api: chat serves Responses through the converter, on the same deployment URL.
@@ -87,11 +101,14 @@ async def test_azure_chat_is_deployment_scoped_with_api_version_and_api_key(azur
     await b.close()
 
 
-@pytest.mark.parametrize("endpoint_tail, version, path", [
-    ("/", VERSION, "/openai/responses"),
-    ("/openai/deployments/dep", VERSION, "/openai/responses"),  # a chat-style endpoint still gets the right URL
-    ("/openai/v1", VERSION, "/openai/v1/responses"),
-])
+@pytest.mark.parametrize(
+    "endpoint_tail, version, path",
+    [
+        ("/", VERSION, "/openai/responses"),
+        ("/openai/deployments/dep", VERSION, "/openai/responses"),  # a chat-style endpoint still gets the right URL
+        ("/openai/v1", VERSION, "/openai/v1/responses"),
+    ],
+)
 async def test_azure_responses_api_is_never_deployment_scoped(endpoint_tail, version, path):
     with FakeServer(azure_handler(api_key=KEY, api_version=version, deployment="dep")) as fake:
         b = backend(**{**AZ, "api_version": version}, endpoint=fake.url + endpoint_tail, api="responses")
@@ -105,25 +122,50 @@ async def test_azure_responses_api_is_never_deployment_scoped(endpoint_tail, ver
 
 async def test_azure_api_version_from_default_query():
     with FakeServer(azure_handler(api_key=KEY, api_version="2024-10-21", deployment="gpt-5-nano")) as fake:
-        cfg = validate_config({"backend": {"type": "azure_openai_model", "openai_base_url": fake.url,
-                                           "openai_api_key": KEY, "openai_model": "gpt-5-nano",
-                                           "default_query": {"api-version": "2024-10-21"}}})
+        cfg = validate_config(
+            {
+                "backend": {
+                    "type": "azure_openai_model",
+                    "openai_base_url": fake.url,
+                    "openai_api_key": KEY,
+                    "openai_model": "gpt-5-nano",
+                    "default_query": {"api-version": "2024-10-21"},
+                }
+            }
+        )
         b = build_backend(cfg)
         await b.chat({"messages": MSG}, CTX)
         rec = fake.requests[-1]
-        assert rec.path == "/openai/deployments/gpt-5-nano/chat/completions" and rec.query == {"api-version": "2024-10-21"}
+        assert rec.path == "/openai/deployments/gpt-5-nano/chat/completions" and rec.query == {
+            "api-version": "2024-10-21"
+        }
         await b.close()
 
 
 async def test_azure_gateway_bases():
-    handler = azure_handler(api_key=KEY, api_version=VERSION, deployment="dep", chat_paths=("/azure/chat/completions",),
-                            responses_paths=("/azure/v1/responses",))
+    handler = azure_handler(
+        api_key=KEY,
+        api_version=VERSION,
+        deployment="dep",
+        chat_paths=("/azure/chat/completions",),
+        responses_paths=("/azure/v1/responses",),
+    )
     with FakeServer(handler) as gw:
         for api in ("chat", "responses"):
-            b = backend(type="azure", api_key=KEY, api_version=VERSION, deployment="dep", api=api,
-                        chat_base_url=gw.url + "/azure/", responses_base_url=gw.url + "/azure/v1")
+            b = backend(
+                type="azure",
+                api_key=KEY,
+                api_version=VERSION,
+                deployment="dep",
+                api=api,
+                chat_base_url=gw.url + "/azure/",
+                responses_base_url=gw.url + "/azure/v1",
+            )
             await b.chat({"messages": MSG}, CTX)
-            assert (gw.requests[-1].path, gw.requests[-1].query) == ("/azure/chat/completions", {"api-version": VERSION})
+            assert (gw.requests[-1].path, gw.requests[-1].query) == (
+                "/azure/chat/completions",
+                {"api-version": VERSION},
+            )
             resp = await b.responses({"input": "hi"}, CTX)
             want = "/azure/v1/responses" if api == "responses" else "/azure/chat/completions"
             assert gw.requests[-1].path == want and resp["status"] == "completed"
@@ -163,7 +205,8 @@ def test_main_check_exit_codes(openai_fake, tmp_path):
     path.write_text("backend: {type: azure, endpoint: 'https://r.openai.azure.com', deployment: d}\n")
     out = io.StringIO()
     assert main_check(str(path), out=out) == 2 and "backend.api_version" in out.getvalue()
-    cfg = validate_config({"backend": {"type": "openai", "base_url": openai_fake.url + "/v1", "api_key": KEY,
-                                       "model": "gpt-test"}})
+    cfg = validate_config(
+        {"backend": {"type": "openai", "base_url": openai_fake.url + "/v1", "api_key": KEY, "model": "gpt-test"}}
+    )
     out = io.StringIO()
     assert main_check(cfg, out=out) == 0 and "all probes passed" in out.getvalue()

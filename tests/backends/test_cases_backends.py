@@ -13,11 +13,11 @@ import logging
 
 import httpx2
 import pytest
-from helpers.fakes import ChatScript, FakeServer, Recorded, azure_handler, vllm_error
 
 from gymserve.backends import RequestContext, build_backend
 from gymserve.config import ConfigError, validate_config
 from gymserve.errors import UpstreamConnectionError, UpstreamError
+from helpers.fakes import ChatScript, FakeServer, Recorded, azure_handler, vllm_error
 
 CTX = RequestContext()
 KEY = "KEY_PLACEHOLDER-0123456789"
@@ -32,8 +32,13 @@ def mock_cloud(backend, handler=None, *, raise_exc: Exception | None = None) -> 
         if raise_exc is not None:
             raise raise_exc
         body = json.loads(request.content) if request.content else None
-        rec = Recorded(request.method, request.url.path, dict(request.url.params),
-                       {k.lower(): v for k, v in request.headers.items()}, body)
+        rec = Recorded(
+            request.method,
+            request.url.path,
+            dict(request.url.params),
+            {k.lower(): v for k, v in request.headers.items()},
+            body,
+        )
         status, payload, *_ = handler(rec)
         return httpx2.Response(status, json=payload)
 
@@ -43,8 +48,13 @@ def mock_cloud(backend, handler=None, *, raise_exc: Exception | None = None) -> 
     return sent
 
 
-AZ01 = {"type": "azure_openai", "endpoint": "https://RESOURCE.openai.azure.com/", "deployment": "DEPLOYMENT",
-        "api_version": "API_VERSION", "api_key": KEY}
+AZ01 = {
+    "type": "azure_openai",
+    "endpoint": "https://RESOURCE.openai.azure.com/",
+    "deployment": "DEPLOYMENT",
+    "api_version": "API_VERSION",
+    "api_key": KEY,
+}
 AZURE = azure_handler(api_key=KEY, api_version="API_VERSION", deployment="DEPLOYMENT")
 
 
@@ -58,7 +68,8 @@ async def test_az01_chat_and_responses_urls(caplog):
         chat, resp = sent[0], sent[-1]
         # httpx lower-cases host names; compare parsed URLs (host case-insensitive, path and query exact).
         assert chat.method == "POST" and chat.url == httpx2.URL(
-            "https://RESOURCE.openai.azure.com/openai/deployments/DEPLOYMENT/chat/completions?api-version=API_VERSION")
+            "https://RESOURCE.openai.azure.com/openai/deployments/DEPLOYMENT/chat/completions?api-version=API_VERSION"
+        )
         if api == "responses":
             assert resp.url == httpx2.URL("https://RESOURCE.openai.azure.com/openai/responses?api-version=API_VERSION")
             assert json.loads(resp.content)["model"] == "DEPLOYMENT"
@@ -71,29 +82,64 @@ async def test_az01_chat_and_responses_urls(caplog):
 
 
 async def test_az01_separate_gateway_bases():
-    b = build_backend(validate_config({"backend": {
-        "type": "azure_openai", "chat_base_url": "https://GATEWAY/azure", "responses_base_url": "https://GATEWAY/azure/v1",
-        "api_version": "API_VERSION", "api_key": KEY, "deployment": "DEPLOYMENT", "api": "responses"}}))
-    gateway = azure_handler(api_key=KEY, api_version="API_VERSION", deployment="DEPLOYMENT",
-                            chat_paths=("/azure/chat/completions",), responses_paths=("/azure/v1/responses",))
+    b = build_backend(
+        validate_config(
+            {
+                "backend": {
+                    "type": "azure_openai",
+                    "chat_base_url": "https://GATEWAY/azure",
+                    "responses_base_url": "https://GATEWAY/azure/v1",
+                    "api_version": "API_VERSION",
+                    "api_key": KEY,
+                    "deployment": "DEPLOYMENT",
+                    "api": "responses",
+                }
+            }
+        )
+    )
+    gateway = azure_handler(
+        api_key=KEY,
+        api_version="API_VERSION",
+        deployment="DEPLOYMENT",
+        chat_paths=("/azure/chat/completions",),
+        responses_paths=("/azure/v1/responses",),
+    )
     sent = mock_cloud(b, gateway)
     await b.chat({"messages": [{"role": "user", "content": "hi"}]}, CTX)
     await b.responses({"input": "hi"}, CTX)
-    assert [r.url for r in sent] == [httpx2.URL("https://GATEWAY/azure/chat/completions?api-version=API_VERSION"),
-                                     httpx2.URL("https://GATEWAY/azure/v1/responses?api-version=API_VERSION")]
+    assert [r.url for r in sent] == [
+        httpx2.URL("https://GATEWAY/azure/chat/completions?api-version=API_VERSION"),
+        httpx2.URL("https://GATEWAY/azure/v1/responses?api-version=API_VERSION"),
+    ]
     await b.close()
 
 
 def test_az01_missing_api_version_is_a_config_error_naming_it():
     with pytest.raises(ConfigError, match=r"backend\.api_version"):
-        validate_config({"backend": {"type": "azure_openai", "endpoint": "https://RESOURCE.openai.azure.com",
-                                     "deployment": "DEPLOYMENT"}})
+        validate_config(
+            {
+                "backend": {
+                    "type": "azure_openai",
+                    "endpoint": "https://RESOURCE.openai.azure.com",
+                    "deployment": "DEPLOYMENT",
+                }
+            }
+        )
 
 
 def test_az02_endpoint_without_scheme_rejected_at_load():
     with pytest.raises(ConfigError) as info:
-        validate_config({"backend": {"type": "azure_openai", "endpoint": "RESOURCE.openai.azure.com/openai",
-                                     "api_version": "API_VERSION", "api_key": KEY, "deployment": "d"}})
+        validate_config(
+            {
+                "backend": {
+                    "type": "azure_openai",
+                    "endpoint": "RESOURCE.openai.azure.com/openai",
+                    "api_version": "API_VERSION",
+                    "api_key": KEY,
+                    "deployment": "d",
+                }
+            }
+        )
     text = str(info.value)
     assert "http:// or https://" in text and "RESOURCE.openai.azure.com/openai" in text and KEY not in text
 
@@ -122,16 +168,21 @@ async def test_az02_upstream_404_is_reported_as_404_not_a_connection_error():
     await b.close()
 
 
-CL01_OVERFLOW = ("This model's maximum context length is 32768 tokens. However, you requested 32818 tokens "
-                 "(32718 in the messages, 100 in the completion). Please reduce the length of the messages or completion.")
+CL01_OVERFLOW = (
+    "This model's maximum context length is 32768 tokens. However, you requested 32818 tokens "
+    "(32718 in the messages, 100 in the completion). Please reduce the length of the messages or completion."
+)
 
 
 @pytest.mark.parametrize("status", [400, 500])
 async def test_cl01_context_overflow_ends_the_rollout_cleanly(status):
     script = ChatScript(plan=[vllm_error(CL01_OVERFLOW, status)] * 2)
     with FakeServer(script) as s:
-        b = build_backend(validate_config({"backend": {"type": "chat", "base_url": s.url + "/v1", "model": "policy",
-                                                       "retry_backoff": 0}}))
+        b = build_backend(
+            validate_config(
+                {"backend": {"type": "chat", "base_url": s.url + "/v1", "model": "policy", "retry_backoff": 0}}
+            )
+        )
         resp = await b.responses({"model": "policy", "input": "long history"}, CTX)
         assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
         assert resp["output"] == [] and resp["usage"]["output_tokens"] == 0
@@ -158,8 +209,13 @@ async def test_cr04_chat_passthrough_returns_string_arguments():
     from helpers.spec import load_cases
 
     case = load_cases("chat_to_responses")["CR-04"]
-    upstream = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "policy",
-                **case["input"]["backend_chat_response"]}
+    upstream = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "policy",
+        **case["input"]["backend_chat_response"],
+    }
     with FakeServer(ChatScript(plan=[(200, upstream)])) as s:
         b = build_backend(validate_config({"backend": {"type": "chat", "base_url": s.url + "/v1"}}))
         chat = await b.chat({"model": "policy", "messages": [{"role": "user", "content": "x"}]}, CTX)

@@ -8,9 +8,14 @@ from hypothesis import strategies as st
 
 from gymserve.backends.local.stream import IncrementalDetokenizer
 
-TEXTS = ["plain ascii words, then code: def f(x):\n    return x", "日本語のテキストと絵文字 🎉👍🏽 and flags 🇫🇷",
-         "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": \"é\"}}\n</tool_call>", "<think>\nhm\n</think>\n\nok",
-         "  leading spaces and trailing  ", "\ufffd literal replacement char"]
+TEXTS = [
+    "plain ascii words, then code: def f(x):\n    return x",
+    "日本語のテキストと絵文字 🎉👍🏽 and flags 🇫🇷",
+    '<tool_call>\n{"name": "f", "arguments": {"a": "é"}}\n</tool_call>',
+    "<think>\nhm\n</think>\n\nok",
+    "  leading spaces and trailing  ",
+    "\ufffd literal replacement char",
+]
 
 
 def pieces(tokenizer, ids, sizes, final_tail=True):
@@ -19,13 +24,15 @@ def pieces(tokenizer, ids, sizes, final_tail=True):
     for size in sizes:
         if i >= len(ids):
             break
-        out.append(detok.push(ids[i:i + size]))
+        out.append(detok.push(ids[i : i + size]))
         i += size
     out.append(detok.push(ids[i:], final=True))
     return out
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(st.sampled_from(TEXTS), st.lists(st.integers(1, 4), max_size=80), st.lists(st.integers(0, 151642), max_size=6))
 def test_pieces_concatenate_to_the_full_decode(tokenizer, text, sizes, noise):
     ids = tokenizer.encode(text, add_special_tokens=False) + noise  # noise: arbitrary ids, partial bytes too

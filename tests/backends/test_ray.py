@@ -29,11 +29,23 @@ WAIT = 120  # seconds: the bound on any single wait in this file
 def cluster(tiny_model_dir):
     if ray.is_initialized():  # pragma: no cover - another test left Ray connected
         pytest.skip("Ray is already initialised in this process")
-    cfg = GymserveConfig(server=ServerConfig(port=0), backend=RayBackendConfig.model_validate({
-        "type": "ray", "model": str(tiny_model_dir), "replicas": 2, "ray_address": "local",
-        "replica_resources": {"num_cpus": 1}, "health_check_interval": 0.5, "health_check_timeout": 10,
-        "startup_timeout": WAIT, "object_store_memory": 80 * 1024 * 1024, "context_window": 512,
-    }))
+    cfg = GymserveConfig(
+        server=ServerConfig(port=0),
+        backend=RayBackendConfig.model_validate(
+            {
+                "type": "ray",
+                "model": str(tiny_model_dir),
+                "replicas": 2,
+                "ray_address": "local",
+                "replica_resources": {"num_cpus": 1},
+                "health_check_interval": 0.5,
+                "health_check_timeout": 10,
+                "startup_timeout": WAIT,
+                "object_store_memory": 80 * 1024 * 1024,
+                "context_window": 512,
+            }
+        ),
+    )
     srv = start_background_server(cfg, startup_timeout=WAIT + 30)
     yield srv
     srv.stop(timeout=60)
@@ -48,8 +60,11 @@ def http(cluster):
 
 
 def _chat(http, messages, session, max_tokens=4) -> dict:
-    r = http.post("/v1/chat/completions", headers={"X-Session-ID": session},
-                  json={"model": "tiny", "messages": messages, "max_tokens": max_tokens})
+    r = http.post(
+        "/v1/chat/completions",
+        headers={"X-Session-ID": session},
+        json={"model": "tiny", "messages": messages, "max_tokens": max_tokens},
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]
 
@@ -136,8 +151,11 @@ def test_killed_replica_sessions_continue_on_the_other_with_exact_tokens(http, c
     with concurrent.futures.ThreadPoolExecutor(len(sessions)) as pool:
         # Long generations for the victim's sessions, so they are surely in flight when it dies.
         futures = {s: pool.submit(_chat, http, convs[s], s, 400 if s in doomed else 4) for s in sessions}
-        _wait(lambda: ray.get(victim.client.info.remote(), timeout=WAIT)["in_flight"] == len(doomed),
-              "the victim's calls to be in flight", every=0.02)
+        _wait(
+            lambda: ray.get(victim.client.info.remote(), timeout=WAIT)["in_flight"] == len(doomed),
+            "the victim's calls to be in flight",
+            every=0.02,
+        )
         old_pid = victim.pid
         ray.kill(victim.client, no_restart=False)  # a crash: Ray restarts the actor (max_restarts=-1)
         second = {s: f.result(timeout=WAIT) for s, f in futures.items()}
@@ -176,8 +194,12 @@ def test_killed_replica_sessions_continue_on_the_other_with_exact_tokens(http, c
 
 
 def test_streaming_and_responses_go_through_replicas(http, cluster):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "stream please"}], "max_tokens": 5,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "stream please"}],
+        "max_tokens": 5,
+        "stream": True,
+    }
     with http.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-ID": "stream-1"}) as r:
         assert r.status_code == 200
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
@@ -188,8 +210,11 @@ def test_streaming_and_responses_go_through_replicas(http, cluster):
     final = next(d for d in reversed(deltas) if "generation_token_ids" in d)
     assert len(final["generation_token_ids"]) == len(final["generation_log_probs"]) == 5
 
-    r = http.post("/v1/responses", headers={"X-Session-ID": "resp-1"},
-                  json={"model": "tiny", "input": "hello", "max_output_tokens": 4})
+    r = http.post(
+        "/v1/responses",
+        headers={"X-Session-ID": "resp-1"},
+        json={"model": "tiny", "input": "hello", "max_output_tokens": 4},
+    )
     assert r.status_code == 200, r.text
     item = r.json()["output"][-1]
     assert len(item["generation_token_ids"]) == 4 and item["prompt_token_ids"]
@@ -197,8 +222,10 @@ def test_streaming_and_responses_go_through_replicas(http, cluster):
     assert sum("stream-1" in c for c in served.values()) == 1 and sum("resp-1" in c for c in served.values()) == 1
 
     # A request error inside a replica comes back exactly as the local backend gives it.
-    r = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
-                                                "messages": [{"role": "user", "content": "word " * 600}]})
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "word " * 600}]},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
@@ -249,8 +276,25 @@ def test_launch_flags_become_a_ray_config(tmp_path):
     sub = parser.add_subparsers(dest="command")
     add_launch_parser(sub)
     add_status_parser(sub)
-    args = parser.parse_args(["launch", "--model", str(tmp_path), "--replicas", "2", "--ray-address", "auto",
-                              "--num-cpus", "2", "--num-gpus", "1", "--placement-strategy", "SPREAD", "--port", "9000"])
+    args = parser.parse_args(
+        [
+            "launch",
+            "--model",
+            str(tmp_path),
+            "--replicas",
+            "2",
+            "--ray-address",
+            "auto",
+            "--num-cpus",
+            "2",
+            "--num-gpus",
+            "1",
+            "--placement-strategy",
+            "SPREAD",
+            "--port",
+            "9000",
+        ]
+    )
     cfg = load_config(None, overrides=launch_overrides(args))
     b = cfg.backend
     assert isinstance(b, RayBackendConfig)
@@ -261,7 +305,9 @@ def test_launch_flags_become_a_ray_config(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("backend:\n  type: local\n  model: embedded\n  context_window: 256\n  sampling: {seed: 3}\n")
     cfg = load_config(str(path), overrides=launch_overrides(parser.parse_args(["launch", "--config", str(path)])))
-    assert cfg.backend.type == "ray" and cfg.backend.local.context_window == 256 and cfg.backend.local.sampling.seed == 3
+    assert (
+        cfg.backend.type == "ray" and cfg.backend.local.context_window == 256 and cfg.backend.local.sampling.seed == 3
+    )
     assert parser.parse_args(["status"]).base_url == "http://127.0.0.1:8000/v1"
 
 
@@ -270,8 +316,11 @@ def test_replica_errors_cross_the_wire_as_the_same_error():
     from gymserve.errors import ContextLengthExceededError, GymserveError, OverloadedError, UpstreamError
     from gymserve.ray_cluster.replica import error_payload, raise_remote_error
 
-    for original in (ContextLengthExceededError(900, 512), OverloadedError("busy", retry_after=3.0),
-                     UpstreamError("boom", status_code=504, code="x")):
+    for original in (
+        ContextLengthExceededError(900, 512),
+        OverloadedError("busy", retry_after=3.0),
+        UpstreamError("boom", status_code=504, code="x"),
+    ):
         with pytest.raises(GymserveError) as exc:
             raise_remote_error(error_payload(original))
         got = exc.value

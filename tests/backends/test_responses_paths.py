@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from helpers.fakes import FakeServer, ScriptedEngine
 from gymserve.backends import RequestContext, build_backend
 from gymserve.backends.local import LocalBackend
 from gymserve.config import LocalBackendConfig, RayBackendConfig, SamplingConfig, validate_config
@@ -23,14 +22,25 @@ from gymserve.convert import responses_to_chat
 from gymserve.ray_cluster.backend import RayBackend
 from gymserve.ray_cluster.fleet import RayReplica
 from gymserve.ray_cluster.replica import EngineReplica
+from helpers.fakes import FakeServer, ScriptedEngine
 from helpers.spec import assert_valid_response
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 REQUEST = {"model": "policy", "input": "Weather in Paris?", "tools": TOOLS, "max_output_tokens": 64}
-CONFIG = LocalBackendConfig(model="scripted", tool_parser="hermes", reasoning_parser="qwen3",
-                            sampling=SamplingConfig(temperature=0.5, top_p=0.9))
+CONFIG = LocalBackendConfig(
+    model="scripted",
+    tool_parser="hermes",
+    reasoning_parser="qwen3",
+    sampling=SamplingConfig(temperature=0.5, top_p=0.9),
+)
 
 
 class InProcessActor:
@@ -55,18 +65,19 @@ def _same(obj: Any) -> Any:
 
 
 async def _ray_over(local: LocalBackend) -> RayBackend:
-    config = RayBackendConfig.model_validate({"type": "ray", "health_check_interval": 0,
-                                              "local": CONFIG.model_dump()})
+    config = RayBackendConfig.model_validate({"type": "ray", "health_check_interval": 0, "local": CONFIG.model_dump()})
     replica = EngineReplica.serving("replica-0", local)
-    return RayBackend(config, [RayReplica(base_url="replica-0", client=InProcessActor(replica))],
-                      [await replica.info()])
+    return RayBackend(
+        config, [RayReplica(base_url="replica-0", client=InProcessActor(replica))], [await replica.info()]
+    )
 
 
 def _chat_backend(start_server, answer: tuple[int, dict[str, Any]]):
     """A chat backend whose upstream (a fake chat server on 127.0.0.1) answers ``answer`` to every call."""
     server = start_server(lambda r: (answer[0], copy.deepcopy(answer[1])))
-    return build_backend(validate_config({"backend": {"type": "chat", "base_urls": [server.url + "/v1"],
-                                                      "model": "policy"}}))
+    return build_backend(
+        validate_config({"backend": {"type": "chat", "base_urls": [server.url + "/v1"], "model": "policy"}})
+    )
 
 
 @pytest.fixture
@@ -83,11 +94,14 @@ def servers():
         server.stop()
 
 
-@pytest.mark.parametrize("text", [
-    "<think>The user wants the weather.</think>Checking.\n" + CALL,
-    "Hello! How can I help?",
-    "<think>Cut off mid-thought, this reasoning never",  # length-terminated (max_output_tokens below)
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<think>The user wants the weather.</think>Checking.\n" + CALL,
+        "Hello! How can I help?",
+        "<think>Cut off mid-thought, this reasoning never",  # length-terminated (max_output_tokens below)
+    ],
+)
 async def test_local_ray_and_chat_paths_give_the_same_response(tokenizer, servers, text):
     request = {**REQUEST, "max_output_tokens": 8} if "Cut off" in text else REQUEST
     local = LocalBackend(CONFIG, ScriptedEngine(tokenizer, text), tokenizer)
@@ -125,8 +139,9 @@ async def test_context_overflow_is_the_same_empty_response_on_every_path(tokeniz
     engine.context_window = 8
     local = LocalBackend(CONFIG, engine, tokenizer)
     ray = await _ray_over(local)
-    chat = _chat_backend(servers, (400, {"object": "error", "message": "This model's maximum context length is 8 tokens",
-                                         "code": 400}))
+    chat = _chat_backend(
+        servers, (400, {"object": "error", "message": "This model's maximum context length is 8 tokens", "code": 400})
+    )
     request = {**REQUEST, "input": "a long question " * 10, "temperature": 0.5, "top_p": 0.9}
     answers = [await backend.responses(request, RequestContext()) for backend in (local, ray, chat)]
     assert answers[0]["status"] == "incomplete" and answers[0]["output"] == []

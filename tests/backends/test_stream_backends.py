@@ -23,11 +23,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers.fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, RawServer, ScriptedEngine, response_events, response_obj
 
 from gymserve.backends.local import LocalBackend
 from gymserve.config import LocalBackendConfig, SamplingConfig, validate_config
 from gymserve.server.run import start_background_server
+from helpers.fakes import AZURE_VERSION, CLOUD_KEY, FakeServer, RawServer, ScriptedEngine, response_events, response_obj
 from helpers.spec import assert_valid_event
 
 KEY, VERSION = CLOUD_KEY, AZURE_VERSION
@@ -49,8 +49,11 @@ def _strip_ids(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_strip_ids(x) for x in obj]
     if isinstance(obj, dict):
-        return {k: _strip_ids(v) for k, v in obj.items()
-                if k not in ("id", "call_id", "created_at", "completed_at", "created", "parsed", "parsed_arguments")}
+        return {
+            k: _strip_ids(v)
+            for k, v in obj.items()
+            if k not in ("id", "call_id", "created_at", "completed_at", "created", "parsed", "parsed_arguments")
+        }
     return obj
 
 
@@ -89,8 +92,14 @@ def _cloud(kind: str, openai_fake, azure_fake) -> tuple[FakeServer, dict[str, An
     if kind == "openai":
         return openai_fake, {"type": "openai", "base_url": openai_fake.url + "/v1", "api_key": KEY, "model": "gpt-test"}
     api = kind.split("-")[1]
-    return azure_fake, {"type": "azure", "endpoint": azure_fake.url, "api_key": KEY, "api_version": VERSION,
-                        "deployment": "dep", "api": api}
+    return azure_fake, {
+        "type": "azure",
+        "endpoint": azure_fake.url,
+        "api_key": KEY,
+        "api_version": VERSION,
+        "deployment": "dep",
+        "api": api,
+    }
 
 
 def _assert_cloud_request(kind: str, rec, route: str) -> None:
@@ -154,17 +163,26 @@ def test_transformers_serve_streams_equal_non_streamed(transformers_serve):
     """gymserve's chat backend in front of a real chat server: the Responses stream (built from
     its chat chunks) ends with the non-streamed response; the chat stream has the same text."""
     base_url, model = transformers_serve
-    cfg = _server_config({"type": "chat", "base_urls": base_url, "model": model, "served_model_name": "policy",
-                          "timeout": 120, "max_retries": 0})
+    cfg = _server_config(
+        {
+            "type": "chat",
+            "base_urls": base_url,
+            "model": model,
+            "served_model_name": "policy",
+            "timeout": 120,
+            "max_retries": 0,
+        }
+    )
     with start_background_server(cfg) as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=180)
-        full, events, final = responses_both(client, model="policy", input="Say hi", max_output_tokens=8,
-                                             temperature=0)
+        full, events, final = responses_both(client, model="policy", input="Say hi", max_output_tokens=8, temperature=0)
         assert_events_valid(events)
         assert final["status"] in ("completed", "incomplete") and final["output"][-1]["type"] == "message"
         assert _strip_ids(final) == _strip_ids(full)
-        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
-            final["output"][-1]["content"][0]["text"]
+        assert (
+            "".join(e.delta for e in events if e.type == "response.output_text.delta")
+            == final["output"][-1]["content"][0]["text"]
+        )
         msgs = [{"role": "user", "content": "Say hi"}]
         cfull, cfinal, _ = chat_both(client, model="policy", messages=msgs, max_tokens=8, temperature=0)
         assert cfinal.choices[0].message.content == cfull.choices[0].message.content
@@ -176,8 +194,14 @@ def test_transformers_serve_streams_equal_non_streamed(transformers_serve):
 # ======================================================================== local backend, scripted engine
 TOOL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 THINK_TEXT = "<think>\nThe user greets me; I greet back.\n</think>\n\nHello there, nice to meet you!"
-RESP_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
-               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+RESP_TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in RESP_TOOLS[0].items() if k != "type"}}]
 
 
@@ -205,8 +229,9 @@ def test_local_tool_call_streams_argument_deltas(tokenizer):
     with local_server(tokenizer, engine) as srv:
         client = _sdk(srv)
         full, events, final = responses_both(client, model="t", input="Weather in Paris?", tools=RESP_TOOLS)
-        cfull, cfinal, chunks = chat_both(client, model="t", messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                          tools=CHAT_TOOLS)
+        cfull, cfinal, chunks = chat_both(
+            client, model="t", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=CHAT_TOOLS
+        )
     assert_events_valid(events)
     types = [e.type for e in events]
     # Responses: the function call's arguments arrive as delta(s), then .done; no tag text leaks.
@@ -214,8 +239,9 @@ def test_local_tool_call_streams_argument_deltas(tokenizer):
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert deltas and "".join(d.delta for d in deltas) == '{"city": "Paris"}'
     assert len(done) == 1 and done[0].arguments == '{"city": "Paris"}' and done[0].name == "get_weather"
-    assert types.index("response.function_call_arguments.done") > max(i for i, t in enumerate(types)
-                                                                       if t == "response.function_call_arguments.delta")
+    assert types.index("response.function_call_arguments.done") > max(
+        i for i, t in enumerate(types) if t == "response.function_call_arguments.delta"
+    )
     assert not any("tool_call" in e.delta for e in events if e.type == "response.output_text.delta")
     assert [it["type"] for it in final["output"]] == ["function_call"]
     assert final["output"][0]["name"] == "get_weather" and final["output"][0]["arguments"] == '{"city": "Paris"}'
@@ -231,8 +257,9 @@ def test_local_tool_call_streams_argument_deltas(tokenizer):
     assert not any("tool_call" in (c.choices[0].delta.content or "") for c in chunks if c.choices)
     msg = cfinal.choices[0].message
     assert cfinal.choices[0].finish_reason == cfull.choices[0].finish_reason == "tool_calls"
-    assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == \
-        [(t.function.name, t.function.arguments) for t in cfull.choices[0].message.tool_calls]
+    assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == [
+        (t.function.name, t.function.arguments) for t in cfull.choices[0].message.tool_calls
+    ]
     assert not msg.content and not cfull.choices[0].message.content
     last = next(c for c in chunks if c.choices and c.choices[0].finish_reason).choices[0].delta.model_extra
     for f in TOKEN_FIELDS:
@@ -248,12 +275,18 @@ def test_local_tool_call_arguments_arrive_as_they_are_generated(tokenizer):
         client = _sdk(srv)
         with client.responses.stream(model="t", input="Weather in Paris?", tools=RESP_TOOLS) as stream:
             events = list(stream)
-        _, _, chunks = chat_both(client, model="t", messages=[{"role": "user", "content": "Weather?"}],
-                                 tools=CHAT_TOOLS)
+        _, _, chunks = chat_both(
+            client, model="t", messages=[{"role": "user", "content": "Weather?"}], tools=CHAT_TOOLS
+        )
     pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     assert len(pieces) == len(tokenizer.encode(args, add_special_tokens=False)) > 1 and "".join(pieces) == args
-    chat_pieces = [tc.function.arguments for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])
-                   if tc.function.arguments]
+    chat_pieces = [
+        tc.function.arguments
+        for c in chunks
+        if c.choices
+        for tc in (c.choices[0].delta.tool_calls or [])
+        if tc.function.arguments
+    ]
     assert chat_pieces == pieces
 
 
@@ -263,8 +296,9 @@ def test_local_tool_call_cut_by_max_tokens_streams_the_same_incomplete_call(toke
     engine = ScriptedEngine(tokenizer, TOOL_TEXT)
     cut = len(tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city', add_special_tokens=False))
     with local_server(tokenizer, engine) as srv:
-        full, events, final = responses_both(_sdk(srv), model="t", input="Weather?", tools=RESP_TOOLS,
-                                             max_output_tokens=cut)
+        full, events, final = responses_both(
+            _sdk(srv), model="t", input="Weather?", tools=RESP_TOOLS, max_output_tokens=cut
+        )
     assert_events_valid(events)
     assert [e.type for e in events][-1] == "response.incomplete"
     assert _strip_ids(final) == _strip_ids(full)
@@ -283,9 +317,11 @@ def assert_items_match_final(events) -> None:
     assert added == list(range(len(final))) and sorted(e.output_index for e in done) == added
     order = [(e.type, e.output_index) for e in events if e.type.startswith("response.output_item.")]
     for index in added:
-        between = order[order.index(("response.output_item.added", index)) + 1:
-                        order.index(("response.output_item.done", index))]
+        between = order[
+            order.index(("response.output_item.added", index)) + 1 : order.index(("response.output_item.done", index))
+        ]
         assert all(final[i]["type"] == final[index]["type"] == "function_call" for _, i in between), order
+
     def plain(obj):  # without the fields the SDK's stream helper adds to the final response
         if isinstance(obj, list):
             return [plain(x) for x in obj]
@@ -300,27 +336,53 @@ def assert_items_match_final(events) -> None:
 TOOL2 = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
 
 
-@pytest.mark.parametrize(("text", "parser", "items"), [
-    # text after the call: a message after the function_call, as generated
-    (TOOL_TEXT + "\nI checked the weather.", "hermes", [("function_call", '{"city": "Paris"}'),
-                                                         ("message", "I checked the weather.")]),
-    ('{"name": "get_weather", "arguments": {"city": "Paris"}}\nDone.', "qwen2_5_coder",
-     [("function_call", '{"city": "Paris"}'), ("message", "Done.")]),
-    # two calls in a row
-    (TOOL_TEXT + "\n" + TOOL2, "hermes", [("function_call", '{"city": "Paris"}'), ("function_call", '{"city": "Rome"}')]),
-    # text before, between and after two calls
-    ("A first.\n" + TOOL_TEXT + "\nmiddle\n" + TOOL2 + "\nlast", "hermes",
-     [("message", "A first."), ("function_call", '{"city": "Paris"}'), ("message", "middle"),
-      ("function_call", '{"city": "Rome"}'), ("message", "last")]),
-])
+@pytest.mark.parametrize(
+    ("text", "parser", "items"),
+    [
+        # text after the call: a message after the function_call, as generated
+        (
+            TOOL_TEXT + "\nI checked the weather.",
+            "hermes",
+            [("function_call", '{"city": "Paris"}'), ("message", "I checked the weather.")],
+        ),
+        (
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}\nDone.',
+            "qwen2_5_coder",
+            [("function_call", '{"city": "Paris"}'), ("message", "Done.")],
+        ),
+        # two calls in a row
+        (
+            TOOL_TEXT + "\n" + TOOL2,
+            "hermes",
+            [("function_call", '{"city": "Paris"}'), ("function_call", '{"city": "Rome"}')],
+        ),
+        # text before, between and after two calls
+        (
+            "A first.\n" + TOOL_TEXT + "\nmiddle\n" + TOOL2 + "\nlast",
+            "hermes",
+            [
+                ("message", "A first."),
+                ("function_call", '{"city": "Paris"}'),
+                ("message", "middle"),
+                ("function_call", '{"city": "Rome"}'),
+                ("message", "last"),
+            ],
+        ),
+    ],
+)
 def test_local_text_after_tool_calls_streams_in_generation_order(tokenizer, text, parser, items):
     engine = ScriptedEngine(tokenizer, text)
     with local_server(tokenizer, engine, tool_parser=parser) as srv:
         full, events, final = responses_both(_sdk(srv), model="t", input="Weather?", tools=RESP_TOOLS)
     assert_events_valid(events)
     assert_items_match_final(events)
-    got = [(it["type"], it.get("arguments") or it["content"][0]["text"] if it["type"] == "message"
-            else it.get("arguments")) for it in final["output"]]
+    got = [
+        (
+            it["type"],
+            it.get("arguments") or it["content"][0]["text"] if it["type"] == "message" else it.get("arguments"),
+        )
+        for it in final["output"]
+    ]
     assert got == items
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == "".join(t for k, t in items if k == "message")  # every word streamed as a delta
@@ -345,8 +407,9 @@ def test_local_stream_is_valid_wherever_max_output_tokens_cuts_it(tokenizer):
     with local_server(tokenizer, engine) as srv:
         client = _sdk(srv)
         for cut in range(1, n + 2):
-            full, events, final = responses_both(client, model="t", input="Weather?", tools=RESP_TOOLS,
-                                                 max_output_tokens=cut)
+            full, events, final = responses_both(
+                client, model="t", input="Weather?", tools=RESP_TOOLS, max_output_tokens=cut
+            )
             assert_items_match_final(events)
             assert _strip_ids(final) == _strip_ids(full), cut
 
@@ -383,7 +446,8 @@ def _read_first_delta(lines) -> None:
             continue
         ev = json.loads(line[6:])
         if ev.get("type") == "response.output_text.delta" or any(
-                (c.get("delta") or {}).get("content") for c in ev.get("choices") or []):
+            (c.get("delta") or {}).get("content") for c in ev.get("choices") or []
+        ):
             return
     raise AssertionError("stream ended before any generated text")
 
@@ -392,9 +456,11 @@ def _read_first_delta(lines) -> None:
 def test_client_disconnect_cancels_generation(tokenizer, route):
     engine = ScriptedEngine(tokenizer, "la ", delay=0.01, repeat=True)
     with local_server(tokenizer, engine, max_batch_size=1) as srv:
-        body = ({"model": "t", "input": "Sing", "max_output_tokens": 20000, "stream": True} if route == "responses"
-                else {"model": "t", "messages": [{"role": "user", "content": "Sing"}], "max_tokens": 20000,
-                      "stream": True})
+        body = (
+            {"model": "t", "input": "Sing", "max_output_tokens": 20000, "stream": True}
+            if route == "responses"
+            else {"model": "t", "messages": [{"role": "user", "content": "Sing"}], "max_tokens": 20000, "stream": True}
+        )
         with httpx.Client(timeout=WAIT) as http, http.stream("POST", f"{srv.base_url}/{route}", json=body) as r:
             assert r.status_code == 200
             _read_first_delta(r.iter_lines())
@@ -407,8 +473,11 @@ def test_client_disconnect_cancels_generation(tokenizer, route):
         assert engine.steps == steps  # nothing generates any more
         # The engine slot (max_batch_size=1) is free again: a short request completes promptly.
         engine.repeat = False
-        out = httpx.post(srv.base_url + "/chat/completions", timeout=WAIT,
-                         json={"model": "t", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+        out = httpx.post(
+            srv.base_url + "/chat/completions",
+            timeout=WAIT,
+            json={"model": "t", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3},
+        )
         assert out.status_code == 200 and out.json()["choices"][0]["finish_reason"] == "stop"
         assert srv.backend.limiter.running == 0
     assert took < 2.0
@@ -417,8 +486,17 @@ def test_client_disconnect_cancels_generation(tokenizer, route):
 def test_client_disconnect_stops_the_transformers_engine(tiny_model_dir):
     """The real engine on the tiny model: after the client leaves, the request is marked cancelled,
     the worker stops sampling for it, and a new request is served at once."""
-    cfg = validate_config({"server": {"port": 0}, "backend": {
-        "type": "local", "model": str(tiny_model_dir), "max_batch_size": 1, "sampling": {"temperature": 0.0}}})
+    cfg = validate_config(
+        {
+            "server": {"port": 0},
+            "backend": {
+                "type": "local",
+                "model": str(tiny_model_dir),
+                "max_batch_size": 1,
+                "sampling": {"temperature": 0.0},
+            },
+        }
+    )
     sampled: list[bool] = []  # one entry per token the worker sampled: was its request cancelled?
 
     def factory():
@@ -434,8 +512,10 @@ def test_client_disconnect_stops_the_transformers_engine(tiny_model_dir):
 
     with start_background_server(cfg, backend_factory=factory) as srv:
         body = {"model": "t", "messages": [{"role": "user", "content": "Talk"}], "max_tokens": 3000, "stream": True}
-        with httpx.Client(timeout=WAIT * 3) as http, \
-                http.stream("POST", srv.base_url + "/chat/completions", json=body) as r:
+        with (
+            httpx.Client(timeout=WAIT * 3) as http,
+            http.stream("POST", srv.base_url + "/chat/completions", json=body) as r,
+        ):
             assert r.status_code == 200
             _read_first_delta(r.iter_lines())
         deadline = time.monotonic() + WAIT
@@ -446,8 +526,11 @@ def test_client_disconnect_stops_the_transformers_engine(tiny_model_dir):
         time.sleep(0.3)
         assert len(sampled) == n and n < 3000  # the cancelled request stopped producing tokens
         t0 = time.monotonic()
-        out = httpx.post(srv.base_url + "/chat/completions", timeout=WAIT * 3,
-                         json={"model": "t", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4})
+        out = httpx.post(
+            srv.base_url + "/chat/completions",
+            timeout=WAIT * 3,
+            json={"model": "t", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4},
+        )
         assert out.status_code == 200 and time.monotonic() - t0 < WAIT
 
 
@@ -461,8 +544,9 @@ def dropping():
 
 
 def test_upstream_dropping_mid_stream_fails_the_response_promptly(dropping):
-    cfg = _server_config({"type": "chat", "base_urls": [dropping.url + "/v1"], "model": "policy", "timeout": 30,
-                          "max_retries": 0})
+    cfg = _server_config(
+        {"type": "chat", "base_urls": [dropping.url + "/v1"], "model": "policy", "timeout": 30, "max_retries": 0}
+    )
     with start_background_server(cfg) as srv:
         client = _sdk(srv)
         t0 = time.monotonic()
@@ -483,8 +567,9 @@ def test_upstream_dropping_mid_stream_fails_the_response_promptly(dropping):
         t0 = time.monotonic()
         got = []
         with pytest.raises(openai.APIError) as info:
-            for chunk in client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
-                                                         stream=True):
+            for chunk in client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "hi"}], stream=True
+            ):
                 got.append(chunk.choices[0].delta.content)
         assert time.monotonic() - t0 < 5
         assert "".join(got) == "partial answer" and dropping.url in info.value.message
@@ -496,12 +581,21 @@ def test_native_responses_upstream_dropping_mid_stream_ends_with_an_error_event(
     which raises it as ``APIError``), promptly."""
     from helpers.spec import spec_errors
 
-    cfg = _server_config({"type": "openai", "base_url": dropping.url + "/v1", "api_key": KEY, "model": "policy",
-                          "timeout": 30, "max_retries": 0})
+    cfg = _server_config(
+        {
+            "type": "openai",
+            "base_url": dropping.url + "/v1",
+            "api_key": KEY,
+            "model": "policy",
+            "timeout": 30,
+            "max_retries": 0,
+        }
+    )
     with start_background_server(cfg) as srv:
         t0 = time.monotonic()
-        with httpx.stream("POST", srv.base_url + "/responses", json={"model": "x", "input": "hi", "stream": True},
-                          timeout=WAIT) as r:
+        with httpx.stream(
+            "POST", srv.base_url + "/responses", json={"model": "x", "input": "hi", "stream": True}, timeout=WAIT
+        ) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
         assert time.monotonic() - t0 < 5
         assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]

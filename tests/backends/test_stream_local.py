@@ -20,8 +20,10 @@ TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_prob
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    cfg = GymserveConfig(server=ServerConfig(port=0), backend=LocalBackendConfig(
-        model=str(tiny_model_dir), sampling=SamplingConfig(temperature=1.0, seed=7)))
+    cfg = GymserveConfig(
+        server=ServerConfig(port=0),
+        backend=LocalBackendConfig(model=str(tiny_model_dir), sampling=SamplingConfig(temperature=1.0, seed=7)),
+    )
     srv = start_background_server(cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend))
     yield srv
     srv.stop()
@@ -35,8 +37,11 @@ def client(server):
 def test_chat_stream_equals_non_streamed(client):
     msgs = [{"role": "user", "content": "Write something"}]
     full = client.chat.completions.create(model="t", messages=msgs, max_tokens=12)
-    chunks = list(client.chat.completions.create(model="t", messages=msgs, max_tokens=12, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="t", messages=msgs, max_tokens=12, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == (full.choices[0].message.content or "")
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]

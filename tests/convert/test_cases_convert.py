@@ -8,7 +8,6 @@ from typing import Any
 
 import jinja2
 import pytest
-from helpers.spec import assert_subset, assert_valid_chat_completion, assert_valid_event, assert_valid_response, load_cases
 
 from gymserve.convert import (
     ConvertOptions,
@@ -17,6 +16,13 @@ from gymserve.convert import (
     context_exceeded_chat_completion,
     context_exceeded_response,
     responses_to_chat,
+)
+from helpers.spec import (
+    assert_subset,
+    assert_valid_chat_completion,
+    assert_valid_event,
+    assert_valid_response,
+    load_cases,
 )
 
 CASES = load_cases("responses_to_chat", "chat_to_responses", "context_length", "streaming")
@@ -32,6 +38,7 @@ def test_cases_are_present():
 
 
 # -- RC: Responses request → chat request ------------------------------------------------------
+
 
 def test_rc01_reasoning_rides_on_the_tool_calling_assistant_message():
     case = CASES["RC-01"]
@@ -75,6 +82,7 @@ _QWEN_LIKE = jinja2.Environment().from_string(
 def _render(messages):
     def fail(msg):
         raise ValueError(msg)
+
     return _QWEN_LIKE.render(messages=messages, **{"raise": fail})
 
 
@@ -124,8 +132,13 @@ def test_rc06_variants(variant):
 def test_rc06_response_echoes_text_format(variant):
     case = CASES["RC-06"]
     body = {**case["input"]["body"], **(case["input"]["variants"][variant] if variant else {})}
-    completion = full_completion({"choices": [{"index": 0, "finish_reason": "stop",
-                                               "message": {"role": "assistant", "content": '{"ok": true}'}}]})
+    completion = full_completion(
+        {
+            "choices": [
+                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": '{"ok": true}'}}
+            ]
+        }
+    )
     response = chat_to_response(completion, body)
     assert_valid_response(response)
     for key, value in body["text"]["format"].items():
@@ -133,6 +146,7 @@ def test_rc06_response_echoes_text_format(variant):
 
 
 # -- CR: chat completion → Response ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("variant", ["new_field", "old_field", "both_fields"])
 def test_cr01_reasoning_field_names(variant):
@@ -177,6 +191,7 @@ def test_cr04_arguments_are_always_strings():
 
 # -- CL: context overflow ----------------------------------------------------------------------
 
+
 def test_cl01_responses_overflow_is_an_empty_incomplete_response():
     expected = CASES["CL-01"]["expected"]["responses"]
     response = context_exceeded_response({"model": "MODEL", "input": "long history", "max_output_tokens": 100})
@@ -199,13 +214,21 @@ def test_cl01_chat_overflow_is_a_length_terminated_empty_choice():
 
 # -- ST: streaming -----------------------------------------------------------------------------
 
+
 def test_st01_full_event_lifecycle():
     case = CASES["ST-01"]
     builder = ResponseStreamBuilder(case["input"]["body"])
     events = builder.start()
     for chunk in case["input"]["backend_chat_chunks"]:
-        events += builder.feed({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
-                                "model": "MODEL", "choices": [{"index": 0, **copy.deepcopy(chunk)}]})
+        events += builder.feed(
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "MODEL",
+                "choices": [{"index": 0, **copy.deepcopy(chunk)}],
+            }
+        )
     events += builder.finish()
     for event in events:
         assert_valid_event(event)

@@ -7,26 +7,35 @@ import copy
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from helpers.spec import assert_valid_response
 
 from gymserve.convert import ConvertOptions, chat_to_response, responses_to_chat
 from gymserve.errors import InvalidRequestError
+from helpers.spec import assert_valid_response
 
 TOKENS = {"prompt_token_ids": [1, 2, 3], "generation_token_ids": [7, 8], "generation_log_probs": [-0.5, -1.5]}
 
 
 def completion_of(message, finish_reason="stop"):
-    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
-            "choices": [{"index": 0, "finish_reason": finish_reason, "message": copy.deepcopy(message)}]}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "finish_reason": finish_reason, "message": copy.deepcopy(message)}],
+    }
 
 
-def replay(message, options=ConvertOptions(), finish_reason="stop"):
+DEFAULT_OPTIONS = ConvertOptions()
+
+
+def replay(message, options=DEFAULT_OPTIONS, finish_reason="stop"):
     """Turn k's chat message → Response → turn k+1's input → the rebuilt chat message."""
     response = chat_to_response(completion_of(message, finish_reason), {"model": "m", "input": "q"})
     assert_valid_response(response)
     items = [{"role": "user", "content": "q"}, *response["output"]]
-    items += [{"type": "function_call_output", "call_id": tc["id"], "output": "ok"}
-              for tc in message.get("tool_calls") or []]
+    items += [
+        {"type": "function_call_output", "call_id": tc["id"], "output": "ok"} for tc in message.get("tool_calls") or []
+    ]
     items.append({"role": "user", "content": "next"})
     chat = responses_to_chat({"model": "m", "input": items}, options)
     return chat["messages"][1]
@@ -36,14 +45,22 @@ def call(call_id, name="f", arguments='{"a": 1}'):
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-@pytest.mark.parametrize("message", [
-    {"role": "assistant", "content": "hello"},
-    {"role": "assistant", "content": "hello", "reasoning_content": "why", **TOKENS},
-    {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [call("c1"), call("c2", "g")],
-     **TOKENS},
-    {"role": "assistant", "content": "Sure.", "tool_calls": [call("c1", arguments="")]},
-    {"role": "assistant", "content": None, "reasoning_content": "only thinking", **TOKENS},
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "assistant", "content": "hello"},
+        {"role": "assistant", "content": "hello", "reasoning_content": "why", **TOKENS},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "r",
+            "tool_calls": [call("c1"), call("c2", "g")],
+            **TOKENS,
+        },
+        {"role": "assistant", "content": "Sure.", "tool_calls": [call("c1", arguments="")]},
+        {"role": "assistant", "content": None, "reasoning_content": "only thinking", **TOKENS},
+    ],
+)
 def test_round_trip_reproduces_the_assistant_message(message):
     expected = copy.deepcopy(message)
     for tc in expected.get("tool_calls") or []:
@@ -64,8 +81,9 @@ def test_round_trip_reasoning_field_name():
 def test_round_trip_of_a_truncated_turn_keeps_tokens():
     message = {"role": "assistant", "content": None, **TOKENS}
     response = chat_to_response(completion_of(message, "length"), {"model": "m", "input": "q"})
-    back = responses_to_chat({"model": "m", "input": [{"role": "user", "content": "q"}, *response["output"]]},
-                             ConvertOptions())
+    back = responses_to_chat(
+        {"model": "m", "input": [{"role": "user", "content": "q"}, *response["output"]]}, ConvertOptions()
+    )
     assistant = back["messages"][-1]
     assert assistant["role"] == "assistant" and assistant["generation_token_ids"] == [7, 8]
 
@@ -77,8 +95,12 @@ _ids = st.text(alphabet="abcdefghij0123456789", min_size=1, max_size=6)
 _args = st.sampled_from(['{"a": 1}', "{}", '{"q": "x y"}'])
 
 
-@given(content=st.none() | _text, reasoning=st.none() | _text,
-       calls=st.lists(st.tuples(_ids, _text, _args), max_size=4, unique_by=lambda c: c[0]), with_tokens=st.booleans())
+@given(
+    content=st.none() | _text,
+    reasoning=st.none() | _text,
+    calls=st.lists(st.tuples(_ids, _text, _args), max_size=4, unique_by=lambda c: c[0]),
+    with_tokens=st.booleans(),
+)
 @settings(max_examples=150, deadline=None)
 def test_round_trip_property(content, reasoning, calls, with_tokens):
     # A turn with nothing to show has no output item; its training fields sit on the response
@@ -99,21 +121,43 @@ def _user():
 
 
 def _reasoning():
-    return st.builds(lambda t, where: {"type": "reasoning", "summary": [], where: [{"type": "reasoning_text", "text": t}]}
-                     if where == "content" else {"type": "reasoning", "summary": [{"type": "summary_text", "text": t}]},
-                     _text, st.sampled_from(["content", "summary"]))
+    return st.builds(
+        lambda t, where: (
+            {"type": "reasoning", "summary": [], where: [{"type": "reasoning_text", "text": t}]}
+            if where == "content"
+            else {"type": "reasoning", "summary": [{"type": "summary_text", "text": t}]}
+        ),
+        _text,
+        st.sampled_from(["content", "summary"]),
+    )
 
 
 def _assistant():
-    return st.builds(lambda t, parts: {"type": "message", "role": "assistant",
-                                       "content": [{"type": "output_text", "text": t}] if parts else t},
-                     _text, st.booleans())
+    return st.builds(
+        lambda t, parts: {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": t}] if parts else t,
+        },
+        _text,
+        st.booleans(),
+    )
 
 
 def _fc():
-    return st.builds(lambda i, n, a, tok: {"type": "function_call", "call_id": f"call_{i}", "name": n, "arguments": a,
-                                           **(TOKENS if tok else {})},
-                     _ids, _text, _args, st.booleans())
+    return st.builds(
+        lambda i, n, a, tok: {
+            "type": "function_call",
+            "call_id": f"call_{i}",
+            "name": n,
+            "arguments": a,
+            **(TOKENS if tok else {}),
+        },
+        _ids,
+        _text,
+        _args,
+        st.booleans(),
+    )
 
 
 def _fco():
@@ -136,8 +180,13 @@ def test_item_sequences_convert_sanely(items, instructions):
     try:
         messages = responses_to_chat(request, ConvertOptions())["messages"]
     except InvalidRequestError:
-        assert not any(i.get("role") == "user" or i.get("type") in ("function_call", "function_call_output")
-                       or i.get("role") == "assistant" or i.get("type") == "reasoning" for i in items)
+        assert not any(
+            i.get("role") == "user"
+            or i.get("type") in ("function_call", "function_call_output")
+            or i.get("role") == "assistant"
+            or i.get("type") == "reasoning"
+            for i in items
+        )
         return
     roles = [m["role"] for m in messages]
     assert "developer" not in roles
@@ -151,7 +200,8 @@ def test_item_sequences_convert_sanely(items, instructions):
     got = [tc["id"] for m in messages for tc in m.get("tool_calls") or []]
     assert got == sent
     assert [tc["function"]["arguments"] for m in messages for tc in m.get("tool_calls") or []] == [
-        i["arguments"] for i in items if i.get("type") == "function_call"]
+        i["arguments"] for i in items if i.get("type") == "function_call"
+    ]
     # Consecutive assistant messages only where a model call ended (training fields on its last item).
     for a, b in zip(messages, messages[1:]):
         if a["role"] == b["role"] == "assistant":
@@ -164,20 +214,59 @@ def test_item_sequences_convert_sanely(items, instructions):
             assert text in reasoning
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-                     max_leaves=8)
-_keys = st.sampled_from(["type", "role", "content", "call_id", "name", "arguments", "output", "summary", "id",
-                         "text", "prompt_token_ids", "generation_token_ids", "generation_log_probs"])
-_fuzz_item = st.dictionaries(_keys, _json | st.sampled_from(
-    ["message", "user", "assistant", "reasoning", "function_call", "function_call_output", "system", "developer"]),
-    max_size=6)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+_keys = st.sampled_from(
+    [
+        "type",
+        "role",
+        "content",
+        "call_id",
+        "name",
+        "arguments",
+        "output",
+        "summary",
+        "id",
+        "text",
+        "prompt_token_ids",
+        "generation_token_ids",
+        "generation_log_probs",
+    ]
+)
+_fuzz_item = st.dictionaries(
+    _keys,
+    _json
+    | st.sampled_from(
+        ["message", "user", "assistant", "reasoning", "function_call", "function_call_output", "system", "developer"]
+    ),
+    max_size=6,
+)
 
 
-@given(items=st.lists(_fuzz_item | _item, max_size=8),
-       extra=st.dictionaries(st.sampled_from(["instructions", "tools", "tool_choice", "text", "temperature",
-                                              "max_output_tokens", "reasoning", "top_logprobs", "stream", "stop"]),
-                             _json, max_size=3))
+@given(
+    items=st.lists(_fuzz_item | _item, max_size=8),
+    extra=st.dictionaries(
+        st.sampled_from(
+            [
+                "instructions",
+                "tools",
+                "tool_choice",
+                "text",
+                "temperature",
+                "max_output_tokens",
+                "reasoning",
+                "top_logprobs",
+                "stream",
+                "stop",
+            ]
+        ),
+        _json,
+        max_size=3,
+    ),
+)
 @settings(max_examples=400, deadline=None)
 def test_garbage_only_ever_raises_invalid_request(items, extra):
     try:

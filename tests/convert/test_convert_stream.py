@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers.spec import assert_valid_event, assert_valid_response
 
 from gymserve.convert import ChunkAccumulator, ResponseStreamBuilder, chat_to_response
+from helpers.spec import assert_valid_event, assert_valid_response
 
 TOKENS = {"prompt_token_ids": [1, 2, 3], "generation_token_ids": [7, 8], "generation_log_probs": [-0.5, -1.5]}
 REQUEST = {"model": "policy", "input": "q", "stream": True}
@@ -15,8 +15,14 @@ REQUEST = {"model": "policy", "input": "q", "stream": True}
 
 def chunk(delta=None, finish_reason=None, **top):
     choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
-    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "served", "choices": choices,
-            **top}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "served",
+        "choices": choices,
+        **top,
+    }
 
 
 def run(chunks, request=REQUEST, validate=True, **kw):
@@ -39,10 +45,15 @@ def check_invariants(events, builder, request, validate=True):
     assert events[-1]["type"] == ("response.completed" if final["status"] == "completed" else "response.incomplete")
     # The completed response IS the non-streamed conversion of the accumulated chunks.
     # When the model wrote text after a tool call, the output keeps generation order (turns).
-    turns = ([p.message(builder.accumulator) for p in builder._phases] if len(builder._phases) > 1 else None)
-    expected = chat_to_response(builder.accumulator.completion(), request, response_id=final["id"],
-                                created_at=final["created_at"], item_ids=[i["id"] for i in final["output"]],
-                                turns=turns)
+    turns = [p.message(builder.accumulator) for p in builder._phases] if len(builder._phases) > 1 else None
+    expected = chat_to_response(
+        builder.accumulator.completion(),
+        request,
+        response_id=final["id"],
+        created_at=final["created_at"],
+        item_ids=[i["id"] for i in final["output"]],
+        turns=turns,
+    )
     expected["completed_at"] = final["completed_at"]
     assert final == expected
     added = [e for e in events if e["type"] == "response.output_item.added"]
@@ -51,10 +62,10 @@ def check_invariants(events, builder, request, validate=True):
     # Each item is done before the next one is added (the OpenAI API never interleaves items), but
     # for function calls whose arguments a server interleaves: those stay open together.
     lifecycle = [(e["type"], e["output_index"]) for e in events if e["type"].startswith("response.output_item.")]
-    for index, item in enumerate(final["output"]):
+    for index, _item in enumerate(final["output"]):
         opened = lifecycle.index(("response.output_item.added", index))
         closed = lifecycle.index(("response.output_item.done", index))
-        between = {i for _, i in lifecycle[opened + 1:closed]}
+        between = {i for _, i in lifecycle[opened + 1 : closed]}
         assert all(final["output"][i]["type"] == "function_call" for i in between | {index}) or not between
     for e in done:
         assert e["item"] == final["output"][e["output_index"]]
@@ -76,8 +87,9 @@ def check_invariants(events, builder, request, validate=True):
             assert mine[-3]["text"] == text and mine[-2]["part"]["text"] == text
         else:  # parts other than one text part (a refusal): each announced, then done with its value
             for k, part in enumerate(item["content"]):
-                assert [e["part"] for e in mine if e["type"] == "response.content_part.done"
-                        and e["content_index"] == k] == [part]
+                assert [
+                    e["part"] for e in mine if e["type"] == "response.content_part.done" and e["content_index"] == k
+                ] == [part]
     return final
 
 
@@ -86,17 +98,35 @@ def types(events):
 
 
 def test_reasoning_then_text_stream():
-    events = run([chunk({"role": "assistant"}), chunk({"reasoning_content": "Let "}), chunk({"reasoning_content": "me"}),
-                  chunk({"content": "Hi"}), chunk({"content": "!"}, "stop"),
-                  chunk(None, usage={"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7})])
+    events = run(
+        [
+            chunk({"role": "assistant"}),
+            chunk({"reasoning_content": "Let "}),
+            chunk({"reasoning_content": "me"}),
+            chunk({"content": "Hi"}),
+            chunk({"content": "!"}, "stop"),
+            chunk(None, usage={"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}),
+        ]
+    )
     assert types(events) == [
-        "response.created", "response.in_progress",
-        "response.output_item.added", "response.content_part.added",
-        "response.reasoning_text.delta", "response.reasoning_text.delta", "response.reasoning_text.done",
-        "response.content_part.done", "response.output_item.done",
-        "response.output_item.added", "response.content_part.added",
-        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
-        "response.content_part.done", "response.output_item.done", "response.completed"]
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     final = events[-1]["response"]
     assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
     assert final["output"][0]["content"][0]["text"] == "Let me"
@@ -119,11 +149,21 @@ def test_think_tags_split_across_chunks():
 def test_parallel_tool_calls_with_text_and_training_fields():
     chunks = [
         chunk({"role": "assistant", "content": "Checking "}),
-        chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
-                               "function": {"name": "weather", "arguments": ""}}]}),
+        chunk(
+            {
+                "tool_calls": [
+                    {"index": 0, "id": "call_a", "type": "function", "function": {"name": "weather", "arguments": ""}}
+                ]
+            }
+        ),
         chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
-        chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
-                               "function": {"name": "time", "arguments": "{}"}}]}),
+        chunk(
+            {
+                "tool_calls": [
+                    {"index": 1, "id": "call_b", "type": "function", "function": {"name": "time", "arguments": "{}"}}
+                ]
+            }
+        ),
         chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
         chunk({**TOKENS}, "tool_calls"),
     ]
@@ -133,7 +173,9 @@ def test_parallel_tool_calls_with_text_and_training_fields():
     assert [i["type"] for i in out] == ["message", "function_call", "function_call"]
     assert out[0]["content"][0]["text"] == "Checking "  # trailing space kept: no tag followed
     assert [(i["call_id"], i["name"], i["arguments"]) for i in out[1:]] == [
-        ("call_a", "weather", '{"city": "Paris"}'), ("call_b", "time", "{}")]
+        ("call_a", "weather", '{"city": "Paris"}'),
+        ("call_b", "time", "{}"),
+    ]
     assert out[2]["generation_token_ids"] == [7, 8] and "generation_token_ids" not in out[1]
     last_done = [e for e in events if e["type"] == "response.output_item.done"][-1]
     assert last_done["item"]["prompt_token_ids"] == [1, 2, 3]
@@ -141,9 +183,10 @@ def test_parallel_tool_calls_with_text_and_training_fields():
 
 
 def test_training_fields_at_chunk_top_level_and_in_pieces():
-    chunks = [chunk({"content": "a"}, prompt_token_ids=[1, 2, 3], generation_token_ids=[7],
-                    generation_log_probs=[-0.5]),
-              chunk({"content": "b", "generation_token_ids": [8], "generation_log_probs": [-1.5]}, "stop")]
+    chunks = [
+        chunk({"content": "a"}, prompt_token_ids=[1, 2, 3], generation_token_ids=[7], generation_log_probs=[-0.5]),
+        chunk({"content": "b", "generation_token_ids": [8], "generation_log_probs": [-1.5]}, "stop"),
+    ]
     final = run(chunks)[-1]["response"]
     assert {k: final["output"][0][k] for k in TOKENS} == TOKENS
 
@@ -170,9 +213,14 @@ def test_withheld_tag_prefix_is_sent_at_finish():
 def test_item_never_announced_gets_its_whole_lifecycle_at_finish():
     events = run([chunk({"content": "<"}), chunk({}, "stop")])
     assert types(events)[2:] == [
-        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
-        "response.completed"]
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
 
 
 def test_open_responses_event_names():
@@ -184,15 +232,18 @@ def test_open_responses_event_names():
 def test_fail():
     builder = ResponseStreamBuilder(REQUEST)
     events = builder.start() + builder.feed(chunk({"content": "Let me check"}))
-    events += builder.feed(chunk({"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "arguments": '{"a'}}]}))
+    events += builder.feed(
+        chunk({"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "arguments": '{"a'}}]})
+    )
     events += builder.fail("backend went away")
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"] == {"code": "server_error", "message": "backend went away"}
     # What the client was shown is kept: the message as its done event said, the open call as far
     # as it got, marked incomplete.
-    assert [(i["type"], i["status"], i.get("arguments") or i["content"][0]["text"])
-            for i in events[-1]["response"]["output"]] == [("message", "completed", "Let me check"),
-                                                            ("function_call", "incomplete", '{"a')]
+    assert [
+        (i["type"], i["status"], i.get("arguments") or i["content"][0]["text"])
+        for i in events[-1]["response"]["output"]
+    ] == [("message", "completed", "Let me check"), ("function_call", "incomplete", '{"a')]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     for event in events:
         assert_valid_event(event)
@@ -209,11 +260,14 @@ def test_start_shell_and_fixed_ids():
 
 def test_accumulator_builds_a_valid_chat_completion():
     from openai.types.chat import ChatCompletion
+
     acc = ChunkAccumulator()
-    for c in [chunk({"content": "a", "reasoning": "r"}),
-              chunk({"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "arguments": "{}"}}]}),
-              chunk({}, "tool_calls"), chunk(None, usage={"prompt_tokens": 1, "completion_tokens": 2,
-                                                          "total_tokens": 3})]:
+    for c in [
+        chunk({"content": "a", "reasoning": "r"}),
+        chunk({"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "arguments": "{}"}}]}),
+        chunk({}, "tool_calls"),
+        chunk(None, usage={"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}),
+    ]:
         acc.add(c)
     completion = acc.completion()
     ChatCompletion.model_validate(completion)
@@ -226,8 +280,12 @@ def test_accumulator_builds_a_valid_chat_completion():
 _piece = st.sampled_from(["<think>", "</think>", "<", "think", ">", "/", "\n", " ", "a", "bc", "Hé", "<th", "ink>"])
 
 
-@given(pieces=st.lists(_piece, max_size=25), reasoning=st.lists(st.sampled_from(["r", " ", "\n", "x y"]), max_size=3),
-       cuts=st.lists(st.integers(0, 200), max_size=10), finish=st.sampled_from(["stop", "length"]))
+@given(
+    pieces=st.lists(_piece, max_size=25),
+    reasoning=st.lists(st.sampled_from(["r", " ", "\n", "x y"]), max_size=3),
+    cuts=st.lists(st.integers(0, 200), max_size=10),
+    finish=st.sampled_from(["stop", "length"]),
+)
 @settings(max_examples=300, deadline=None)
 def test_any_chunking_streams_exactly_the_final_response(pieces, reasoning, cuts, finish):
     content = "".join(pieces)
@@ -258,8 +316,20 @@ def test_any_mix_of_text_reasoning_calls_and_refusal_streams_a_consistent_respon
             if value not in started:
                 started.add(value)
                 current = value
-                chunks.append(chunk({"tool_calls": [{"index": value, "id": f"call_{value}", "type": "function",
-                                                     "function": {"name": f"f{value}", "arguments": ""}}]}))
+                chunks.append(
+                    chunk(
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": value,
+                                    "id": f"call_{value}",
+                                    "type": "function",
+                                    "function": {"name": f"f{value}", "arguments": ""},
+                                }
+                            ]
+                        }
+                    )
+                )
         elif kind == "args":
             if current is not None:
                 chunks.append(chunk({"tool_calls": [{"index": current, "function": {"arguments": value}}]}))
@@ -270,32 +340,65 @@ def test_any_mix_of_text_reasoning_calls_and_refusal_streams_a_consistent_respon
 
 
 def test_text_after_a_tool_call_is_a_new_message_after_it():
-    events = run([chunk({"content": "Let me look."}),
-                  chunk({"tool_calls": [{"index": 0, "id": "c0", "type": "function",
-                                         "function": {"name": "f", "arguments": "{}"}}]}),
-                  chunk({"content": "\nDone"}), chunk({"content": " now."}), chunk({}, "tool_calls")])
+    events = run(
+        [
+            chunk({"content": "Let me look."}),
+            chunk(
+                {
+                    "tool_calls": [
+                        {"index": 0, "id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                    ]
+                }
+            ),
+            chunk({"content": "\nDone"}),
+            chunk({"content": " now."}),
+            chunk({}, "tool_calls"),
+        ]
+    )
     output = events[-1]["response"]["output"]
-    assert [(i["type"], i.get("arguments") or i["content"][0]["text"]) for i in output] == \
-        [("message", "Let me look."), ("function_call", "{}"), ("message", "Done now.")]
+    assert [(i["type"], i.get("arguments") or i["content"][0]["text"]) for i in output] == [
+        ("message", "Let me look."),
+        ("function_call", "{}"),
+        ("message", "Done now."),
+    ]
 
 
 def test_refusal_streams_as_a_refusal_part():
-    events = run([chunk({"content": "Hm."}), chunk({"refusal": "I can't"}), chunk({"refusal": " help."}),
-                  chunk({}, "stop")])
+    events = run(
+        [chunk({"content": "Hm."}), chunk({"refusal": "I can't"}), chunk({"refusal": " help."}), chunk({}, "stop")]
+    )
     (item,) = events[-1]["response"]["output"]
-    assert item["content"] == [{"type": "output_text", "text": "Hm.", "annotations": [], "logprobs": []},
-                               {"type": "refusal", "refusal": "I can't help."}]
+    assert item["content"] == [
+        {"type": "output_text", "text": "Hm.", "annotations": [], "logprobs": []},
+        {"type": "refusal", "refusal": "I can't help."},
+    ]
     assert [e["refusal"] for e in events if e["type"] == "response.refusal.done"] == ["I can't help."]
 
 
 def test_accumulator_reads_choice_0_only_and_keeps_call_ids_unique():
     acc = ChunkAccumulator()
-    for c in [{"choices": [{"index": 1, "delta": {"content": "other"}}, {"index": 0, "delta": {"content": "mine"}}]},
-              {"choices": [{"index": 0, "delta": {"tool_calls": [
-                  {"index": 0, "id": "call_0", "function": {"name": "f", "arguments": "{}"}},
-                  {"index": 1, "id": "call_0", "function": {"name": "g", "arguments": "{}"}}]}}]},
-              {"choices": [{"index": 1, "delta": {}, "finish_reason": "length"},
-                           {"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}]:
+    for c in [
+        {"choices": [{"index": 1, "delta": {"content": "other"}}, {"index": 0, "delta": {"content": "mine"}}]},
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {"index": 0, "id": "call_0", "function": {"name": "f", "arguments": "{}"}},
+                            {"index": 1, "id": "call_0", "function": {"name": "g", "arguments": "{}"}},
+                        ]
+                    },
+                }
+            ]
+        },
+        {
+            "choices": [
+                {"index": 1, "delta": {}, "finish_reason": "length"},
+                {"index": 0, "delta": {}, "finish_reason": "tool_calls"},
+            ]
+        },
+    ]:
         acc.add(c)
     message = acc.completion()["choices"][0]["message"]
     assert message["content"] == "mine" and acc.finish_reason == "tool_calls"
@@ -308,6 +411,10 @@ def test_a_servers_own_prompt_token_ids_are_not_a_training_record():
     the top level: without generation fields it is the server's metadata, not half a record."""
     events = run([chunk({"content": "hi"}, prompt_token_ids=[1, 2]), chunk({}, "stop")])
     assert "prompt_token_ids" not in events[-1]["response"]["output"][-1]
-    completion = {"prompt_token_ids": [1, 2], "choices": [{"index": 0, "finish_reason": "stop", "token_ids": [5],
-                                                            "message": {"role": "assistant", "content": "hi"}}]}
+    completion = {
+        "prompt_token_ids": [1, 2],
+        "choices": [
+            {"index": 0, "finish_reason": "stop", "token_ids": [5], "message": {"role": "assistant", "content": "hi"}}
+        ],
+    }
     assert "prompt_token_ids" not in chat_to_response(completion, REQUEST)["output"][-1]

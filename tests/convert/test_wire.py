@@ -18,10 +18,17 @@ from gymserve.wire.reasoning import REASONING_FIELDS, field_reasoning, mirror_re
 SRC = Path(__file__).resolve().parents[2] / "src" / "gymserve"
 
 
-@pytest.mark.parametrize(("kind", "pattern"), [
-    ("chatcmpl", r"chatcmpl-[0-9a-f]{32}"), ("call", r"call_[0-9a-f]{24}"), ("resp", r"resp_[0-9a-f]{32}"),
-    ("msg", r"msg_[0-9a-f]{32}"), ("rs", r"rs_[0-9a-f]{32}"), ("fc", r"fc_[0-9a-f]{32}"),
-])
+@pytest.mark.parametrize(
+    ("kind", "pattern"),
+    [
+        ("chatcmpl", r"chatcmpl-[0-9a-f]{32}"),
+        ("call", r"call_[0-9a-f]{24}"),
+        ("resp", r"resp_[0-9a-f]{32}"),
+        ("msg", r"msg_[0-9a-f]{32}"),
+        ("rs", r"rs_[0-9a-f]{32}"),
+        ("fc", r"fc_[0-9a-f]{32}"),
+    ],
+)
 def test_ids_have_the_openai_formats(kind, pattern):
     first, second = new_id(kind), new_id(kind)
     assert re.fullmatch(pattern, first) and re.fullmatch(pattern, second) and first != second
@@ -47,11 +54,14 @@ def test_config_and_converter_name_the_same_fields():
     assert set(REASONING_FIELDS) <= set(get_args(ReasoningMode))
 
 
-@pytest.mark.parametrize(("text", "reasoning", "rest"), [
-    ("<think>\n r \n</think>\n\nanswer", "r", "answer"),
-    ("  <think>why</think>ok", "why", "ok"),
-    ("<think></think>\n\nA", None, "A"),
-])
+@pytest.mark.parametrize(
+    ("text", "reasoning", "rest"),
+    [
+        ("<think>\n r \n</think>\n\nanswer", "r", "answer"),
+        ("  <think>why</think>ok", "why", "ok"),
+        ("<think></think>\n\nA", None, "A"),
+    ],
+)
 def test_both_splits_agree_on_a_leading_block(text, reasoning, rest):
     """The two rules differ only where they must (later blocks, pre-filled spans); a block the
     model opened at the start is split the same by both, tags and whitespace alike."""
@@ -73,7 +83,11 @@ def test_no_module_outside_wire_spells_the_think_tags_or_mints_ids():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and node.value in (think.OPEN, think.CLOSE):
                 bad.append(f"{path.relative_to(SRC)}:{node.lineno} {node.value}")
-            if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant) \
-                    and str(node.values[0].value).startswith(("call_", "chatcmpl", "resp_", "msg_", "rs_", "fc_")):
+            if (
+                isinstance(node, ast.JoinedStr)
+                and node.values
+                and isinstance(node.values[0], ast.Constant)
+                and str(node.values[0].value).startswith(("call_", "chatcmpl", "resp_", "msg_", "rs_", "fc_"))
+            ):
                 bad.append(f"{path.relative_to(SRC)}:{node.lineno} mints an id")
     assert not bad, bad

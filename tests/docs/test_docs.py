@@ -68,8 +68,20 @@ OPENAI_URL = "https://api.openai.com/v1"
 FAKE_KEY = "docs-test-key-0123456789"
 AZURE_VERSION = "2025-04-01-preview"
 AZURE_DEPLOYMENT = "my-gpt-4o"
-DOC_COMMANDS_NOT_RUN = {"vllm", "trtllm-serve", "llama-server", "transformers", "pip", "export", "cd", "cat",
-                        "python", "python3", "source", "."}
+DOC_COMMANDS_NOT_RUN = {
+    "vllm",
+    "trtllm-serve",
+    "llama-server",
+    "transformers",
+    "pip",
+    "export",
+    "cd",
+    "cat",
+    "python",
+    "python3",
+    "source",
+    ".",
+}
 
 
 # ---------------------------------------------------------------------------------------- general
@@ -80,8 +92,23 @@ def test_docs_exist_and_every_block_has_a_language():
 
 
 def test_mkdocs_build_strict(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                           "-d", str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-f",
+            str(ROOT / "mkdocs.yml"),
+            "-d",
+            str(tmp_path / "site"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # The README's quick start reached the site through the snippet include (one source).
     html = (tmp_path / "site" / "getting-started" / "index.html").read_text(encoding="utf-8")
@@ -109,8 +136,9 @@ def test_generated_reference_is_up_to_date():
         sys.path.pop(0)
     for path, build in gen_reference.PAGES.items():
         assert path.exists(), f"{path} missing: run python scripts/gen_reference.py"
-        assert path.read_text(encoding="utf-8") == build(), \
+        assert path.read_text(encoding="utf-8") == build(), (
             f"{path.relative_to(ROOT)} is out of date: run python scripts/gen_reference.py"
+        )
 
 
 # ------------------------------------------------------------------------------------------- bash
@@ -127,8 +155,13 @@ def test_bash_block(block):
         word = argv[0]
         if word == "gymserve":
             if "--help" in argv or "-h" in argv:
-                proc = subprocess.run([sys.executable, "-m", "gymserve.cli", *argv[1:]], capture_output=True,
-                                      text=True, timeout=120, cwd=ROOT)
+                proc = subprocess.run(
+                    [sys.executable, "-m", "gymserve.cli", *argv[1:]],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                    cwd=ROOT,
+                )
                 assert proc.returncode == 0, f"{block.where}: {' '.join(argv)}\n{proc.stderr}"
                 assert "usage: gymserve" in proc.stdout
                 continue
@@ -137,8 +170,7 @@ def test_bash_block(block):
                 try:
                     build_parser().parse_args(argv[1:])
                 except SystemExit as exc:
-                    pytest.fail(f"{block.where}: `{' '.join(argv)}` does not parse (exit {exc.code}): "
-                                f"{err.getvalue()}")
+                    pytest.fail(f"{block.where}: `{' '.join(argv)}` does not parse (exit {exc.code}): {err.getvalue()}")
         elif word == "make":
             missing = [t for t in argv[1:] if not t.startswith("-") and "=" not in t and t not in make_targets()]
             assert not missing, f"{block.where}: no Makefile target {missing}"
@@ -151,7 +183,8 @@ def test_bash_block(block):
                     assert parts.path in server_routes(), f"{block.where}: gymserve has no route {parts.path}"
         else:
             assert word in DOC_COMMANDS_NOT_RUN, (
-                f"{block.where}: no test rule for command {word!r}; add one in tests/docs/test_docs.py")
+                f"{block.where}: no test rule for command {word!r}; add one in tests/docs/test_docs.py"
+            )
 
 
 # ------------------------------------------------------------------------------------------- yaml
@@ -175,17 +208,18 @@ def test_yaml_config_block_loads(block, env, tmp_path, monkeypatch):
 
 def _serve_through_fake_azure(block: Block, config) -> None:
     """The Azure config, pointed at the fake Azure resource, answers the API it is configured for."""
-    from helpers.fakes import FakeServer, azure_handler
     from gymserve.backends import build_backend
     from gymserve.backends.base import RequestContext
+    from helpers.fakes import FakeServer, azure_handler
 
     b = config.backend
     assert b.type == "azure" and b.api_version == AZURE_VERSION and b.deployment_name == AZURE_DEPLOYMENT, block.where
     handler = azure_handler(api_key=FAKE_KEY, api_version=AZURE_VERSION, deployment=AZURE_DEPLOYMENT)
     with FakeServer(handler) as fake:
         assert b.endpoint is not None and b.endpoint.startswith(AZURE_URL), block.where
-        local = config.model_copy(update={"backend": b.model_copy(
-            update={"endpoint": b.endpoint.replace(AZURE_URL, fake.url)})})
+        local = config.model_copy(
+            update={"backend": b.model_copy(update={"endpoint": b.endpoint.replace(AZURE_URL, fake.url)})}
+        )
 
         async def go():
             backend = build_backend(local)
@@ -257,8 +291,9 @@ def docs_server(tiny_model_dir, tmp_path_factory):
 
     model_dir = tmp_path_factory.mktemp("docs-model") / EMBEDDED_MODEL_NAME
     model_dir.symlink_to(tiny_model_dir, target_is_directory=True)
-    cfg = GymserveConfig(server=ServerConfig(port=0),
-                         backend=LocalBackendConfig(model=str(model_dir), context_window=2048))
+    cfg = GymserveConfig(
+        server=ServerConfig(port=0), backend=LocalBackendConfig(model=str(model_dir), context_window=2048)
+    )
     srv = start_background_server(cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend))
     yield srv
     srv.stop()
@@ -325,20 +360,44 @@ def test_metric_names_in_the_docs_are_exposed(docs_server):
     text = _get(docs_server, "/metrics").text
     exposed = set(re.findall(r"^# TYPE (\S+)", text, re.M))
     exposed |= {f"{n}{s}" for n in exposed for s in ("_bucket", "_count", "_sum")}
-    documented = {name for p in DOCS.rglob("*.md")
-                  for name in re.findall(r"`(gymserve_\w+)`", p.read_text(encoding="utf-8"))}
+    documented = {
+        name for p in DOCS.rglob("*.md") for name in re.findall(r"`(gymserve_\w+)`", p.read_text(encoding="utf-8"))
+    }
     assert documented and documented <= exposed, f"not exposed by /metrics: {sorted(documented - exposed)}"
 
 
 # ----------------------------------------------------------------------------------------- errors
-ERROR_MODULES = ("errors.py", "config.py", "backends/__init__.py", "backends/upstream_errors.py", "backends/chat.py",
-                 "backends/remote.py", "backends/caller.py", "backends/upstream.py",
-                 "backends/chat_wire.py", "backends/token_stream.py", "backends/azure.py",
-                 "backends/pool.py", "backends/openai_backend.py", "backends/local/request.py",
-                 "prompting/splice.py", "engine/model_cache.py", "engine/model_store.py", "server/app.py",
-                 "server/auth.py", "server/errors.py", "convert/request_checks.py", "engine/weights.py",
-                 "engine/control.py", "engine/base.py", "backends/base.py", "server/control.py",
-                 "engine/lora.py", "backends/local_lora.py", "server/lora.py")
+ERROR_MODULES = (
+    "errors.py",
+    "config.py",
+    "backends/__init__.py",
+    "backends/upstream_errors.py",
+    "backends/chat.py",
+    "backends/remote.py",
+    "backends/caller.py",
+    "backends/upstream.py",
+    "backends/chat_wire.py",
+    "backends/token_stream.py",
+    "backends/azure.py",
+    "backends/pool.py",
+    "backends/openai_backend.py",
+    "backends/local/request.py",
+    "prompting/splice.py",
+    "engine/model_cache.py",
+    "engine/model_store.py",
+    "server/app.py",
+    "server/auth.py",
+    "server/errors.py",
+    "convert/request_checks.py",
+    "engine/weights.py",
+    "engine/control.py",
+    "engine/base.py",
+    "backends/base.py",
+    "server/control.py",
+    "engine/lora.py",
+    "backends/local_lora.py",
+    "server/lora.py",
+)
 HINT_FUNCTIONS = ("_not_found_hint", "_connection_hint")
 
 
@@ -366,7 +425,9 @@ def backend_error_fragments() -> dict[str, str]:
         path = ROOT / "src" / "gymserve" / rel
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and len(node.args) > (1 if getattr(node.func, "id", "") == "error_response" else 0):
+            if isinstance(node, ast.Call) and len(node.args) > (
+                1 if getattr(node.func, "id", "") == "error_response" else 0
+            ):
                 name = getattr(node.func, "id", None) or getattr(node.func, "attr", "")
                 if (name.endswith("Error") and name != "TypeError") or name in ("__init__", "error_response"):
                     arg = node.args[1] if name == "error_response" else node.args[0]
@@ -384,8 +445,9 @@ def _normalize(text: str) -> str:
 
 def test_errors_reference_lists_every_backend_error_message():
     page = _normalize((DOCS / "reference" / "errors.md").read_text(encoding="utf-8"))
-    missing = [f"{where}: {frag!r}" for frag, where in backend_error_fragments().items()
-               if _normalize(frag) not in page]
+    missing = [
+        f"{where}: {frag!r}" for frag, where in backend_error_fragments().items() if _normalize(frag) not in page
+    ]
     assert not missing, "docs/reference/errors.md lacks these messages:\n" + "\n".join(missing)
 
 
@@ -399,8 +461,11 @@ def test_docs_mention_no_unknown_parser_names():
         for argv in commands_of(b.code):
             argv = env_assignments(argv)
             if argv[0] == "gymserve":
-                used += [(b, argv[i + 1]) for i, a in enumerate(argv[:-1])
-                         if a in ("--tool-call-parser", "--reasoning-parser")]
+                used += [
+                    (b, argv[i + 1])
+                    for i, a in enumerate(argv[:-1])
+                    if a in ("--tool-call-parser", "--reasoning-parser")
+                ]
     for b, _ in CONFIGS:
         used += [(b, name) for name in re.findall(r"^\s*(?:tool_parser|reasoning_parser):\s*(\S+)", b.code, re.M)]
     bad = [f"{b.where}: {name}" for b, name in used if name.strip("'\"") not in known]

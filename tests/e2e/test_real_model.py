@@ -15,14 +15,20 @@ from gymserve.server.run import start_background_server
 
 pytestmark = pytest.mark.real_model
 
-WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Get the current weather for a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 @pytest.fixture(scope="module")
 def real_server(embedded_dir):
-    cfg = GymserveConfig(server=ServerConfig(port=0),
-                         backend=LocalBackendConfig(model="embedded", sampling=SamplingConfig(temperature=0)))
+    cfg = GymserveConfig(
+        server=ServerConfig(port=0),
+        backend=LocalBackendConfig(model="embedded", sampling=SamplingConfig(temperature=0)),
+    )
     srv = start_background_server(cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend))
     yield srv
     srv.stop()

@@ -17,17 +17,32 @@ pytestmark = pytest.mark.real_model
 
 async def test_chat_and_responses_through_transformers_serve(transformers_serve):
     base_url, model = transformers_serve
-    backend = build_backend(validate_config({"backend": {
-        "type": "chat", "base_urls": base_url, "model": model, "served_model_name": "policy", "timeout": 120}}))
+    backend = build_backend(
+        validate_config(
+            {
+                "backend": {
+                    "type": "chat",
+                    "base_urls": base_url,
+                    "model": model,
+                    "served_model_name": "policy",
+                    "timeout": 120,
+                }
+            }
+        )
+    )
     try:
         assert model in await backend.upstream_models()
-        out = await backend.chat({"model": "policy", "messages": [{"role": "user", "content": "Say hi"}],
-                                  "max_tokens": 4, "temperature": 0}, RequestContext(session_id="s"))
+        out = await backend.chat(
+            {"model": "policy", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0},
+            RequestContext(session_id="s"),
+        )
         choice = out["choices"][0]
         assert out["model"] == "policy" and choice["finish_reason"] in ("stop", "length")
         assert isinstance(choice["message"]["content"], str) and choice["message"]["content"]
-        resp = await backend.responses({"model": "policy", "input": "Say hi", "max_output_tokens": 8,
-                                        "temperature": 0}, RequestContext(session_id="s"))
+        resp = await backend.responses(
+            {"model": "policy", "input": "Say hi", "max_output_tokens": 8, "temperature": 0},
+            RequestContext(session_id="s"),
+        )
         assert resp["status"] in ("completed", "incomplete") and resp["output"][-1]["type"] == "message"
         assert resp["output"][-1]["content"][0]["text"]
     finally:

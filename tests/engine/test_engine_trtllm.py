@@ -27,6 +27,7 @@ import pytest
 
 from gymserve.engine.base import SamplingParams
 from gymserve.errors import EngineError
+
 EOS = 151645
 EOS2 = 151643
 
@@ -50,14 +51,23 @@ def fake_step(prompt: list[int], generated: list[int]) -> tuple[int, list[tuple[
 
 def write_model_dir(path):
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
-        "max_position_embeddings": 32768, "eos_token_id": EOS}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "model_type": "qwen2",
+                "vocab_size": 151936,
+                "max_position_embeddings": 32768,
+                "eos_token_id": EOS,
+            }
+        )
+    )
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, EOS2]}))
     return path
 
 
 # ---- the TensorRT-LLM double --------------------------------------------------------------------
+
 
 @dataclass(slots=True, kw_only=True)
 class TSamplingParams:
@@ -127,11 +137,11 @@ class CompletionOutput:
 
     @property
     def token_ids_diff(self) -> list[int]:
-        return self.token_ids[self._last_token_ids_len:]
+        return self.token_ids[self._last_token_ids_len :]
 
     @property
     def logprobs_diff(self):
-        return self.logprobs[self._last_logprobs_len:]
+        return self.logprobs[self._last_logprobs_len :]
 
 
 class FakeResult:
@@ -177,7 +187,7 @@ class FakeResult:
                 if self.llm.float_logprobs:
                     out.logprobs.append(dict(dist)[tok])
                 else:
-                    top = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(dist[:p.logprobs])}
+                    top = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(dist[: p.logprobs])}
                     rank = next(r + 1 for r, (t, _) in enumerate(dist) if t == tok)
                     top.setdefault(tok, Logprob(dict(dist)[tok], rank))
                     out.logprobs.append(top)
@@ -225,8 +235,16 @@ class FakeLLM:
         self.shut_down = False
         FakeLLM.instances.append(self)
 
-    def generate_async(self, inputs, sampling_params=None, lora_request=None, prompt_adapter_request=None,
-                       streaming: bool = False, kv_cache_retention_config=None, disaggregated_params=None):
+    def generate_async(
+        self,
+        inputs,
+        sampling_params=None,
+        lora_request=None,
+        prompt_adapter_request=None,
+        streaming: bool = False,
+        kv_cache_retention_config=None,
+        disaggregated_params=None,
+    ):
         assert isinstance(inputs, dict) and list(inputs) == ["prompt_token_ids"]
         res = FakeResult(self, list(inputs["prompt_token_ids"]), sampling_params or TSamplingParams(), streaming)
         self.results.append(res)
@@ -288,6 +306,7 @@ def _script(values):
 
 # ---- construction -------------------------------------------------------------------------------
 
+
 def test_missing_tensorrt_llm_says_what_to_install(monkeypatch, model_dir):
     from gymserve.config import LocalBackendConfig
     from gymserve.engine import create_engine
@@ -303,8 +322,15 @@ def test_engine_args_map_onto_llm(fake_trtllm, model_dir):
     from gymserve.engine import create_engine
     from gymserve.engine.model_store import ResolvedModel
 
-    cfg = LocalBackendConfig(engine="trtllm", engine_args={
-        "tensor_parallel_size": 2, "gpu_memory_utilization": 0.7, "max_model_len": 8192, "dtype": "bfloat16"})
+    cfg = LocalBackendConfig(
+        engine="trtllm",
+        engine_args={
+            "tensor_parallel_size": 2,
+            "gpu_memory_utilization": 0.7,
+            "max_model_len": 8192,
+            "dtype": "bfloat16",
+        },
+    )
     eng = create_engine(cfg, ResolvedModel("policy", model_dir))
     llm = fake_trtllm.instances[-1]
     assert llm.model == str(model_dir)
@@ -337,6 +363,7 @@ def test_unknown_llm_argument_is_a_value_error(monkeypatch, model_dir):
 
 
 # ---- sampling params ----------------------------------------------------------------------------
+
 
 def test_sampling_mapping_defaults(engine):
     p = engine.sampling_params(_sp(max_tokens=9))
@@ -385,6 +412,7 @@ def test_fake_sampling_params_mirror_trtllm_field_names():
 
 
 # ---- outputs ------------------------------------------------------------------------------------
+
 
 def test_eos_kept_with_log_prob_dict_form(engine):
     gen = asyncio.run(engine.generate([1, 2, 3], _sp(top_logprobs=2)))
@@ -443,6 +471,7 @@ def test_cancelled_by_engine_is_an_engine_error(engine):
 
 # ---- streaming and cancellation -----------------------------------------------------------------
 
+
 def test_stream_deltas_add_up_to_generate(engine):
     async def run():
         deltas = [d async for d in engine.stream([1], _sp(top_logprobs=1))]
@@ -488,8 +517,9 @@ def test_local_backend_chat_over_trtllm(fake_trtllm, model_dir, tokenizer):
     from gymserve.engine.trtllm_engine import TRTLLMEngine
 
     cfg = LocalBackendConfig(engine="trtllm", sampling=SamplingConfig(temperature=1.0, seed=3))
-    backend = LocalBackend(cfg, TRTLLMEngine(model_dir, model_name="Qwen2.5-Coder-0.5B-Instruct",
-                                             context_window=4096), tokenizer)
+    backend = LocalBackend(
+        cfg, TRTLLMEngine(model_dir, model_name="Qwen2.5-Coder-0.5B-Instruct", context_window=4096), tokenizer
+    )
     answer = tokenizer.encode("Bonjour!", add_special_tokens=False)
     _script(answer)
     out = asyncio.run(backend.chat({"messages": [{"role": "user", "content": "hi"}]}, RequestContext()))

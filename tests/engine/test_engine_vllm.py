@@ -32,6 +32,7 @@ EOS2 = 151643
 
 # ---- the vLLM double ----------------------------------------------------------------------------
 
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
@@ -158,13 +159,24 @@ class FakeAsyncLLM:
         FakeAsyncLLM.instances.append(self)
 
     @classmethod
-    def from_engine_args(cls, engine_args, start_engine_loop: bool = True, usage_context: Any = None,
-                         stat_loggers: Any = None):
+    def from_engine_args(
+        cls, engine_args, start_engine_loop: bool = True, usage_context: Any = None, stat_loggers: Any = None
+    ):
         return cls(engine_args)
 
-    async def generate(self, prompt, sampling_params: VSamplingParams, request_id: str, *, prompt_text=None,
-                       lora_request=None, tokenization_kwargs=None, trace_headers=None, priority: int = 0,
-                       data_parallel_rank=None):
+    async def generate(
+        self,
+        prompt,
+        sampling_params: VSamplingParams,
+        request_id: str,
+        *,
+        prompt_text=None,
+        lora_request=None,
+        tokenization_kwargs=None,
+        trace_headers=None,
+        priority: int = 0,
+        data_parallel_rank=None,
+    ):
         assert isinstance(prompt, dict) and "prompt_token_ids" in prompt
         self.calls.append((prompt, sampling_params, request_id))
         p = sampling_params
@@ -181,7 +193,7 @@ class FakeAsyncLLM:
                     tok, dist = fake_step(prompt_ids, gen)
                     gen.append(tok)
                     if p.logprobs is not None:
-                        top = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(dist[:p.logprobs])}
+                        top = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(dist[: p.logprobs])}
                         rank = next(r + 1 for r, (t, _) in enumerate(dist) if t == tok)
                         top.setdefault(tok, Logprob(dict(dist)[tok], rank))
                         lps.append(top)
@@ -225,8 +237,13 @@ def install_fake_vllm(monkeypatch, *, engine_args_cls=AsyncEngineArgs, with_outp
     if with_output_kind:
         sp_attrs["RequestOutputKind"] = RequestOutputKind
     mods = {
-        "vllm": _module("vllm", SamplingParams=VSamplingParams, TokensPrompt=TokensPrompt,
-                        AsyncEngineArgs=engine_args_cls, AsyncLLMEngine=FakeAsyncLLM),
+        "vllm": _module(
+            "vllm",
+            SamplingParams=VSamplingParams,
+            TokensPrompt=TokensPrompt,
+            AsyncEngineArgs=engine_args_cls,
+            AsyncLLMEngine=FakeAsyncLLM,
+        ),
         "vllm.sampling_params": _module("vllm.sampling_params", **sp_attrs),
         "vllm.inputs": _module("vllm.inputs", TokensPrompt=TokensPrompt),
         "vllm.engine": _module("vllm.engine"),
@@ -243,11 +260,20 @@ def install_fake_vllm(monkeypatch, *, engine_args_cls=AsyncEngineArgs, with_outp
 
 # ---- fixtures -----------------------------------------------------------------------------------
 
+
 def write_model_dir(path, *, vocab_size=151936, max_pos=32768):
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab_size,
-        "max_position_embeddings": max_pos, "eos_token_id": EOS}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "model_type": "qwen2",
+                "vocab_size": vocab_size,
+                "max_position_embeddings": max_pos,
+                "eos_token_id": EOS,
+            }
+        )
+    )
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, EOS2]}))
     return path
 
@@ -282,6 +308,7 @@ def _sp(**kw) -> SamplingParams:
 
 # ---- construction, engine args, missing package ------------------------------------------------
 
+
 def test_missing_vllm_says_what_to_install(monkeypatch, model_dir):
     from gymserve.config import LocalBackendConfig
     from gymserve.engine import create_engine
@@ -315,12 +342,24 @@ def test_create_engine_passes_engine_args_from_config(fake_vllm, model_dir):
     from gymserve.engine import create_engine
     from gymserve.engine.model_store import ResolvedModel
 
-    cfg = LocalBackendConfig(engine="vllm", engine_args={
-        "tensor_parallel_size": 2, "gpu_memory_utilization": 0.8, "max_model_len": 2048, "dtype": "bfloat16"})
+    cfg = LocalBackendConfig(
+        engine="vllm",
+        engine_args={
+            "tensor_parallel_size": 2,
+            "gpu_memory_utilization": 0.8,
+            "max_model_len": 2048,
+            "dtype": "bfloat16",
+        },
+    )
     eng = create_engine(cfg, ResolvedModel("policy", model_dir))
     args = fake_vllm.instances[-1].engine_args
     assert (args.model, args.tensor_parallel_size, args.gpu_memory_utilization, args.max_model_len, args.dtype) == (
-        str(model_dir), 2, 0.8, 2048, "bfloat16")
+        str(model_dir),
+        2,
+        0.8,
+        2048,
+        "bfloat16",
+    )
     assert args.logprobs_mode == "raw_logprobs"
     assert eng.context_window == 2048
     assert eng.model_name == "policy"
@@ -369,11 +408,20 @@ def test_missing_config_json_is_an_engine_error(fake_vllm, tmp_path):
 
 # ---- sampling params mapping --------------------------------------------------------------------
 
+
 def test_sampling_mapping_defaults(engine):
     p = engine.sampling_params(_sp(max_tokens=7), stream=False)
     assert isinstance(p, VSamplingParams)
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens, p.min_tokens) == (
-        1, 1.0, 1.0, -1, 0.0, None, 7, 0)
+        1,
+        1.0,
+        1.0,
+        -1,
+        0.0,
+        None,
+        7,
+        0,
+    )
     assert p.stop_token_ids == [EOS, EOS2] and p.ignore_eos is False
     assert p.logprobs == 0  # the sampled token's log-prob only
     assert p.detokenize is False and p.skip_special_tokens is False
@@ -396,6 +444,7 @@ def test_sampling_mapping_pinned_values(engine):
 
 
 # ---- outputs: tokens, log-probs, finish reasons -------------------------------------------------
+
 
 def test_eos_is_kept_with_its_log_prob(engine):
     gen = asyncio.run(engine.generate([1, 2, 3], _sp()))
@@ -470,6 +519,7 @@ def test_flat_logprobs_form_is_read():
 
 
 # ---- streaming and cancellation -----------------------------------------------------------------
+
 
 def test_stream_yields_deltas_that_add_up_to_generate(engine):
     async def run():
@@ -550,14 +600,16 @@ def test_closed_engine_refuses_and_shuts_vllm_down(engine):
 
 # ---- the whole local backend over the double ----------------------------------------------------
 
+
 @pytest.fixture
 def backend(fake_vllm, model_dir, tokenizer):
     from gymserve.backends.local import LocalBackend
     from gymserve.config import LocalBackendConfig, SamplingConfig
     from gymserve.engine.vllm_engine import VLLMEngine
 
-    cfg = LocalBackendConfig(engine="vllm", sampling=SamplingConfig(temperature=0.8, top_p=0.95, seed=7),
-                             engine_args={"max_model_len": 4096})
+    cfg = LocalBackendConfig(
+        engine="vllm", sampling=SamplingConfig(temperature=0.8, top_p=0.95, seed=7), engine_args={"max_model_len": 4096}
+    )
     eng = VLLMEngine(model_dir, model_name="Qwen2.5-Coder-0.5B-Instruct", engine_args=cfg.engine_args)
     return LocalBackend(cfg, eng, tokenizer)
 
@@ -567,8 +619,12 @@ def test_local_backend_chat_over_vllm(backend, tokenizer):
 
     answer = tokenizer.encode("Hello there!", add_special_tokens=False)
     FakeAsyncLLM.script = answer
-    req = {"model": "Qwen2.5-Coder-0.5B-Instruct", "messages": [{"role": "user", "content": "Say hello"}],
-           "logprobs": True, "top_logprobs": 2}
+    req = {
+        "model": "Qwen2.5-Coder-0.5B-Instruct",
+        "messages": [{"role": "user", "content": "Say hello"}],
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     out = asyncio.run(backend.chat(req, RequestContext()))
     msg = out["choices"][0]["message"]
     assert msg["content"] == "Hello there!"
@@ -626,14 +682,19 @@ def test_local_backend_multi_turn_stays_contiguous(backend, tokenizer):
     msgs = [{"role": "user", "content": "one"}]
     first = asyncio.run(backend.chat({"messages": msgs}, RequestContext()))["choices"][0]["message"]
     FakeAsyncLLM.script = tokenizer.encode("Second.", add_special_tokens=False)
-    msgs2 = msgs + [{"role": "assistant", "content": first["content"],
-                     "prompt_token_ids": first["prompt_token_ids"],
-                     "generation_token_ids": first["generation_token_ids"],
-                     "generation_log_probs": first["generation_log_probs"]},
-                    {"role": "user", "content": "two"}]
+    msgs2 = msgs + [
+        {
+            "role": "assistant",
+            "content": first["content"],
+            "prompt_token_ids": first["prompt_token_ids"],
+            "generation_token_ids": first["generation_token_ids"],
+            "generation_log_probs": first["generation_log_probs"],
+        },
+        {"role": "user", "content": "two"},
+    ]
     second = asyncio.run(backend.chat({"messages": msgs2}, RequestContext()))["choices"][0]["message"]
     prefix = first["prompt_token_ids"] + first["generation_token_ids"]
-    assert second["prompt_token_ids"][:len(prefix)] == prefix
+    assert second["prompt_token_ids"][: len(prefix)] == prefix
 
 
 def test_fake_sampling_params_mirror_vllm_field_names():

@@ -372,9 +372,9 @@ def test_lora_routes_take_the_admin_key(tiny_model_dir):
 
 
 def test_lora_routes_closed_or_unsupported(monkeypatch):
-    from helpers.fakes import ChatScript, FakeServer
     from gymserve.config import validate_config
     from gymserve.server.run import start_background_server
+    from helpers.fakes import ChatScript, FakeServer
 
     with FakeServer(ChatScript(name="up")) as up:
         cfg = validate_config({"server": {"port": 0}, "backend": {"type": "chat", "base_urls": [up.url + "/v1"]}})

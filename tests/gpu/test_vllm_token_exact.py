@@ -22,13 +22,23 @@ def server(gpu_model_dir, gpu_settings):
     from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, ServerConfig
     from gymserve.server.run import start_background_server
 
-    cfg = GymserveConfig(server=ServerConfig(port=0), backend=LocalBackendConfig(
-        model=str(gpu_model_dir), engine="vllm", max_batch_size=64,
-        sampling=SamplingConfig(temperature=1.0, top_p=1.0),
-        engine_args={"dtype": gpu_settings["dtype"], "max_model_len": 4096,
-                     "gpu_memory_utilization": gpu_settings["memory"]}))
-    srv = start_background_server(cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend),
-                                  startup_timeout=900)
+    cfg = GymserveConfig(
+        server=ServerConfig(port=0),
+        backend=LocalBackendConfig(
+            model=str(gpu_model_dir),
+            engine="vllm",
+            max_batch_size=64,
+            sampling=SamplingConfig(temperature=1.0, top_p=1.0),
+            engine_args={
+                "dtype": gpu_settings["dtype"],
+                "max_model_len": 4096,
+                "gpu_memory_utilization": gpu_settings["memory"],
+            },
+        ),
+    )
+    srv = start_background_server(
+        cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend), startup_timeout=900
+    )
     yield srv
     srv.stop()
 
@@ -63,8 +73,12 @@ def _check(teacher, f: dict, tol: float, what: str) -> float:
 
 
 def test_logprobs_match_teacher_forcing(client, teacher, gpu_settings):
-    prompts = ["Write a haiku about GPUs.", "What is 17 * 23? Think step by step.",
-               "List three prime numbers.", "Explain recursion in one paragraph."]
+    prompts = [
+        "Write a haiku about GPUs.",
+        "What is 17 * 23? Think step by step.",
+        "List three prime numbers.",
+        "Explain recursion in one paragraph.",
+    ]
     for p in prompts:
         r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}], max_tokens=96)
         _check(teacher, _fields(r.choices[0].message), gpu_settings["tol"], f"chat {p[:20]!r}")
@@ -80,7 +94,7 @@ def test_multi_turn_is_contiguous_and_exact(client, teacher, gpu_settings):
         _check(teacher, f, gpu_settings["tol"], f"turn {turn + 1}")
         if prev is not None:
             prefix = prev["prompt_token_ids"] + prev["generation_token_ids"]
-            assert f["prompt_token_ids"][:len(prefix)] == prefix, f"turn {turn + 1} is not contiguous"
+            assert f["prompt_token_ids"][: len(prefix)] == prefix, f"turn {turn + 1} is not contiguous"
         prev = f
         inp += [it.model_dump(exclude_none=True) for it in r.output]
         inp.append({"role": "user", "content": follow_up})
@@ -99,19 +113,19 @@ def test_drift_survival(client, teacher, gpu_settings, gpu_model_dir):
         f = _fields(m)
         _check(teacher, f, gpu_settings["tol"], f"chinese answer {attempt + 1}")
         drifted += tok.encode(m.content, add_special_tokens=False) != f["generation_token_ids"]
-        turn2 = msgs + [{"role": "assistant", "content": m.content, **f},
-                        {"role": "user", "content": "再来一句。"}]
+        turn2 = msgs + [{"role": "assistant", "content": m.content, **f}, {"role": "user", "content": "再来一句。"}]
         r2 = client.chat.completions.create(model="m", messages=turn2, max_tokens=16)
         f2 = _fields(r2.choices[0].message)
         prefix = f["prompt_token_ids"] + f["generation_token_ids"]
-        assert f2["prompt_token_ids"][:len(prefix)] == prefix
+        assert f2["prompt_token_ids"][: len(prefix)] == prefix
         _check(teacher, f2, gpu_settings["tol"], f"turn 2 after answer {attempt + 1}")
     print(f"[gpu] retokenization drift seen in {drifted}/4 sampled answers (the splice kept the sampled IDs)")
 
 
 def test_stream_fields_match_teacher_forcing(client, teacher, gpu_settings):
-    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Count to ten."}],
-                                            max_tokens=64, stream=True)
+    stream = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Count to ten."}], max_tokens=64, stream=True
+    )
     chunks = list(stream)
     last = [c for c in chunks if c.choices][-1].choices[0].delta
     _check(teacher, _fields(last), gpu_settings["tol"], "stream")
@@ -122,8 +136,8 @@ def test_concurrent_requests_are_exact(server, teacher, gpu_settings):
 
     async def one(i):
         r = await aclient.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": f"Tell me fact number {i} about the moon."}],
-            max_tokens=48)
+            model="m", messages=[{"role": "user", "content": f"Tell me fact number {i} about the moon."}], max_tokens=48
+        )
         return _fields(r.choices[0].message)
 
     async def run():

@@ -51,26 +51,60 @@ def make_fake_responses_app(*, delay: float = 0.0, always_call: bool = False, fa
         else:
             prompt = [1, 2, 3] + [9] * len(items)
         gen = [rng.randrange(100, 1000) for _ in range(rng.randrange(1, 6))]
-        fields = {"prompt_token_ids": prompt, "generation_token_ids": gen,
-                  "generation_log_probs": [-rng.random() for _ in gen]}
+        fields = {
+            "prompt_token_ids": prompt,
+            "generation_token_ids": gen,
+            "generation_log_probs": [-rng.random() for _ in gen],
+        }
         n = len(app.state.requests)
         if items[-1].get("type") == "function_call_output" and not always_call:
             w = json.loads(items[-1]["output"])
-            out = [{"type": "message", "id": f"msg_{n}", "role": "assistant", "status": "completed",
-                    "content": [{"type": "output_text", "annotations": [],
-                                 "text": f"It is {w['temperature_c']}°C in {w['city']}."}], **fields}]
+            out = [
+                {
+                    "type": "message",
+                    "id": f"msg_{n}",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [
+                        {
+                            "type": "output_text",
+                            "annotations": [],
+                            "text": f"It is {w['temperature_c']}°C in {w['city']}.",
+                        }
+                    ],
+                    **fields,
+                }
+            ]
         else:
             text = items[0]["content"] if isinstance(items[0]["content"], str) else ""
             city = next((c for c in CITIES if re.search(c, text, re.I)), "Paris")
             out = [
-                {"type": "reasoning", "id": f"rs_{n}", "summary": [],
-                 "content": [{"type": "reasoning_text", "text": "I should look it up."}]},
-                {"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}", "name": "get_weather",
-                 "arguments": json.dumps({"city": city}), "status": "completed", "x_unknown": {"kept": True}, **fields},
+                {
+                    "type": "reasoning",
+                    "id": f"rs_{n}",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "I should look it up."}],
+                },
+                {
+                    "type": "function_call",
+                    "id": f"fc_{n}",
+                    "call_id": f"call_{n}",
+                    "name": "get_weather",
+                    "arguments": json.dumps({"city": city}),
+                    "status": "completed",
+                    "x_unknown": {"kept": True},
+                    **fields,
+                },
             ]
-        return {"id": f"resp_{n}", "object": "response", "created_at": 0, "status": "completed",
-                "model": body["model"], "output": out,
-                "usage": {"input_tokens": len(prompt), "output_tokens": len(gen), "total_tokens": len(prompt) + len(gen)}}
+        return {
+            "id": f"resp_{n}",
+            "object": "response",
+            "created_at": 0,
+            "status": "completed",
+            "model": body["model"],
+            "output": out,
+            "usage": {"input_tokens": len(prompt), "output_tokens": len(gen), "total_tokens": len(prompt) + len(gen)},
+        }
 
     return app
 
@@ -91,8 +125,13 @@ def _client(url):
 
 async def test_tool_path_passes_items_back_unchanged(fake_server):
     async with open_environments(["weather"]) as envs, _client(f"{fake_server.url}/v1") as client:
-        run = await run_agent(client, envs["weather"], {"input": "What's the weather in Tokyo?", "max_output_tokens": 16},
-                              model="fake-model", session_id="s-1")
+        run = await run_agent(
+            client,
+            envs["weather"],
+            {"input": "What's the weather in Tokyo?", "max_output_tokens": 16},
+            model="fake-model",
+            session_id="s-1",
+        )
     assert run.stop_reason == "message" and run.error is None
     assert run.final_text == "It is 22°C in Tokyo."
     reqs = [r["body"] for r in fake_server.requests]
@@ -117,8 +156,10 @@ async def test_tool_path_passes_items_back_unchanged(fake_server):
     for turn, out in zip(run.turns, (first_out, run.turns[1].output)):
         assert turn.prompt_token_ids == out[-1]["prompt_token_ids"]
         assert turn.generation_log_probs == out[-1]["generation_log_probs"]
-    assert run.turns[1].prompt_token_ids[: len(run.turns[0].prompt_token_ids) + len(run.turns[0].generation_token_ids)] \
+    assert (
+        run.turns[1].prompt_token_ids[: len(run.turns[0].prompt_token_ids) + len(run.turns[0].generation_token_ids)]
         == run.turns[0].prompt_token_ids + run.turns[0].generation_token_ids
+    )
     assert envs["weather"].verify({"responses_create_params": {"input": "Tokyo?"}}, run.output) == 1.0
 
 
@@ -126,8 +167,9 @@ async def test_step_limit():
     app = make_fake_responses_app(always_call=True)
     with BackgroundApp(app) as bg:
         async with open_environments(["weather"]) as envs, _client(f"{bg.url}/v1") as client:
-            run = await run_agent(client, envs["weather"], {"input": "Paris?", "extra_param": 1},
-                                  model="fake-model", max_steps=3)
+            run = await run_agent(
+                client, envs["weather"], {"input": "Paris?", "extra_param": 1}, model="fake-model", max_steps=3
+            )
     assert run.stop_reason == "max_steps" and len(run.turns) == 3 and len(app.state.requests) == 3
     # Unknown create parameters reach the server (extra_body); the last call's tools are not run.
     assert app.state.requests[0]["body"]["extra_param"] == 1
@@ -135,8 +177,12 @@ async def test_step_limit():
 
 
 async def test_context_length_error_ends_rollout():
-    err = {"message": "This model's maximum context length is 10 tokens", "type": "invalid_request_error",
-           "param": "input", "code": "context_length_exceeded"}
+    err = {
+        "message": "This model's maximum context length is 10 tokens",
+        "type": "invalid_request_error",
+        "param": "input",
+        "code": "context_length_exceeded",
+    }
     with BackgroundApp(make_fake_responses_app(fail_with={"status": 400, "error": err})) as bg:
         async with open_environments(["weather"]) as envs, _client(f"{bg.url}/v1") as client:
             run = await run_agent(client, envs["weather"], {"input": "Paris?"}, model="fake-model")
@@ -164,8 +210,10 @@ def tiny_server(tiny_model_dir):
     from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, ServerConfig
     from gymserve.server.run import start_background_server
 
-    cfg = GymserveConfig(backend=LocalBackendConfig(model=str(tiny_model_dir), sampling=SamplingConfig(seed=0)),
-                         server=ServerConfig(port=0))
+    cfg = GymserveConfig(
+        backend=LocalBackendConfig(model=str(tiny_model_dir), sampling=SamplingConfig(seed=0)),
+        server=ServerConfig(port=0),
+    )
     with start_background_server(cfg) as srv:
         yield srv
 
@@ -175,8 +223,13 @@ async def test_agent_against_real_server(tiny_server):
 
     async with open_environments(["weather"]) as envs, _client(tiny_server.base_url) as client:
         model = await served_model_name(client)
-        run = await run_agent(client, envs["weather"], {"input": "What's the weather in Paris?", "max_output_tokens": 8},
-                              model=model, max_steps=2)
+        run = await run_agent(
+            client,
+            envs["weather"],
+            {"input": "What's the weather in Paris?", "max_output_tokens": 8},
+            model=model,
+            max_steps=2,
+        )
     assert run.error is None, run.error
     assert run.turns and run.stop_reason in ("message", "no_action", "max_steps")
     t = run.turns[0]
@@ -193,11 +246,13 @@ async def test_real_server_splices_items_passed_back(tiny_server):
 
         model = await served_model_name(client)
         first_input = [{"type": "message", "role": "user", "content": "Hi, what's the weather in Paris?"}]
-        r1 = json.loads((await client.responses.with_raw_response.create(
-            model=model, input=first_input, max_output_tokens=8)).text)
+        r1 = json.loads(
+            (await client.responses.with_raw_response.create(model=model, input=first_input, max_output_tokens=8)).text
+        )
         follow = first_input + r1["output"] + [{"type": "message", "role": "user", "content": "And in Tokyo?"}]
-        r2 = json.loads((await client.responses.with_raw_response.create(
-            model=model, input=follow, max_output_tokens=8)).text)
+        r2 = json.loads(
+            (await client.responses.with_raw_response.create(model=model, input=follow, max_output_tokens=8)).text
+        )
     t1, t2 = r1["output"][-1], r2["output"][-1]
     prefix = t1["prompt_token_ids"] + t1["generation_token_ids"]
     assert t2["prompt_token_ids"][: len(prefix)] == prefix

@@ -24,9 +24,17 @@ CITIES = ("Paris", "London", "Tokyo", "Cairo", "Berlin", "Sydney")
 
 
 def _tasks(n, max_output_tokens=16):
-    return [{"id": f"t{i}", "env": "weather",
-             "responses_create_params": {"input": f"What's the weather in {CITIES[i % len(CITIES)]}?",
-                                         "max_output_tokens": max_output_tokens}} for i in range(n)]
+    return [
+        {
+            "id": f"t{i}",
+            "env": "weather",
+            "responses_create_params": {
+                "input": f"What's the weather in {CITIES[i % len(CITIES)]}?",
+                "max_output_tokens": max_output_tokens,
+            },
+        }
+        for i in range(n)
+    ]
 
 
 def _write_tasks(path: Path, tasks):
@@ -48,16 +56,20 @@ def _client(url):
 
 def test_load_tasks(tmp_path):
     p = tmp_path / "tasks.jsonl"
-    p.write_text('{"responses_create_params": {"input": "Paris?"}}\n\n{"id": 7, "responses_create_params": {"input": []}}\n')
+    p.write_text(
+        '{"responses_create_params": {"input": "Paris?"}}\n\n{"id": 7, "responses_create_params": {"input": []}}\n'
+    )
     tasks = load_tasks(p)
     assert [t["id"] for t in tasks] == ["line-1", "7"] and all(t["env"] == "weather" for t in tasks)
     for bad, msg in [
         ('{"id": "a", "responses_create_params": {}}', "input"),
         ('{"env": "chess", "responses_create_params": {"input": "x"}}', "unknown env"),
-        ('[1]', "JSON object"),
-        ('{oops', "not valid JSON"),
-        ('{"id": "a", "responses_create_params": {"input": "x"}}\n{"id": "a", "responses_create_params": {"input": "y"}}',
-         "duplicate id"),
+        ("[1]", "JSON object"),
+        ("{oops", "not valid JSON"),
+        (
+            '{"id": "a", "responses_create_params": {"input": "x"}}\n{"id": "a", "responses_create_params": {"input": "y"}}',
+            "duplicate id",
+        ),
     ]:
         p.write_text(bad + "\n")
         with pytest.raises(TaskFileError, match=msg):
@@ -89,8 +101,9 @@ async def test_collect_against_fake_server(tmp_path):
     out = tmp_path / "rollouts.jsonl"
     with BackgroundApp(app) as bg:
         async with _client(f"{bg.url}/v1") as client:
-            summary = await collect_rollouts(_tasks(8), out, client=client, model="fake-model", concurrency=3,
-                                             progress=False)
+            summary = await collect_rollouts(
+                _tasks(8), out, client=client, model="fake-model", concurrency=3, progress=False
+            )
     assert summary.written == 8 and summary.errors == 0 and summary.mean_reward == 1.0
     recs = _read_jsonl(out)
     assert sorted(r["id"] for r in recs) == [f"t{i}" for i in range(8)]
@@ -113,8 +126,9 @@ async def test_interrupt_then_resume(tmp_path):
     tasks = _tasks(12)
     with BackgroundApp(app) as bg:
         async with _client(f"{bg.url}/v1") as client:
-            job = asyncio.create_task(collect_rollouts(tasks, out, client=client, model="fake-model",
-                                                       concurrency=2, progress=False))
+            job = asyncio.create_task(
+                collect_rollouts(tasks, out, client=client, model="fake-model", concurrency=2, progress=False)
+            )
             while not out.exists() or out.read_text().count("\n") < 2:
                 await asyncio.sleep(0.01)
             job.cancel()
@@ -126,8 +140,9 @@ async def test_interrupt_then_resume(tmp_path):
                 f.write(b'{"id": "t11", "half')  # as if a crash had cut a write
             with pytest.raises(FileExistsError):
                 await collect_rollouts(tasks, out, client=client, model="fake-model", progress=False)
-            summary = await collect_rollouts(tasks, out, client=client, model="fake-model", concurrency=4,
-                                             resume=True, progress=False)
+            summary = await collect_rollouts(
+                tasks, out, client=client, model="fake-model", concurrency=4, resume=True, progress=False
+            )
     assert summary.skipped == len(first) and summary.written == len(tasks) - len(first)
     recs = _read_jsonl(out)
     assert sorted(r["id"] for r in recs) == sorted(t["id"] for t in tasks)
@@ -146,7 +161,10 @@ def test_main_rollout_cli(tmp_path, capsys):
         assert "0 rollouts written" in capsys.readouterr().out
     assert len(_read_jsonl(out)) == 3
     (tmp_path / "bad.jsonl").write_text("{nope\n")
-    assert main_rollout(str(tmp_path / "bad.jsonl"), str(tmp_path / "o2.jsonl"), "http://127.0.0.1:9/v1", 1, False, None) == 2
+    assert (
+        main_rollout(str(tmp_path / "bad.jsonl"), str(tmp_path / "o2.jsonl"), "http://127.0.0.1:9/v1", 1, False, None)
+        == 2
+    )
     # A dead endpoint: every rollout is written with its error, and the exit code says so.
     assert main_rollout(str(tasks), str(tmp_path / "o3.jsonl"), "http://127.0.0.1:9/v1", 3, False, "m") == 1
     errs = _read_jsonl(tmp_path / "o3.jsonl")
@@ -162,8 +180,10 @@ def tiny_server(tiny_model_dir):
     from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, ServerConfig
     from gymserve.server.run import start_background_server
 
-    cfg = GymserveConfig(backend=LocalBackendConfig(model=str(tiny_model_dir), sampling=SamplingConfig(seed=0)),
-                         server=ServerConfig(port=0))
+    cfg = GymserveConfig(
+        backend=LocalBackendConfig(model=str(tiny_model_dir), sampling=SamplingConfig(seed=0)),
+        server=ServerConfig(port=0),
+    )
     with start_background_server(cfg) as srv:
         yield srv
 
@@ -176,15 +196,18 @@ async def test_concurrent_rollouts_real_backend_verify(tiny_server, tiny_model_d
     tasks = _tasks(6, max_output_tokens=16)
     async with _client(tiny_server.base_url) as client:
         model = await served_model_name(client)
-        summary = await collect_rollouts(tasks, out, client=client, model=model, concurrency=4, max_steps=3,
-                                         progress=False)
+        summary = await collect_rollouts(
+            tasks, out, client=client, model=model, concurrency=4, max_steps=3, progress=False
+        )
     assert summary.written == 6 and summary.errors == 0
     recs = _read_jsonl(out)
     assert sorted(r["id"] for r in recs) == sorted(t["id"] for t in tasks)
     for r in recs:
         assert r["turns"] and all(len(t["generation_token_ids"]) <= 16 for t in r["turns"])
-        assert r["output"][len(r["turns"][0]["output_types"]) - 1]["generation_token_ids"] \
+        assert (
+            r["output"][len(r["turns"][0]["output_types"]) - 1]["generation_token_ids"]
             == r["turns"][0]["generation_token_ids"]
+        )
     report = verify_rollouts(recs, load_model(tiny_model_dir))
     assert report.contiguity_ok and report.num_tokens > 0 and report.max_diff <= 1e-4, report
     assert main_verify(str(out), str(tiny_model_dir)) == 0
@@ -197,8 +220,9 @@ async def test_interrupt_resume_real_backend(tiny_server, tmp_path):
     tasks = _tasks(8, max_output_tokens=16)
     async with _client(tiny_server.base_url) as client:
         model = await served_model_name(client)
-        job = asyncio.create_task(collect_rollouts(tasks, out, client=client, model=model, concurrency=2,
-                                                   max_steps=2, progress=False))
+        job = asyncio.create_task(
+            collect_rollouts(tasks, out, client=client, model=model, concurrency=2, max_steps=2, progress=False)
+        )
         while not out.exists() or out.read_text().count("\n") < 1:
             await asyncio.sleep(0.005)
         job.cancel()
@@ -206,8 +230,9 @@ async def test_interrupt_resume_real_backend(tiny_server, tmp_path):
             await job
         first = _read_jsonl(out)
         assert 1 <= len(first) <= len(tasks)
-        await collect_rollouts(tasks, out, client=client, model=model, concurrency=4, max_steps=2,
-                               resume=True, progress=False)
+        await collect_rollouts(
+            tasks, out, client=client, model=model, concurrency=4, max_steps=2, resume=True, progress=False
+        )
     ids = [r["id"] for r in _read_jsonl(out)]
     assert sorted(ids) == sorted(t["id"] for t in tasks) and len(ids) == len(set(ids))
 
@@ -223,8 +248,10 @@ def test_sigint_leaves_whole_lines(tmp_path):
     tasks = _write_tasks(tmp_path / "tasks.jsonl", _tasks(40))
     out = tmp_path / "out.jsonl"
     with BackgroundApp(app) as bg:
-        code = (f"import sys; from gymserve.harness.rollout import main_rollout; "
-                f"sys.exit(main_rollout({str(tasks)!r}, {str(out)!r}, {bg.url + '/v1'!r}, 2, False, 'fake-model'))")
+        code = (
+            f"import sys; from gymserve.harness.rollout import main_rollout; "
+            f"sys.exit(main_rollout({str(tasks)!r}, {str(out)!r}, {bg.url + '/v1'!r}, 2, False, 'fake-model'))"
+        )
         proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         while (not out.exists() or out.read_text().count("\n") < 2) and time.monotonic() < deadline:

@@ -57,8 +57,13 @@ def _rollout(model, rid="r1", *, turns=3, seed=0):
     ts = []
     for _ in range(turns):
         gen = [rng.randrange(0, 150000) for _ in range(rng.randrange(1, 6))]
-        ts.append({"prompt_token_ids": prompt, "generation_token_ids": gen,
-                   "generation_log_probs": teacher_forced_log_probs(model, prompt, gen)})
+        ts.append(
+            {
+                "prompt_token_ids": prompt,
+                "generation_token_ids": gen,
+                "generation_log_probs": teacher_forced_log_probs(model, prompt, gen),
+            }
+        )
         prompt = prompt + gen + [rng.randrange(0, 150000) for _ in range(4)]  # e.g. a tool output
     output = [{"type": "message", **t} for t in ts]
     return {"id": rid, "output": output, "turns": ts}

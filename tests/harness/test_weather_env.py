@@ -13,7 +13,11 @@ from gymserve.harness.envs.weather import create_app, expected_cities, get_weath
 
 def test_table_city_values():
     assert get_weather("Paris") == {
-        "city": "Paris", "temperature_c": 18, "condition": "partly cloudy", "humidity_pct": 62, "wind_kph": 14,
+        "city": "Paris",
+        "temperature_c": 18,
+        "condition": "partly cloudy",
+        "humidity_pct": 62,
+        "wind_kph": 14,
     }
     assert get_weather("  paris, France ") == get_weather("Paris")
     assert get_weather("new york")["city"] == "New York"
@@ -80,8 +84,17 @@ def _msg(text):
 def test_verify_scoring():
     task = _task("What's the weather in Paris?")
     assert expected_cities(task) == ["Paris"]
-    assert verify(task, [_call("Paris"), {"type": "function_call_output", "call_id": "c1", "output": "{}"},
-                         _msg("It is 18°C and partly cloudy in Paris.")]) == 1.0
+    assert (
+        verify(
+            task,
+            [
+                _call("Paris"),
+                {"type": "function_call_output", "call_id": "c1", "output": "{}"},
+                _msg("It is 18°C and partly cloudy in Paris."),
+            ],
+        )
+        == 1.0
+    )
     assert verify(task, [_call("paris, France"), _msg("It is sunny.")]) == 0.5  # called, wrong answer
     assert verify(task, [_msg("Paris: 18 C")]) == 0.5  # right answer without the tool
     assert verify(task, [_msg("It is 180 degrees or 1.18")]) == 0.0  # 18 must stand alone
@@ -99,5 +112,7 @@ def test_verify_multiple_cities_and_metadata():
     meta_task = _task("how is it up north?", cities=["Oslo"])
     assert verify(meta_task, [_call("Oslo"), _msg(f"Oslo is at {t} degrees")]) == 1.0
     # Items given as input messages (a list) work too.
-    list_task = {"responses_create_params": {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Tokyo?"}]}]}}
+    list_task = {
+        "responses_create_params": {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Tokyo?"}]}]}
+    }
     assert expected_cities(list_task) == ["Tokyo"]

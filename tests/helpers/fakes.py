@@ -74,8 +74,13 @@ class FakeServer:
             body = json.loads(raw) if raw else None
         except ValueError:
             body = raw.decode(errors="replace")
-        rec = Recorded(request.method, request.url.path, dict(request.query_params),
-                       {k.lower(): v for k, v in request.headers.items()}, body)
+        rec = Recorded(
+            request.method,
+            request.url.path,
+            dict(request.query_params),
+            {k.lower(): v for k, v in request.headers.items()},
+            body,
+        )
         self.requests.append(rec)
         answer = self.handler(rec)
         if callable(getattr(answer, "__await__", None)):
@@ -114,14 +119,28 @@ class FakeServer:
 
 
 # ---------------------------------------------------------------------------------- payloads
-def completion(content: str | None = "ok", *, model: str = "m", finish_reason: str = "stop",
-               extra: dict[str, Any] | None = None, **message_fields: Any) -> dict[str, Any]:
+def completion(
+    content: str | None = "ok",
+    *,
+    model: str = "m",
+    finish_reason: str = "stop",
+    extra: dict[str, Any] | None = None,
+    **message_fields: Any,
+) -> dict[str, Any]:
     """A ChatCompletion dict; ``message_fields`` go on the message, ``extra`` on the completion."""
     return {
-        "id": "chatcmpl-" + uuid.uuid4().hex[:8], "object": "chat.completion", "created": int(time.time()),
+        "id": "chatcmpl-" + uuid.uuid4().hex[:8],
+        "object": "chat.completion",
+        "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "finish_reason": finish_reason, "logprobs": None,
-                     "message": {"role": "assistant", "content": content, **message_fields}}],
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": finish_reason,
+                "logprobs": None,
+                "message": {"role": "assistant", "content": content, **message_fields},
+            }
+        ],
         "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
         **(extra or {}),
     }
@@ -130,17 +149,32 @@ def completion(content: str | None = "ok", *, model: str = "m", finish_reason: s
 def response_obj(text: str, *, model: str) -> dict[str, Any]:
     """A minimal Responses API ``Response`` dict."""
     return {
-        "id": "resp_" + uuid.uuid4().hex[:8], "object": "response", "created_at": time.time(), "status": "completed",
-        "model": model, "error": None, "incomplete_details": None,
-        "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
-                    "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+        "id": "resp_" + uuid.uuid4().hex[:8],
+        "object": "response",
+        "created_at": time.time(),
+        "status": "completed",
+        "model": model,
+        "error": None,
+        "incomplete_details": None,
+        "output": [
+            {
+                "type": "message",
+                "id": "msg_1",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        ],
         "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4},
-        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
     }
 
 
 def sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
     """Chat Completions streaming: ``data:`` lines, then ``data: [DONE]``."""
+
     def gen():
         for c in chunks:
             yield f"data: {json.dumps(c)}\n\n"
@@ -151,6 +185,7 @@ def sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
 
 def sse_events(events: list[dict[str, Any]]) -> StreamingResponse:
     """Responses streaming as the OpenAI API sends it: ``event: <type>`` + ``data:``, no ``[DONE]``."""
+
     def gen():
         for e in events:
             yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
@@ -161,7 +196,7 @@ def sse_events(events: list[dict[str, Any]]) -> StreamingResponse:
 def _pieces(text: str, n: int = 3) -> list[str]:
     """``text`` cut into about ``n`` non-empty pieces (at least one)."""
     size = max(1, -(-len(text) // n))
-    return [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
 
 
 def chat_chunks(comp: dict[str, Any], *, include_usage: bool = False) -> list[dict[str, Any]]:
@@ -231,8 +266,14 @@ def openai_handler(api_key: str, model: str = "gpt-test") -> Callable[[Recorded]
 
     def handle(r: Recorded) -> Answer:
         if r.headers.get("authorization") != f"Bearer {api_key}":
-            return 401, {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
-                                   "param": None, "code": "invalid_api_key"}}
+            return 401, {
+                "error": {
+                    "message": "Incorrect API key provided.",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            }
         if r.method == "GET" and r.path == "/v1/models":
             return 200, {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "openai"}]}
         if r.method == "POST" and r.path == "/v1/chat/completions":
@@ -243,11 +284,23 @@ def openai_handler(api_key: str, model: str = "gpt-test") -> Callable[[Recorded]
             if r.body.get("model") != model or "input" not in r.body:
                 return 400, {"error": {"message": "bad model or input", "type": "invalid_request_error"}}
             if r.body["input"] == "overflow":
-                return 400, {"error": {"message": "Your input exceeds the context window of this model.",
-                                       "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}}
+                return 400, {
+                    "error": {
+                        "message": "Your input exceeds the context window of this model.",
+                        "type": "invalid_request_error",
+                        "param": "input",
+                        "code": "context_length_exceeded",
+                    }
+                }
             return responses_answer(r, response_obj("hello from responses", model=model))
-        return 404, {"error": {"message": f"Invalid URL ({r.method} {r.path})", "type": "invalid_request_error",
-                               "param": None, "code": None}}
+        return 404, {
+            "error": {
+                "message": f"Invalid URL ({r.method} {r.path})",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
+        }
 
     return handle
 
@@ -256,8 +309,14 @@ def openai_handler(api_key: str, model: str = "gpt-test") -> Callable[[Recorded]
 AZ_NOT_FOUND = (404, {"error": {"code": "404", "message": "Resource not found"}})
 
 
-def azure_handler(*, api_key: str, api_version: str, deployment: str, chat_paths: tuple[str, ...] | None = None,
-                  responses_paths: tuple[str, ...] | None = None) -> Callable[[Recorded], Answer]:
+def azure_handler(
+    *,
+    api_key: str,
+    api_version: str,
+    deployment: str,
+    chat_paths: tuple[str, ...] | None = None,
+    responses_paths: tuple[str, ...] | None = None,
+) -> Callable[[Recorded], Answer]:
     """Like an Azure OpenAI resource (or a gateway with ``chat_paths``/``responses_paths``).
 
     Default paths: ``/openai/deployments/{deployment}/chat/completions``; ``/openai/responses`` and
@@ -270,16 +329,25 @@ def azure_handler(*, api_key: str, api_version: str, deployment: str, chat_paths
         if r.query.get("api-version") != api_version:
             return AZ_NOT_FOUND
         if r.headers.get("api-key") != api_key or api_key in r.headers.get("authorization", ""):
-            return 401, {"error": {"code": "401", "message": "Access denied due to invalid subscription key or wrong "
-                                                             "API endpoint. Make sure to provide a valid key."}}
+            return 401, {
+                "error": {
+                    "code": "401",
+                    "message": "Access denied due to invalid subscription key or wrong "
+                    "API endpoint. Make sure to provide a valid key.",
+                }
+            }
         if r.method == "GET" and r.path.endswith("/models"):
             return 200, {"object": "list", "data": [{"id": "gpt-4o", "object": "model"}]}
         if r.method == "POST" and r.path in chat_paths:
             return chat_answer(r, completion("hello from azure chat", model="gpt-4o-2024-08-06"))
         if r.method == "POST" and r.path in responses_paths:
             if r.body.get("model") != deployment:
-                return 404, {"error": {"code": "DeploymentNotFound", "message": "The API deployment for this resource "
-                                                                               "does not exist."}}
+                return 404, {
+                    "error": {
+                        "code": "DeploymentNotFound",
+                        "message": "The API deployment for this resource does not exist.",
+                    }
+                }
             return responses_answer(r, response_obj("hello from azure responses", model="gpt-4o-2024-08-06"))
         return AZ_NOT_FOUND
 
@@ -407,23 +475,33 @@ class RawServer:
                 for i in range(len(body)):
                     if self._stop.wait(0.1):
                         return
-                    conn.sendall(body[i:i + 1])
+                    conn.sendall(body[i : i + 1])
             elif self.mode == "stream_stall":
                 chunk = json.dumps(completion_to_chunks(completion("partial"))[0]).encode()
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
                 event = b"data: " + chunk + b"\n\n"
                 conn.sendall(b"%x\r\n" % len(event) + event + b"\r\n")
                 self._wait()
             elif self.mode == "stream_drop":
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
                 if self.last_path.endswith("/responses"):
                     events = response_events(response_obj("partial answer", model="policy"))[:2]
                     payloads = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events]
                 else:
                     head = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy"}
-                    chunks = [{**head, "choices": [{"index": 0, "finish_reason": None,
-                                                    "delta": {"role": "assistant", "content": piece}}]}
-                              for piece in ("partial ", "answer")]
+                    chunks = [
+                        {
+                            **head,
+                            "choices": [
+                                {"index": 0, "finish_reason": None, "delta": {"role": "assistant", "content": piece}}
+                            ],
+                        }
+                        for piece in ("partial ", "answer")
+                    ]
                     payloads = [f"data: {json.dumps(c)}\n\n" for c in chunks]
                 for payload in payloads:
                     raw = payload.encode()

@@ -16,7 +16,6 @@ from openai.types.chat import ChatCompletion
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 CASES_PATH = DATA_DIR / "cases" / "public.jsonl"
 SPEC_PATH = DATA_DIR / "spec" / "openresponses-openapi.json"

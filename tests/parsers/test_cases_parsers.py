@@ -10,7 +10,6 @@ import json
 from typing import Any
 
 import pytest
-from helpers.spec import assert_subset, load_cases
 
 from gymserve.parsers import (
     ParsedOutput,
@@ -19,6 +18,7 @@ from gymserve.parsers import (
     get_tool_call_parser,
     parse_output,
 )
+from helpers.spec import assert_subset, load_cases
 
 CASES = load_cases("reasoning_parsing", "tool_call_parsing")
 
@@ -83,14 +83,18 @@ def test_rp04_unclosed_span_depends_on_finish_reason(reasoning_name):
     inp = case["input"]
     parser = get_reasoning_parser(reasoning_name)
     stopped = parse_output(
-        inp["raw_generation_text"], prompt_tail=inp["prompt_text_tail"], finish_reason=inp["finish_reason"],
+        inp["raw_generation_text"],
+        prompt_tail=inp["prompt_text_tail"],
+        finish_reason=inp["finish_reason"],
         reasoning_parser=parser,
     )
     assert_subset(case["expected"]["output"], as_output_items(stopped))
     assert stopped.reasoning_incomplete is False
     # "with finish_reason=length keep it as reasoning"
     cut = parse_output(
-        inp["raw_generation_text"], prompt_tail=inp["prompt_text_tail"], finish_reason="length",
+        inp["raw_generation_text"],
+        prompt_tail=inp["prompt_text_tail"],
+        finish_reason="length",
         reasoning_parser=parser,
     )
     assert cut.reasoning == "Paris." and cut.content is None and cut.reasoning_incomplete is True

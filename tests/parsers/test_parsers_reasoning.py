@@ -91,7 +91,9 @@ def test_parse_output_reasoning_then_content():
 
 def test_parse_output_truncated_reasoning_is_incomplete():
     parsed = parse_output(
-        "Let me think about", prompt_tail=THINK_TAIL, finish_reason="length",
+        "Let me think about",
+        prompt_tail=THINK_TAIL,
+        finish_reason="length",
         reasoning_parser=get_reasoning_parser("deepseek_r1"),
     )
     assert parsed.reasoning == "Let me think about" and parsed.content is None and parsed.reasoning_incomplete

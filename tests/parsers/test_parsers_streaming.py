@@ -42,7 +42,7 @@ TEXTS = [
     f"[{WEATHER}, {TIME}]",
     '{"name": "nope", "arguments": {}}',
     'Here is JSON: {"name": "get_time", "arguments": {}}',
-    f'<|python_tag|>{WEATHER.replace("arguments", "parameters")}; {TIME}',
+    f"<|python_tag|>{WEATHER.replace('arguments', 'parameters')}; {TIME}",
     f"{TIME}; {WEATHER}",
     f"Sure [TOOL_CALLS][{WEATHER}, {TIME}]",
     '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
@@ -126,30 +126,71 @@ tool_lists = st.sampled_from([TOOLS, None])
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    st.sampled_from(TEXTS), st.data(), parsers, reasoners, tails, finishes, tool_lists
-)
+@given(st.sampled_from(TEXTS), st.data(), parsers, reasoners, tails, finishes, tool_lists)
 def test_stream_equals_whole_parse_for_known_texts(text, data, tool_name, reasoning_name, tail, finish, tools):
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
     assert_agrees(text, cuts, finish, tool_name, reasoning_name, tail, tools)
 
 
 FRAGMENTS = [
-    "<tool_call>", "</tool_call>", "<think>", "</think>", "<tool", "</thi", "{", "}", "[", "]",
-    '"name"', '"arguments"', '"parameters"', ":", ",", ";", '"get_time"', '"get_weather"', '"x"',
-    "{}", " ", "\n", "a", "```", "json", '"', "\\", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]",
-    "get_time", "é", "<", "NaN", "1",
+    "<tool_call>",
+    "</tool_call>",
+    "<think>",
+    "</think>",
+    "<tool",
+    "</thi",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"name"',
+    '"arguments"',
+    '"parameters"',
+    ":",
+    ",",
+    ";",
+    '"get_time"',
+    '"get_weather"',
+    '"x"',
+    "{}",
+    " ",
+    "\n",
+    "a",
+    "```",
+    "json",
+    '"',
+    "\\",
+    "<|python_tag|>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "get_time",
+    "é",
+    "<",
+    "NaN",
+    "1",
     # call heads, so random texts often commit to a call and then go wrong
-    '{"name": "get_time", "arguments": ', '{"name": "get_weather", "parameters": ', '"a": ',
+    '{"name": "get_time", "arguments": ',
+    '{"name": "get_weather", "parameters": ',
+    '"a": ',
     # whole well-formed pieces, so random texts also hold real calls
-    f"<tool_call>{TIME}</tool_call>", WEATHER, TIME, f"[{TIME}]", f"```json\n{TIME}\n```", "get_time[ARGS]{}",
+    f"<tool_call>{TIME}</tool_call>",
+    WEATHER,
+    TIME,
+    f"[{TIME}]",
+    f"```json\n{TIME}\n```",
+    "get_time[ARGS]{}",
 ]
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(st.sampled_from(FRAGMENTS), max_size=30).map("".join),
-    st.data(), parsers, reasoners, tails, finishes, tool_lists,
+    st.data(),
+    parsers,
+    reasoners,
+    tails,
+    finishes,
+    tool_lists,
 )
 def test_stream_equals_whole_parse_for_random_texts(text, data, tool_name, reasoning_name, tail, finish, tools):
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
@@ -212,8 +253,10 @@ def test_arguments_stream_as_the_model_writes_them(name, text):
 def test_a_call_is_not_started_before_its_head_decides_it():
     parser = StreamingParser(get_tool_call_parser("qwen2_5_coder"), None, "", TOOLS)
     assert parser.feed('{"name": "get_weather", "arguments"') == []  # may still be any JSON
-    assert parser.feed(": {") == [Delta("tool_call_start", index=0, name="get_weather"),
-                                 Delta("tool_call_arguments", "{", index=0)]
+    assert parser.feed(": {") == [
+        Delta("tool_call_start", index=0, name="get_weather"),
+        Delta("tool_call_arguments", "{", index=0),
+    ]
     # An undeclared name is an ordinary JSON answer: content, once the value closes.
     parser = StreamingParser(get_tool_call_parser("qwen2_5_coder"), None, "", TOOLS)
     assert parser.feed('{"name": "Alice", "arguments": {"age": 3') == []

@@ -145,7 +145,9 @@ def test_llama3_json_whole_message():
 
 
 def test_llama3_json_python_tag_and_semicolons():
-    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "arguments": {}}'
+    text = (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "arguments": {}}'
+    )
     assert parse("llama3_json", text) == (None, [call("get_weather", city="Rome"), call("get_time")])
 
 
@@ -155,7 +157,11 @@ def test_llama3_json_text_before_python_tag_is_content():
 
 
 def test_llama3_json_ordinary_json_and_undeclared_names_stay_content():
-    for text in ['{"name": "Bob", "parameters": {}}', '{"answer": 4}', 'The call is {"name": "get_time", "parameters": {}}']:
+    for text in [
+        '{"name": "Bob", "parameters": {}}',
+        '{"answer": 4}',
+        'The call is {"name": "get_time", "parameters": {}}',
+    ]:
         assert parse("llama3_json", text) == (text, [])
 
 
@@ -218,7 +224,7 @@ def test_qwen2_5_coder_accepts_responses_form_tools():
         '{"name": "Alice", "age": 30}',  # ordinary JSON answer
         f"Here you go:\n{WEATHER}",  # JSON inside an answer, not the whole message
         f"```python\n{WEATHER}\n```",  # not a JSON fence
-        '[1, 2, 3]',
+        "[1, 2, 3]",
         "```json\n[]\n```",
     ],
 )
@@ -235,15 +241,32 @@ def test_qwen2_5_coder_text_after_the_calls_is_content():
     ("parser", "text", "content", "names"),
     [
         # a committed call whose object never closes: the text after its arguments is content
-        ("llama3_json", '{"name": "get_time", "parameters": {}\nI called the clock.', "I called the clock.", ["get_time"]),
-        ("qwen2_5_coder", f'{WEATHER[:-1]}\n\nLet me know.', "Let me know.", ["get_weather"]),
-        ("hermes", '<tool_call>{"name": "get_time", "arguments": {} I will call it }</tool_call>Bye',
-         "I will call it }</tool_call>Bye", ["get_time"]),
-        ("llama3_json", '{"name": "get_time", "parameters": {}; {"name": "get_weather", "parameters": {}}',
-         None, ["get_time", "get_weather"]),
+        (
+            "llama3_json",
+            '{"name": "get_time", "parameters": {}\nI called the clock.',
+            "I called the clock.",
+            ["get_time"],
+        ),
+        ("qwen2_5_coder", f"{WEATHER[:-1]}\n\nLet me know.", "Let me know.", ["get_weather"]),
+        (
+            "hermes",
+            '<tool_call>{"name": "get_time", "arguments": {} I will call it }</tool_call>Bye',
+            "I will call it }</tool_call>Bye",
+            ["get_time"],
+        ),
+        (
+            "llama3_json",
+            '{"name": "get_time", "parameters": {}; {"name": "get_weather", "parameters": {}}',
+            None,
+            ["get_time", "get_weather"],
+        ),
         # extra members of a call object are call syntax, skipped whatever their value
-        ("hermes", '<tool_call>{"name": "get_time", "arguments": {}, "id": 1, "x": [{"}": "]"}], "y": null}</tool_call>',
-         None, ["get_time"]),
+        (
+            "hermes",
+            '<tool_call>{"name": "get_time", "arguments": {}, "id": 1, "x": [{"}": "]"}], "y": null}</tool_call>',
+            None,
+            ["get_time"],
+        ),
     ],
 )
 def test_text_after_a_committed_call_is_never_lost(parser, text, content, names):
@@ -253,8 +276,10 @@ def test_text_after_a_committed_call_is_never_lost(parser, text, content, names)
 
 def test_a_name_that_is_not_valid_unicode_is_not_a_call():
     # "\ud800" decodes to a lone surrogate: a response holding it could not be encoded as UTF-8.
-    for text in ('<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
-                 '<tool_call>{"arguments": {}, "name": "\\ud800"}</tool_call>'):
+    for text in (
+        '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+        '<tool_call>{"arguments": {}, "name": "\\ud800"}</tool_call>',
+    ):
         assert parse("hermes", text) == (text, [])
 
 
@@ -274,10 +299,24 @@ DEEP = "[" * 3000 + "]" * 3000  # deeper than the stdlib decoder's recursion lim
 
 
 def test_parsing_never_raises_on_junk():
-    junk = ["{", "[", "```", '{"name": ', "<tool_call>{", "[TOOL_CALLS]{", "<|python_tag|>[", "\\", '"', "}{][", "\x00",
-            f'<tool_call>{{"x": {DEEP}}}</tool_call>', f'{{"x": {DEEP}}}', f'[TOOL_CALLS][{{"x": {DEEP}}}]',
-            f'<|python_tag|>{{"parameters": {DEEP}, "name": "get_time"}}',
-            f'<tool_call>{{"name": "get_time", "arguments": "{DEEP}"}}</tool_call>']
+    junk = [
+        "{",
+        "[",
+        "```",
+        '{"name": ',
+        "<tool_call>{",
+        "[TOOL_CALLS]{",
+        "<|python_tag|>[",
+        "\\",
+        '"',
+        "}{][",
+        "\x00",
+        f'<tool_call>{{"x": {DEEP}}}</tool_call>',
+        f'{{"x": {DEEP}}}',
+        f'[TOOL_CALLS][{{"x": {DEEP}}}]',
+        f'<|python_tag|>{{"parameters": {DEEP}, "name": "get_time"}}',
+        f'<tool_call>{{"name": "get_time", "arguments": "{DEEP}"}}</tool_call>',
+    ]
     for name in tool_call_parser_names():
         for text in junk:
             content, calls = parse(name, text)

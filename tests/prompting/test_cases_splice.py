@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-
 import pytest
-from helpers.spec import load_cases
-from helpers.templates import QWEN3_LIKE
 
 from gymserve.errors import SpliceError
 from gymserve.prompting import ChatTemplate, build_prompt
 from gymserve.prompting.splice import splice_token_ids
-
+from helpers.spec import load_cases
+from helpers.templates import QWEN3_LIKE
 
 # TE-01 toy vocabulary: <|im_start|>=1, <|im_end|>=2 (EOS), \n=3, user=4, assistant=5, Q1=10, Q2=11,
 # The=20, " answer"=21, " is"=22, " 4" merged=23, " "=24, "4"=25, "."=26, alt EOS=9.
@@ -123,21 +121,31 @@ def test_rc05_developer_merged_into_the_single_leading_system_message(tokenizer)
 
 def test_rc05_developer_alone_becomes_system(tokenizer):
     tpl = ChatTemplate(tokenizer)
-    text = tpl.render_text(tpl.prepare_messages([{"role": "developer", "content": "Reply in French."},
-                                                 {"role": "user", "content": "Hello"}]))
+    text = tpl.render_text(
+        tpl.prepare_messages(
+            [{"role": "developer", "content": "Reply in French."}, {"role": "user", "content": "Hello"}]
+        )
+    )
     assert text.startswith("<|im_start|>system\nReply in French.<|im_end|>\n")
     assert "You are Qwen" not in text
-
-
 
 
 def test_rc01_reasoning_reaches_a_qwen3_style_template_for_the_current_turn(tokenizer):
     tpl = ChatTemplate(tokenizer, chat_template=QWEN3_LIKE)
     msgs = [
         {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": None, "reasoning": "I should call get_weather for Paris.",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning": "I should call get_weather for Paris.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
     ]
     text = tpl.render_text(tpl.prepare_messages(msgs))
@@ -149,19 +157,34 @@ def test_rc01_reasoning_reaches_a_qwen3_style_template_for_the_current_turn(toke
 def test_rc01_splice_through_a_qwen3_style_template(tokenizer):
     tpl = ChatTemplate(tokenizer, chat_template=QWEN3_LIKE)
     p = tpl.render_ids(tpl.prepare_messages([{"role": "user", "content": "Weather in Paris?"}]))
-    g = tpl.encode("I should call it.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", "
-                   "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>")
+    g = tpl.encode(
+        'I should call it.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+        '"arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    )
     msgs = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "reasoning_content": "I should call it.", "reasoning": "I should call it.",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}],
-         "prompt_token_ids": p, "generation_token_ids": g, "generation_log_probs": [-0.1] * len(g)},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "I should call it.",
+            "reasoning": "I should call it.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                }
+            ],
+            "prompt_token_ids": p,
+            "generation_token_ids": g,
+            "generation_log_probs": [-0.1] * len(g),
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
     ]
     res = build_prompt(tpl, msgs, eos_token_ids=(151645, 151643), vocab_size=151936)
     assert res.spliced
     assert res.token_ids[: len(p) + len(g)] == p + g
-    assert res.token_ids[len(p) + len(g):] == tpl.encode(
-        "\n<|im_start|>user\n<tool_response>\n18C, sunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert res.token_ids[len(p) + len(g) :] == tpl.encode(
+        "\n<|im_start|>user\n<tool_response>\n18C, sunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
     assert res.text_tail.endswith("<|im_start|>assistant\n<think>\n")

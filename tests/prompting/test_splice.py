@@ -8,17 +8,24 @@ import unicodedata
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers.templates import QWEN3_LIKE
 
 from gymserve.errors import InvalidRequestError, SpliceError
 from gymserve.prompting import ChatTemplate, build_prompt
+from helpers.templates import QWEN3_LIKE
 
 IM_END, ENDOFTEXT, IM_START = 151645, 151643, 151644
 EOS = (IM_END, ENDOFTEXT)
 VOCAB = 151936
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Get current weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get current weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +38,14 @@ def enc(tpl, text):
 
 
 def assistant(content, p, g, **extra):
-    return {"role": "assistant", "content": content, "prompt_token_ids": p, "generation_token_ids": g,
-            "generation_log_probs": [-0.25] * len(g), **extra}
+    return {
+        "role": "assistant",
+        "content": content,
+        "prompt_token_ids": p,
+        "generation_token_ids": g,
+        "generation_log_probs": [-0.25] * len(g),
+        **extra,
+    }
 
 
 def build(tpl, msgs, **kw):
@@ -61,15 +74,21 @@ def test_three_turn_rollout_stays_contiguous(tpl, eos_mode):
         res = build(tpl, msgs)
         assert res.spliced
         assert res.token_ids[: len(p) + len(g)] == p + g
-        assert res.token_ids[-len(gen_prompt):] == gen_prompt
+        assert res.token_ids[-len(gen_prompt) :] == gen_prompt
         n = len(p) + len(g)
         # exactly one EOS closes the spliced turn
         assert res.token_ids[n - 1 : n + 1] != [ENDOFTEXT, IM_END] and res.token_ids[n - 1 : n + 1] != [IM_END, IM_END]
         if eos_mode != "endoftext":
-            plain = [{k: v for k, v in m.items() if k not in ("prompt_token_ids", "generation_token_ids",
-                                                              "generation_log_probs")} for m in msgs]
+            plain = [
+                {
+                    k: v
+                    for k, v in m.items()
+                    if k not in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+                }
+                for m in msgs
+            ]
             assert res.token_ids == tpl.render_ids(tpl.prepare_messages(plain))
-        assert res.text_tail.endswith("Question %d<|im_end|>\n<|im_start|>assistant\n" % (turn + 2))
+        assert res.text_tail.endswith(f"Question {turn + 2}<|im_end|>\n<|im_start|>assistant\n")
         p = res.token_ids
 
 
@@ -86,30 +105,41 @@ def test_retokenization_drift_is_not_reintroduced(tpl, tokenizer, text):
     msgs2 = msgs + [assistant(text, p, g_chars), {"role": "user", "content": "Again."}]
     res = build(tpl, msgs2)
     assert res.token_ids[: len(p) + len(g_chars)] == p + g_chars
-    rerendered = tpl.render_ids(tpl.prepare_messages(msgs + [{"role": "assistant", "content": text},
-                                                             {"role": "user", "content": "Again."}]))
+    rerendered = tpl.render_ids(
+        tpl.prepare_messages(msgs + [{"role": "assistant", "content": text}, {"role": "user", "content": "Again."}])
+    )
     assert rerendered[: len(p) + len(g_chars)] != p + g_chars  # what the splice prevents
     # after the turn, both agree again
-    assert res.token_ids[len(p) + len(g_chars):] == rerendered[len(p) + len(canonical):]
+    assert res.token_ids[len(p) + len(g_chars) :] == rerendered[len(p) + len(canonical) :]
 
 
 def test_tool_call_turn_followed_by_tool_messages(tpl):
     """(c) Qwen2.5 renders tool calls after the content; arguments come as a JSON string."""
     msgs = [{"role": "user", "content": "Weather in Paris and Rome?"}]
     p = build(tpl, msgs, tools=TOOLS).token_ids
-    g = enc(tpl, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-                 '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>') + [IM_END]
-    calls = [{"id": f"call_{c}", "type": "function",
-              "function": {"name": "get_weather", "arguments": '{"city": "%s"}' % c}} for c in ("Paris", "Rome")]
-    msgs2 = msgs + [assistant(None, p, g, tool_calls=calls),
-                    {"role": "tool", "tool_call_id": "call_Paris", "content": "18C, sunny"},
-                    {"role": "tool", "tool_call_id": "call_Rome", "content": "22C, cloudy"}]
+    g = enc(
+        tpl,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+    ) + [IM_END]
+    calls = [
+        {"id": f"call_{c}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{c}"}}'}}
+        for c in ("Paris", "Rome")
+    ]
+    msgs2 = msgs + [
+        assistant(None, p, g, tool_calls=calls),
+        {"role": "tool", "tool_call_id": "call_Paris", "content": "18C, sunny"},
+        {"role": "tool", "tool_call_id": "call_Rome", "content": "22C, cloudy"},
+    ]
     res = build(tpl, msgs2, tools=TOOLS)
     n = len(p) + len(g)
     assert res.token_ids[:n] == p + g
-    assert res.token_ids[n:] == enc(tpl, "\n<|im_start|>user\n<tool_response>\n18C, sunny\n</tool_response>\n"
-                                         "<tool_response>\n22C, cloudy\n</tool_response><|im_end|>\n"
-                                         "<|im_start|>assistant\n")
+    assert res.token_ids[n:] == enc(
+        tpl,
+        "\n<|im_start|>user\n<tool_response>\n18C, sunny\n</tool_response>\n"
+        "<tool_response>\n22C, cloudy\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n",
+    )
     # the same with the EOS trimmed from G: the template supplies it
     res2 = build(tpl, msgs[:1] + [assistant(None, p, g[:-1], tool_calls=calls)] + msgs2[2:], tools=TOOLS)
     assert res2.token_ids == res.token_ids
@@ -120,12 +150,17 @@ def test_tool_call_turn_with_content_before_calls(tpl):
     p = build(tpl, msgs, tools=TOOLS).token_ids
     g = enc(tpl, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
-    res = build(tpl, msgs + [assistant("Let me check.", p, g, tool_calls=[call]),
-                             {"role": "tool", "tool_call_id": "c1", "content": "-3C"}], tools=TOOLS)
+    res = build(
+        tpl,
+        msgs
+        + [
+            assistant("Let me check.", p, g, tool_calls=[call]),
+            {"role": "tool", "tool_call_id": "c1", "content": "-3C"},
+        ],
+        tools=TOOLS,
+    )
     assert res.token_ids[: len(p) + len(g)] == p + g
     assert res.token_ids[len(p) + len(g)] == IM_END
-
-
 
 
 def test_template_that_strips_reasoning_from_history(tokenizer):
@@ -141,29 +176,50 @@ def test_template_that_strips_reasoning_from_history(tokenizer):
     n = len(p) + len(g)
     assert res.token_ids[:n] == p + g
     assert res.token_ids[n:] == enc(tpl, "\n<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n<think>\n")
-    rerendered = tpl.render_text(tpl.prepare_messages(msgs + [{"role": "assistant", "content": "It is 4.",
-                                                               "reasoning": "Two plus two."},
-                                                              {"role": "user", "content": "3+3?"}]))
+    rerendered = tpl.render_text(
+        tpl.prepare_messages(
+            msgs
+            + [
+                {"role": "assistant", "content": "It is 4.", "reasoning": "Two plus two."},
+                {"role": "user", "content": "3+3?"},
+            ]
+        )
+    )
     assert "Two plus two." not in rerendered  # the template drops it; the splice did not
     assert res.text_tail.endswith("<|im_start|>assistant\n<think>\n")
 
 
-@pytest.mark.parametrize("template, fragment", [
-    # the turn closes differently when messages follow
-    ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-     "{% if loop.last %}<|im_end|>{% else %}<|endoftext|>{% endif %}\n{% endfor %}"
-     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "differently"),
-    # earlier assistant turns are not rendered at all
-    ("{% for m in messages %}{% if m.role != 'assistant' or loop.last %}<|im_start|>{{ m.role }}\n"
-     "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
-     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "differently"),
-    # the content is rendered twice
-    ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}|{{ m.content }}<|im_end|>\n{% endfor %}"
-     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "2 times"),
-    # no end-of-turn token at all
-    ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-     "{% if add_generation_prompt %}[assistant] {% endif %}", "no end-of-turn token"),
-])
+@pytest.mark.parametrize(
+    "template, fragment",
+    [
+        # the turn closes differently when messages follow
+        (
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+            "{% if loop.last %}<|im_end|>{% else %}<|endoftext|>{% endif %}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            "differently",
+        ),
+        # earlier assistant turns are not rendered at all
+        (
+            "{% for m in messages %}{% if m.role != 'assistant' or loop.last %}<|im_start|>{{ m.role }}\n"
+            "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            "differently",
+        ),
+        # the content is rendered twice
+        (
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}|{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            "2 times",
+        ),
+        # no end-of-turn token at all
+        (
+            "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}",
+            "no end-of-turn token",
+        ),
+    ],
+)
 def test_ambiguous_boundary_is_a_400_splice_error(tokenizer, template, fragment):
     """(e) Never fall back to re-tokenized text: say what was wrong."""
     tpl = ChatTemplate(tokenizer, chat_template=template)
@@ -175,14 +231,17 @@ def test_ambiguous_boundary_is_a_400_splice_error(tokenizer, template, fragment)
     assert "messages[1]" in e.value.message and fragment in e.value.message
 
 
-@pytest.mark.parametrize("template", [
-    # turns follow each other directly; a newline ends the conversation
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% if loop.last %}{{ '\\n' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-    # an end-of-text marker closes the conversation when no generation prompt follows
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}<|endoftext|>{% endif %}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        # turns follow each other directly; a newline ends the conversation
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% if loop.last %}{{ '\\n' }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        # an end-of-text marker closes the conversation when no generation prompt follows
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}<|endoftext|>{% endif %}",
+    ],
+)
 def test_template_that_ends_the_conversation_differently_from_a_turn(tokenizer, template):
     """Only the turn's own closing must match between A and B; what follows its EOS comes from B."""
     tpl = ChatTemplate(tokenizer, chat_template=template)
@@ -193,8 +252,9 @@ def test_template_that_ends_the_conversation_differently_from_a_turn(tokenizer, 
     res = build(tpl, msgs2)
     n = len(p) + len(g)
     assert res.token_ids[:n] == p + g
-    plain = tpl.render_text(tpl.prepare_messages(msgs + [{"role": "assistant", "content": "Four."},
-                                                         {"role": "user", "content": "3+3?"}]))
+    plain = tpl.render_text(
+        tpl.prepare_messages(msgs + [{"role": "assistant", "content": "Four."}, {"role": "user", "content": "3+3?"}])
+    )
     assert res.token_ids[n:] == enc(tpl, plain.split("Four.<|im_end|>")[1])
 
 
@@ -230,13 +290,19 @@ def test_only_the_last_token_bearing_turn_is_spliced(tpl):
     msgs += [assistant("b", p1, g1), {"role": "user", "content": "c"}]
     p2 = build(tpl, msgs).token_ids
     g2 = [t for ch in "dd" for t in enc(tpl, ch)]
-    msgs += [assistant("dd", p2, g2), {"role": "user", "content": "e"},
-             {"role": "assistant", "content": "off-policy text"}, {"role": "user", "content": "f"}]
+    msgs += [
+        assistant("dd", p2, g2),
+        {"role": "user", "content": "e"},
+        {"role": "assistant", "content": "off-policy text"},
+        {"role": "user", "content": "f"},
+    ]
     res = build(tpl, msgs)
     assert res.token_ids[: len(p2) + len(g2)] == p2 + g2
-    assert res.token_ids[len(p2) + len(g2):] == enc(
-        tpl, "<|im_end|>\n<|im_start|>user\ne<|im_end|>\n<|im_start|>assistant\noff-policy text<|im_end|>\n"
-             "<|im_start|>user\nf<|im_end|>\n<|im_start|>assistant\n")
+    assert res.token_ids[len(p2) + len(g2) :] == enc(
+        tpl,
+        "<|im_end|>\n<|im_start|>user\ne<|im_end|>\n<|im_start|>assistant\noff-policy text<|im_end|>\n"
+        "<|im_start|>user\nf<|im_end|>\n<|im_start|>assistant\n",
+    )
 
 
 def test_developer_merge_does_not_shift_the_spliced_turn(tpl):
@@ -249,8 +315,15 @@ def test_developer_merge_does_not_shift_the_spliced_turn(tpl):
 
 
 def test_token_fields_on_a_non_assistant_message(tpl):
-    msgs = [{"role": "user", "content": "a", "prompt_token_ids": [1], "generation_token_ids": [2],
-             "generation_log_probs": [0.0]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": "a",
+            "prompt_token_ids": [1],
+            "generation_token_ids": [2],
+            "generation_log_probs": [0.0],
+        }
+    ]
     with pytest.raises(SpliceError) as e:
         build(tpl, msgs)
     assert "messages[0]" in e.value.message and "'user'" in e.value.message
@@ -285,7 +358,7 @@ def test_turn_k_last_message_tail_has_no_sentinel(tpl):
     g = enc(tpl, "an answer that is long enough to fill the tail") + [IM_END]
     res = build(tpl, msgs + [assistant("x", p, g)])
     assert res.token_ids[: len(p) + len(g)] == p + g
-    assert res.token_ids[len(p) + len(g):] == enc(tpl, "\n<|im_start|>assistant\n")
+    assert res.token_ids[len(p) + len(g) :] == enc(tpl, "\n<|im_start|>assistant\n")
     assert "sentinel" not in res.text_tail and res.text_tail.endswith("tail<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -296,7 +369,7 @@ def test_hundred_turns_is_fast(tpl):
         g = enc(tpl, f"answer {i} " * 30) + [IM_END]
         msgs += [assistant(f"answer {i} " * 30, p, g), {"role": "user", "content": f"next {i} " * 30}]
         if i < 99:
-            p = p + g + enc(tpl, f"\n<|im_start|>user\n{'next %d ' % i * 30}<|im_end|>\n<|im_start|>assistant\n")
+            p = p + g + enc(tpl, f"\n<|im_start|>user\n{f'next {i} ' * 30}<|im_end|>\n<|im_start|>assistant\n")
     t0 = time.perf_counter()
     res = build(tpl, msgs)
     elapsed = time.perf_counter() - t0
@@ -309,8 +382,11 @@ TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_ch
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(g=st.lists(ORDINARY, max_size=30), end=st.sampled_from([None, IM_END, ENDOFTEXT]),
-       follow=st.lists(st.tuples(st.sampled_from(["user", "tool"]), TEXT), min_size=0, max_size=4))
+@given(
+    g=st.lists(ORDINARY, max_size=30),
+    end=st.sampled_from([None, IM_END, ENDOFTEXT]),
+    follow=st.lists(st.tuples(st.sampled_from(["user", "tool"]), TEXT), min_size=0, max_size=4),
+)
 def test_property_prefix_is_always_p_plus_g(tpl, g, end, follow):
     p = tpl.encode("<|im_start|>system\nx<|im_end|>\n<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n")
     g = g + ([end] if end is not None else [])

@@ -30,10 +30,13 @@ def test_list_content_joined(tpl):
     assert "<|im_start|>user\nHello\nworld<|im_end|>" in tpl.render_text(prepared)
 
 
-@pytest.mark.parametrize("part", [
-    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
-])
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    ],
+)
 def test_media_part_is_rejected_text_only(tpl, part):
     msgs = [{"role": "user", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
     with pytest.raises(InvalidRequestError) as e:
@@ -52,27 +55,43 @@ def test_unknown_part_type_rejected(tpl):
 def test_tool_call_arguments_string_becomes_object_and_renders_as_json(tpl):
     msgs = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\",\"days\":[1,2]}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris","days":[1,2]}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
     ]
     prepared = tpl.prepare_messages(msgs)
     assert prepared[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": [1, 2]}
     assert isinstance(msgs[1]["tool_calls"][0]["function"]["arguments"], str)  # input untouched
     text = tpl.render_text(prepared)
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
-            '{"city": "Paris", "days": [1, 2]}}\n</tool_call><|im_end|>\n') in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris", "days": [1, 2]}}\n</tool_call><|im_end|>\n'
+    ) in text
     assert "<tool_response>\n18C\n</tool_response>" in text
 
 
 def test_tool_call_arguments_that_are_not_json_are_kept_as_written(tpl):
     """The model's own invalid (or max_tokens-cut) arguments come back in the next turn: the turn
     still renders, with the text the model wrote, instead of failing the rollout."""
-    msgs = [{"role": "user", "content": "x"},
-            {"role": "assistant", "tool_calls": [
+    msgs = [
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "tool_calls": [
                 {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
-                {"id": "b", "type": "function", "function": {"name": "f", "arguments": '{"city": "Par'}}]}]
+                {"id": "b", "type": "function", "function": {"name": "f", "arguments": '{"city": "Par'}},
+            ],
+        },
+    ]
     prepared = tpl.prepare_messages(msgs)
     assert [c["function"]["arguments"] for c in prepared[1]["tool_calls"]] == [{}, '{"city": "Par']
     # This template (Qwen2.5) renders arguments with `tojson`, so the string appears JSON-quoted.
@@ -80,17 +99,29 @@ def test_tool_call_arguments_that_are_not_json_are_kept_as_written(tpl):
 
 
 def test_empty_or_null_tool_calls_dropped(tpl):
-    prepared = tpl.prepare_messages([{"role": "user", "content": "x"},
-                                     {"role": "assistant", "content": "a", "tool_calls": None},
-                                     {"role": "assistant", "content": "b", "tool_calls": []}])
+    prepared = tpl.prepare_messages(
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "a", "tool_calls": None},
+            {"role": "assistant", "content": "b", "tool_calls": []},
+        ]
+    )
     assert "tool_calls" not in prepared[1] and "tool_calls" not in prepared[2]
     tpl.render_text(prepared)
 
 
 def test_reasoning_copied_to_reasoning_content_and_training_fields_stripped(tpl):
-    msgs = [{"role": "user", "content": "x"},
-            {"role": "assistant", "content": "a", "reasoning": "think",
-             "prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [-0.5]}]
+    msgs = [
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "content": "a",
+            "reasoning": "think",
+            "prompt_token_ids": [1],
+            "generation_token_ids": [2],
+            "generation_log_probs": [-0.5],
+        },
+    ]
     m = tpl.prepare_messages(msgs)[1]
     assert m["reasoning_content"] == "think"
     assert not {"prompt_token_ids", "generation_token_ids", "generation_log_probs"} & set(m)
@@ -100,8 +131,12 @@ def test_reasoning_copied_to_reasoning_content_and_training_fields_stripped(tpl)
 
 
 def test_developer_merging_keeps_order_and_later_developer_becomes_system(tpl):
-    msgs = [{"role": "developer", "content": "D1"}, {"role": "system", "content": "S1"},
-            {"role": "user", "content": "u"}, {"role": "developer", "content": "D2"}]
+    msgs = [
+        {"role": "developer", "content": "D1"},
+        {"role": "system", "content": "S1"},
+        {"role": "user", "content": "u"},
+        {"role": "developer", "content": "D2"},
+    ]
     prepared, index = tpl.prepare_messages_indexed(msgs)
     assert [m["role"] for m in prepared] == ["system", "user", "system"]
     assert prepared[0]["content"] == "D1\n\nS1" and prepared[2]["content"] == "D2"
@@ -111,19 +146,26 @@ def test_developer_merging_keeps_order_and_later_developer_becomes_system(tpl):
 
 
 def test_template_that_handles_developer_gets_it_unchanged(tokenizer):
-    t = ChatTemplate(tokenizer, chat_template=(
-        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{# developer aware #}"))
+    t = ChatTemplate(
+        tokenizer,
+        chat_template=("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{# developer aware #}"),
+    )
     assert t.handles_developer
-    assert t.render_text(t.prepare_messages([{"role": "developer", "content": "d"},
-                                             {"role": "user", "content": "u"}])) == "[developer]d[user]u"
+    assert (
+        t.render_text(t.prepare_messages([{"role": "developer", "content": "d"}, {"role": "user", "content": "u"}]))
+        == "[developer]d[user]u"
+    )
 
 
-@pytest.mark.parametrize("bad, param", [
-    ([], "messages"),
-    ([{"role": "function", "content": "x"}], "messages[0].role"),
-    ([{"content": "x"}], "messages[0].role"),
-    (["hello"], "messages[0]"),
-])
+@pytest.mark.parametrize(
+    "bad, param",
+    [
+        ([], "messages"),
+        ([{"role": "function", "content": "x"}], "messages[0].role"),
+        ([{"content": "x"}], "messages[0].role"),
+        (["hello"], "messages[0]"),
+    ],
+)
 def test_bad_messages(tpl, bad, param):
     with pytest.raises(InvalidRequestError) as e:
         tpl.prepare_messages(bad)
@@ -141,10 +183,14 @@ def test_render_ids_match_tokenizing_the_text_without_adding_special_tokens(tpl,
 
 
 def test_chat_template_kwargs_defaults_overridden_by_request(tokenizer):
-    t = ChatTemplate(tokenizer, chat_template=(
-        "{% for m in messages %}{{ m.content }}{% endfor %}"
-        "{% if add_generation_prompt %}|{{ 'think' if enable_thinking else 'nothink' }}|{{ style }}{% endif %}"),
-        default_kwargs={"enable_thinking": True, "style": "s"})
+    t = ChatTemplate(
+        tokenizer,
+        chat_template=(
+            "{% for m in messages %}{{ m.content }}{% endfor %}"
+            "{% if add_generation_prompt %}|{{ 'think' if enable_thinking else 'nothink' }}|{{ style }}{% endif %}"
+        ),
+        default_kwargs={"enable_thinking": True, "style": "s"},
+    )
     msgs = [{"role": "user", "content": "q"}]
     assert t.render_text(msgs) == "q|think|s"
     assert t.render_text(msgs, kwargs={"enable_thinking": False}) == "q|nothink|s"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from helpers.fakes import ChatScript, FakeServer
 from gymserve.config import validate_config
 from gymserve.server.control import CONTROL_PATHS, control_allowed
 from gymserve.server.run import start_background_server
+from helpers.fakes import ChatScript, FakeServer
 
 SERVER_KEY = "gs-server-key-0123456789"
 ADMIN_KEY = "gs-admin-key-9876543210"

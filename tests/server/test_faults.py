@@ -16,11 +16,11 @@ import time
 import httpx
 import psutil
 import pytest
-from helpers.fakes import ChatScript, FakeServer, RawServer
 
 from gymserve.backends import RequestContext, build_backend
 from gymserve.config import validate_config
 from gymserve.errors import GymserveError, OverloadedError, UpstreamConnectionError, UpstreamError
+from helpers.fakes import ChatScript, FakeServer, RawServer
 
 MSG = [{"role": "user", "content": "hi"}]
 TIMEOUT = 0.6  # the backend's timeout in these tests
@@ -55,14 +55,30 @@ def fake():
 
 
 def make(urls, **options):
-    return build_backend(validate_config({"backend": {
-        "type": "chat", "base_urls": urls, "model": "policy", "timeout": TIMEOUT, "max_retries": 2,
-        "retry_backoff": 0.01, "health_check_interval": 0, **options}}))
+    return build_backend(
+        validate_config(
+            {
+                "backend": {
+                    "type": "chat",
+                    "base_urls": urls,
+                    "model": "policy",
+                    "timeout": TIMEOUT,
+                    "max_retries": 2,
+                    "retry_backoff": 0.01,
+                    "health_check_interval": 0,
+                    **options,
+                }
+            }
+        )
+    )
 
 
 def _connections_to(port: int) -> int:
-    return sum(1 for c in psutil.Process().net_connections(kind="tcp")
-               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+    return sum(
+        1
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
 
 
 async def _tasks() -> int:
@@ -115,7 +131,9 @@ async def test_429_is_retried_honouring_retry_after_then_becomes_429(fake):
 
 
 async def test_4xx_is_not_retried(fake):
-    s = fake(ChatScript(default=lambda r: (400, {"error": {"message": "messages[0].role is unknown", "param": "messages"}})))
+    s = fake(
+        ChatScript(default=lambda r: (400, {"error": {"message": "messages[0].role is unknown", "param": "messages"}}))
+    )
     b = make([s.url + "/v1"])
     err, _ = await _expect_failure(b)
     assert len(s.chat_requests()) == 1 and err.status_code == 400 and "role is unknown" in err.message
@@ -123,15 +141,18 @@ async def test_4xx_is_not_retried(fake):
 
 
 # ------------------------------------------------------------------------------- transport faults
-@pytest.mark.parametrize("mode, retried, code, status", [
-    ("reset", True, "upstream_unreachable", 502),
-    ("close", True, "upstream_unreachable", 502),
-    ("truncated", True, "upstream_unreachable", 502),
-    ("malformed", False, "upstream_bad_response", 502),
-    ("hang", False, "upstream_timeout", 504),
-    ("stall_body", False, "upstream_timeout", 504),
-    ("trickle", False, "upstream_timeout", 504),
-])
+@pytest.mark.parametrize(
+    "mode, retried, code, status",
+    [
+        ("reset", True, "upstream_unreachable", 502),
+        ("close", True, "upstream_unreachable", 502),
+        ("truncated", True, "upstream_unreachable", 502),
+        ("malformed", False, "upstream_bad_response", 502),
+        ("hang", False, "upstream_timeout", 504),
+        ("stall_body", False, "upstream_timeout", 504),
+        ("trickle", False, "upstream_timeout", 504),
+    ],
+)
 async def test_transport_faults_fail_fast_and_clearly(raw, mode, retried, code, status):
     s = raw(mode)
     b = make([s.url + "/v1"])
@@ -238,15 +259,27 @@ def test_server_turns_upstream_faults_into_openai_errors(raw):
     from gymserve.server.run import start_background_server
 
     s = raw("hang")
-    cfg = validate_config({"server": {"port": 0}, "backend": {
-        "type": "chat", "base_urls": [s.url + "/v1"], "model": "policy", "timeout": TIMEOUT, "max_retries": 0}})
+    cfg = validate_config(
+        {
+            "server": {"port": 0},
+            "backend": {
+                "type": "chat",
+                "base_urls": [s.url + "/v1"],
+                "model": "policy",
+                "timeout": TIMEOUT,
+                "max_retries": 0,
+            },
+        }
+    )
     with start_background_server(cfg) as srv:
         t0 = time.monotonic()
         r = httpx.post(srv.base_url + "/chat/completions", json={"messages": MSG}, timeout=10)
         assert time.monotonic() - t0 < TIMEOUT + 1
         assert r.status_code == 504
         err = r.json()["error"]
-        assert err["code"] == "upstream_timeout" and err["type"] == "upstream_connection_error" and s.url in err["message"]
+        assert (
+            err["code"] == "upstream_timeout" and err["type"] == "upstream_connection_error" and s.url in err["message"]
+        )
         r = httpx.post(srv.base_url + "/responses", json={"input": "hi", "stream": True}, timeout=10)
         assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
 
@@ -255,8 +288,18 @@ def test_server_streams_an_error_event_when_upstream_stalls_mid_stream(raw):
     from gymserve.server.run import start_background_server
 
     s = raw("stream_stall")
-    cfg = validate_config({"server": {"port": 0}, "backend": {
-        "type": "chat", "base_urls": [s.url + "/v1"], "model": "policy", "timeout": TIMEOUT, "max_retries": 0}})
+    cfg = validate_config(
+        {
+            "server": {"port": 0},
+            "backend": {
+                "type": "chat",
+                "base_urls": [s.url + "/v1"],
+                "model": "policy",
+                "timeout": TIMEOUT,
+                "max_retries": 0,
+            },
+        }
+    )
     with start_background_server(cfg) as srv:
         t0 = time.monotonic()
         r = httpx.post(srv.base_url + "/chat/completions", json={"messages": MSG, "stream": True}, timeout=10)
@@ -265,8 +308,6 @@ def test_server_streams_an_error_event_when_upstream_stalls_mid_stream(raw):
         assert "event: error" in r.text and "upstream_timeout" in r.text and r.text.endswith("data: [DONE]\n\n")
         r = httpx.post(srv.base_url + "/responses", json={"input": "hi", "stream": True}, timeout=10)
         assert "response.failed" in r.text or "event: error" in r.text
-
-
 
 
 def _sse_lines(*events: str):
@@ -285,11 +326,17 @@ HEAD = '{"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "p
 HI = HEAD + '[{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "finish_reason": null}]}'
 
 
-@pytest.mark.parametrize(("bad", "words", "code"), [
-    ('{"object": "error", "message": "vllm boom", "type": "InternalServerError", "code": 500}', "vllm boom",
-     "upstream_error"),
-    ("[1, 2]", "not a JSON object", "upstream_bad_response"),
-])
+@pytest.mark.parametrize(
+    ("bad", "words", "code"),
+    [
+        (
+            '{"object": "error", "message": "vllm boom", "type": "InternalServerError", "code": 500}',
+            "vllm boom",
+            "upstream_error",
+        ),
+        ("[1, 2]", "not a JSON object", "upstream_bad_response"),
+    ],
+)
 def test_a_stream_broken_mid_way_ends_with_an_error_on_both_routes(bad, words, code, caplog):
     """An error object, or a data line that is not a chunk, after the stream began: the chat
     stream ends with an error the SDK raises, the Responses stream with response.failed — never a
@@ -299,8 +346,12 @@ def test_a_stream_broken_mid_way_ends_with_an_error_on_both_routes(bad, words, c
     from gymserve.server.run import start_background_server
 
     with FakeServer(ChatScript(default=lambda r: _sse_lines(HI, bad))) as s:
-        cfg = validate_config({"server": {"port": 0}, "backend": {
-            "type": "chat", "base_urls": [s.url + "/v1"], "model": "policy", "max_retries": 0}})
+        cfg = validate_config(
+            {
+                "server": {"port": 0},
+                "backend": {"type": "chat", "base_urls": [s.url + "/v1"], "model": "policy", "max_retries": 0},
+            }
+        )
         with start_background_server(cfg) as srv:
             client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=10)
             with pytest.raises(openai.APIError, match=words):
@@ -317,18 +368,30 @@ def test_streamed_tool_calls_without_index_get_one():
 
     from gymserve.server.run import start_background_server
 
-    call = HEAD + ('[{"index": 0, "delta": {"tool_calls": [{"id": "call_1", "type": "function", '
-                   '"function": {"name": "f", "arguments": "{\\"a\\""}}]}, "finish_reason": null}]}')
-    more = HEAD + '[{"index": 0, "delta": {"tool_calls": [{"function": {"arguments": ": 1}"}}]}, "finish_reason": null}]}'
-    call2 = HEAD + ('[{"index": 0, "delta": {"tool_calls": [{"id": "call_2", "type": "function", '
-                    '"function": {"name": "g", "arguments": "{}"}}]}, "finish_reason": "tool_calls"}]}')
+    call = HEAD + (
+        '[{"index": 0, "delta": {"tool_calls": [{"id": "call_1", "type": "function", '
+        '"function": {"name": "f", "arguments": "{\\"a\\""}}]}, "finish_reason": null}]}'
+    )
+    more = (
+        HEAD + '[{"index": 0, "delta": {"tool_calls": [{"function": {"arguments": ": 1}"}}]}, "finish_reason": null}]}'
+    )
+    call2 = HEAD + (
+        '[{"index": 0, "delta": {"tool_calls": [{"id": "call_2", "type": "function", '
+        '"function": {"name": "g", "arguments": "{}"}}]}, "finish_reason": "tool_calls"}]}'
+    )
     with FakeServer(ChatScript(default=lambda r: _sse_lines(HI, call, more, call2))) as s:
-        cfg = validate_config({"server": {"port": 0}, "backend": {
-            "type": "chat", "base_urls": [s.url + "/v1"], "model": "policy", "max_retries": 0}})
+        cfg = validate_config(
+            {
+                "server": {"port": 0},
+                "backend": {"type": "chat", "base_urls": [s.url + "/v1"], "model": "policy", "max_retries": 0},
+            }
+        )
         with start_background_server(cfg) as srv:
             client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=10)
             with client.chat.completions.stream(model="policy", messages=MSG) as stream:
                 final = stream.get_final_completion()
     # A new id is a new call; a piece without one continues the last call.
-    assert [(t.id, t.function.name, t.function.arguments) for t in final.choices[0].message.tool_calls] == \
-        [("call_1", "f", '{"a": 1}'), ("call_2", "g", "{}")]
+    assert [(t.id, t.function.name, t.function.arguments) for t in final.choices[0].message.tool_calls] == [
+        ("call_1", "f", '{"a": 1}'),
+        ("call_2", "g", "{}"),
+    ]

@@ -20,6 +20,7 @@ import time
 import httpx
 import orjson
 import pytest
+
 from helpers.fakes import ChatScript, FakeServer, completion, sse
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -57,8 +58,18 @@ def upstream():
 
 @pytest.fixture(scope="module")
 def chat_server(upstream):
-    cfg = validate_config({"server": {"port": 0}, "backend": {
-        "type": "chat", "base_urls": [upstream.url + "/v1"], "model": "policy", "max_retries": 0, "timeout": 10}})
+    cfg = validate_config(
+        {
+            "server": {"port": 0},
+            "backend": {
+                "type": "chat",
+                "base_urls": [upstream.url + "/v1"],
+                "model": "policy",
+                "max_retries": 0,
+                "timeout": 10,
+            },
+        }
+    )
     srv = start_background_server(cfg)
     yield srv
     srv.stop()
@@ -89,8 +100,12 @@ class _Clamped:
 def local_server(tiny_model_dir):
     from gymserve.backends.local import LocalBackend
 
-    cfg = GymserveConfig(server=ServerConfig(port=0), backend=LocalBackendConfig(
-        model=str(tiny_model_dir), context_window=512, sampling=SamplingConfig(seed=1, on_mismatch="override")))
+    cfg = GymserveConfig(
+        server=ServerConfig(port=0),
+        backend=LocalBackendConfig(
+            model=str(tiny_model_dir), context_window=512, sampling=SamplingConfig(seed=1, on_mismatch="override")
+        ),
+    )
 
     def factory():
         backend = LocalBackend.from_config(cfg.backend)
@@ -120,19 +135,28 @@ def _cases(root: str, route: str) -> tuple:
     out: list = []
     unsupported: list = []
     n_pos = round(EXAMPLES * POSITIVE_SHARE)
-    for mode, n, d in ((GenerationMode.POSITIVE, n_pos, positive_doc), (GenerationMode.NEGATIVE, EXAMPLES - n_pos, doc)):
+    for mode, n, d in (
+        (GenerationMode.POSITIVE, n_pos, positive_doc),
+        (GenerationMode.NEGATIVE, EXAMPLES - n_pos, doc),
+    ):
         strategy = schemathesis.openapi.from_dict(d)[route]["POST"].as_strategy(generation_mode=mode)
 
-        @settings(max_examples=n, derandomize=True, deadline=None, database=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=n,
+            derandomize=True,
+            deadline=None,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(data=st.data())
         def collect(data):
             try:
-                out.append(data.draw(strategy))
+                out.append(data.draw(strategy))  # noqa: B023 - collect() runs within this iteration
             except UnsupportedSchema:
                 # Negative mode sometimes picks a sub-schema it cannot negate (a `not` deep in the SDK
                 # schema); that draw is skipped rather than ending the whole run.
-                unsupported.append(mode)
+                unsupported.append(mode)  # noqa: B023 - as above
 
         collect()
     if unsupported:
@@ -149,8 +173,13 @@ def _problem(status: int, stream: bool, text: str) -> str | None:
             err = orjson.loads(text)["error"]
         except Exception:  # noqa: BLE001
             return f"{status} without an OpenAI error object"
-        if not (isinstance(err.get("message"), str) and err["message"] and isinstance(err.get("type"), str)
-                and "param" in err and "code" in err):
+        if not (
+            isinstance(err.get("message"), str)
+            and err["message"]
+            and isinstance(err.get("type"), str)
+            and "param" in err
+            and "code" in err
+        ):
             return f"{status} error object incomplete: {err}"
         return None
     if status == 200 and stream:
@@ -184,17 +213,21 @@ def _fuzz(server, route: str, cases) -> dict[int, int]:
                 continue
             slowest = max(slowest, time.monotonic() - t0)
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-            why = _problem(r.status_code, bool((case.body or {}).get("stream")) if isinstance(case.body, dict) else False,
-                           r.text)
+            why = _problem(
+                r.status_code, bool((case.body or {}).get("stream")) if isinstance(case.body, dict) else False, r.text
+            )
             if 400 <= r.status_code < 500 and not why:
                 msg = orjson.loads(r.text)["error"]["message"][:70]
                 reasons[msg] = reasons.get(msg, 0) + 1
             if why:
                 problems.append((why, case.body, r.text[:400]))
-    print(f"\n{route} on {server.backend.name}: {len(cases)} cases, statuses {dict(sorted(statuses.items()))}, "
-          f"slowest {slowest:.2f} s; most common 4xx: {sorted(reasons.items(), key=lambda kv: -kv[1])[:4]}")
+    print(
+        f"\n{route} on {server.backend.name}: {len(cases)} cases, statuses {dict(sorted(statuses.items()))}, "
+        f"slowest {slowest:.2f} s; most common 4xx: {sorted(reasons.items(), key=lambda kv: -kv[1])[:4]}"
+    )
     assert not problems, f"{len(problems)} contract violations, first: " + "\n".join(
-        repr(p)[:1500] for p in problems[:5])
+        repr(p)[:1500] for p in problems[:5]
+    )
     return statuses
 
 
@@ -223,8 +256,12 @@ BAD_REQUESTS = [
     ("POST", "/v1/chat/completions", b"\xff\xfe\x00garbage", 400),
     ("POST", "/v1/chat/completions", b"[" * 5000 + b"]" * 5000, 400),  # nesting beyond the parser's limit
     ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400),
-    ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": true, '
-                                     b'"stream_options": true}', 400),  # found by fuzzing: was a 500 (local)
+    (
+        "POST",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "stream": true, "stream_options": true}',
+        400,
+    ),  # found by fuzzing: was a 500 (local)
     ("POST", "/v1/responses", b'{"input": 5}', 400),
     ("POST", "/v1/responses", b'{"input": [{"type": "nope"}]}', 400),
     ("POST", "/v1/responses", b'{"input": "x", "stream": 1}', 400),

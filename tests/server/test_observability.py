@@ -10,11 +10,11 @@ import time
 
 import httpx
 import pytest
-from helpers.fakes import ChatScript, FakeServer, completion, sse
 from prometheus_client.parser import text_string_to_metric_families
 
 from gymserve.config import GymserveConfig, LocalBackendConfig, ServerConfig, validate_config
 from gymserve.server.run import start_background_server
+from helpers.fakes import ChatScript, FakeServer, completion, sse
 
 MSG = [{"role": "user", "content": "hi"}]
 KEY = "sk-upstream-OBSERVE-1234567890"
@@ -50,9 +50,21 @@ def two_replicas():
 
 
 def _chat_server(urls, **server):
-    return start_background_server(validate_config({"server": {"port": 0, **server}, "backend": {
-        "type": "chat", "base_urls": urls, "model": "policy", "api_key": KEY, "max_retries": 0,
-        "health_check_interval": 0}}))
+    return start_background_server(
+        validate_config(
+            {
+                "server": {"port": 0, **server},
+                "backend": {
+                    "type": "chat",
+                    "base_urls": urls,
+                    "model": "policy",
+                    "api_key": KEY,
+                    "max_retries": 0,
+                    "health_check_interval": 0,
+                },
+            }
+        )
+    )
 
 
 def test_metrics_per_backend_and_replica(two_replicas, tmp_path):
@@ -60,14 +72,18 @@ def test_metrics_per_backend_and_replica(two_replicas, tmp_path):
     with _chat_server([a.url + "/v1", b.url + "/v1"]) as srv:
         root = srv.base_url.removesuffix("/v1")
         for i in range(6):
-            r = httpx.post(srv.base_url + "/chat/completions", json={"messages": MSG}, headers={"X-Session-ID": f"s{i}"})
+            r = httpx.post(
+                srv.base_url + "/chat/completions", json={"messages": MSG}, headers={"X-Session-ID": f"s{i}"}
+            )
             assert r.status_code == 200
         assert httpx.post(srv.base_url + "/responses", json={"input": "hi"}).status_code == 200
         assert httpx.post(srv.base_url + "/responses", json={"input": "hi", "stream": True}).status_code == 200
         assert httpx.post(srv.base_url + "/chat/completions", content=b"{oops").status_code == 400
         a.handler.default = lambda r: (400, {"error": {"message": "bad role"}})
         for i in (0, 2):  # sessions that live on replica a
-            r = httpx.post(srv.base_url + "/chat/completions", json={"messages": MSG}, headers={"X-Session-ID": f"s{i}"})
+            r = httpx.post(
+                srv.base_url + "/chat/completions", json={"messages": MSG}, headers={"X-Session-ID": f"s{i}"}
+            )
             assert r.status_code == 400
         r = httpx.get(root + "/metrics")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -81,7 +97,9 @@ def test_metrics_per_backend_and_replica(two_replicas, tmp_path):
     assert _value(m, "gymserve_requests_total", route="/v1/responses", status="200") == 2
     assert _value(m, "gymserve_tokens_total", direction="out") == 6 + 2  # the stream's usage counts too
     assert _value(m, "gymserve_requests_total", route=chat, replica=a.url + "/v1", status="400") == 2
-    assert _value(m, "gymserve_request_errors_total", route=chat, replica=a.url + "/v1", type="invalid_request_error") == 2
+    assert (
+        _value(m, "gymserve_request_errors_total", route=chat, replica=a.url + "/v1", type="invalid_request_error") == 2
+    )
     assert _value(m, "gymserve_requests_total", route=chat, replica="-", status="400") == 1  # bad JSON: no replica
     assert _value(m, "gymserve_requests_in_flight") == 0
     assert ("gymserve_backend_queued_requests", (("backend", "chat"),)) in m
@@ -99,9 +117,14 @@ def test_capture_records_every_call_redacted(two_replicas, tmp_path):
 
     a.handler.default = echo
     with _chat_server([a.url + "/v1"], capture_path=str(path)) as srv:
-        httpx.post(srv.base_url + "/chat/completions", json={"messages": MSG, "max_tokens": 3},
-                   headers={"X-Session-ID": "rollout-7", "X-Request-ID": "req-1"})
-        httpx.post(srv.base_url + "/responses", json={"input": "hello", "stream": True}, headers={"X-Session-ID": "rollout-7"})
+        httpx.post(
+            srv.base_url + "/chat/completions",
+            json={"messages": MSG, "max_tokens": 3},
+            headers={"X-Session-ID": "rollout-7", "X-Request-ID": "req-1"},
+        )
+        httpx.post(
+            srv.base_url + "/responses", json={"input": "hello", "stream": True}, headers={"X-Session-ID": "rollout-7"}
+        )
         httpx.post(srv.base_url + "/chat/completions", json={"messages": MSG, "stream": True})
         httpx.post(srv.base_url + "/chat/completions", json={"messages": "nope"})  # upstream accepts; fine
         a.stop()
@@ -113,7 +136,11 @@ def test_capture_records_every_call_redacted(two_replicas, tmp_path):
     assert first["request_id"] == "req-1" and first["replica"] == a.url + "/v1" and first["backend"] == "chat"
     assert first["status"] == 200 and first["latency_s"] > 0 and first["stream"] is False
     assert first["response"]["choices"][0]["message"]["content"] == "echo Bearer ***"
-    assert lines[1]["stream"] is True and lines[1]["response"]["object"] == "response" and lines[1]["session"] == "rollout-7"
+    assert (
+        lines[1]["stream"] is True
+        and lines[1]["response"]["object"] == "response"
+        and lines[1]["session"] == "rollout-7"
+    )
     assert lines[2]["response"]["chunks"] and lines[2]["response"]["chunks"][0]["object"] == "chat.completion.chunk"
     assert lines[4]["status"] == 502 and lines[4]["error"]["error"]["code"] == "upstream_unreachable"
     assert KEY not in path.read_text()
@@ -130,7 +157,9 @@ def test_capture_writer_never_blocks_and_counts_drops(tmp_path):
     from gymserve.server.capture import CaptureWriter
 
     drops = []
-    w = CaptureWriter(str(tmp_path / "c.jsonl"), secrets=("s3cr3t-value",), max_pending=5, on_drop=lambda: drops.append(1))
+    w = CaptureWriter(
+        str(tmp_path / "c.jsonl"), secrets=("s3cr3t-value",), max_pending=5, on_drop=lambda: drops.append(1)
+    )
     t0 = time.perf_counter()
     for i in range(2000):
         w.record(route="/x", request={"i": i, "note": "s3cr3t-value"}, response=None)
@@ -173,8 +202,10 @@ def test_local_backend_metrics_and_backpressure(tiny_model_dir):
     from gymserve.backends.local import LocalBackend
 
     gate = threading.Event()
-    cfg = GymserveConfig(server=ServerConfig(port=0, max_queue=2),
-                         backend=LocalBackendConfig(model=str(tiny_model_dir), max_batch_size=1, context_window=256))
+    cfg = GymserveConfig(
+        server=ServerConfig(port=0, max_queue=2),
+        backend=LocalBackendConfig(model=str(tiny_model_dir), max_batch_size=1, context_window=256),
+    )
 
     def factory():
         backend = LocalBackend.from_config(cfg.backend, max_queue=cfg.server.max_queue)
@@ -223,12 +254,29 @@ def test_chat_backend_backpressure():
         return 200, completion("late")
 
     with FakeServer(ChatScript(default=slow)) as up:
-        srv = start_background_server(validate_config({"server": {"port": 0, "max_queue": 1}, "backend": {
-            "type": "chat", "base_urls": [up.url + "/v1"], "num_concurrent_requests": 1, "max_retries": 0}}))
+        srv = start_background_server(
+            validate_config(
+                {
+                    "server": {"port": 0, "max_queue": 1},
+                    "backend": {
+                        "type": "chat",
+                        "base_urls": [up.url + "/v1"],
+                        "num_concurrent_requests": 1,
+                        "max_retries": 0,
+                    },
+                }
+            )
+        )
         with srv:
             results = []
-            threads = [threading.Thread(target=lambda: results.append(
-                httpx.post(srv.base_url + "/chat/completions", json={"messages": MSG}, timeout=30))) for _ in range(2)]
+            threads = [
+                threading.Thread(
+                    target=lambda: results.append(
+                        httpx.post(srv.base_url + "/chat/completions", json={"messages": MSG}, timeout=30)
+                    )
+                )
+                for _ in range(2)
+            ]
             for t in threads:
                 t.start()
             deadline = time.monotonic() + 10

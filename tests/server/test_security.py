@@ -7,10 +7,10 @@ import logging
 
 import httpx
 import pytest
-from helpers.fakes import ChatScript, FakeServer, completion
 
 from gymserve.config import ServerConfig, validate_config
 from gymserve.server.run import start_background_server
+from helpers.fakes import ChatScript, FakeServer, completion
 
 SERVER_KEY = "gs-server-key-0123456789"
 UPSTREAM_KEY = "sk-upstream-TOPSECRET-9f8e7d6c5b4a"
@@ -18,9 +18,18 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 def _chat_config(url: str, **server) -> dict:
-    return {"server": {"port": 0, **server}, "backend": {
-        "type": "chat", "base_urls": [url + "/v1"], "model": "policy", "api_key": UPSTREAM_KEY,
-        "max_retries": 1, "retry_backoff": 0.01, "timeout": 5}}
+    return {
+        "server": {"port": 0, **server},
+        "backend": {
+            "type": "chat",
+            "base_urls": [url + "/v1"],
+            "model": "policy",
+            "api_key": UPSTREAM_KEY,
+            "max_retries": 1,
+            "retry_backoff": 0.01,
+            "timeout": 5,
+        },
+    }
 
 
 @pytest.fixture
@@ -36,15 +45,30 @@ def locked(upstream):
         yield srv
 
 
-@pytest.mark.parametrize("method, path", [
-    ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"), ("GET", "/v1/models"), ("GET", "/metrics"),
-    ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/nope"), ("DELETE", "/v1/responses"),
-])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/responses"),
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("GET", "/openapi.json"),
+        ("GET", "/docs"),
+        ("GET", "/nope"),
+        ("DELETE", "/v1/responses"),
+    ],
+)
 def test_every_route_but_health_needs_the_key(locked, method, path):
     root = locked.base_url.removesuffix("/v1")
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {SERVER_KEY}"},
-                    {"Authorization": f"Bearer {SERVER_KEY}x"}, {"Authorization": f"Bearer {SERVER_KEY[:-1]}"},
-                    {"api-key": "nope"}, {"Authorization": "Bearer"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {SERVER_KEY}"},
+        {"Authorization": f"Bearer {SERVER_KEY}x"},
+        {"Authorization": f"Bearer {SERVER_KEY[:-1]}"},
+        {"api-key": "nope"},
+        {"Authorization": "Bearer"},
+    ):
         r = httpx.request(method, root + path, headers=headers, json={"messages": MSG})
         assert r.status_code == 401, (path, headers)
         err = r.json()["error"]
@@ -104,8 +128,17 @@ def test_cli_server_key_comes_from_the_named_environment_variable(monkeypatch):
 
     monkeypatch.setenv("MY_SERVER_KEY", SERVER_KEY)
     monkeypatch.setenv("MY_UPSTREAM_KEY", UPSTREAM_KEY)
-    args = build_parser().parse_args(["serve", "--base-url", "http://127.0.0.1:9/v1", "--server-api-key-env",
-                                      "MY_SERVER_KEY", "--api-key-env", "MY_UPSTREAM_KEY"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--base-url",
+            "http://127.0.0.1:9/v1",
+            "--server-api-key-env",
+            "MY_SERVER_KEY",
+            "--api-key-env",
+            "MY_UPSTREAM_KEY",
+        ]
+    )
     out = serve_overrides(args)
     assert out["server"]["api_key"] == SERVER_KEY and out["backend"]["api_key"] == UPSTREAM_KEY
     args = build_parser().parse_args(["serve", "--server-api-key-env", "NOT_SET_ANYWHERE_42"])
@@ -121,15 +154,25 @@ def test_default_bind_is_loopback():
     assert build_parser().parse_args(["serve"]).host is None  # no flag: the config's 127.0.0.1
 
 
-@pytest.mark.parametrize("host, key, warned", [
-    ("0.0.0.0", None, True), ("10.1.2.3", None, True), ("0.0.0.0", SERVER_KEY, False),
-    ("127.0.0.1", None, False), ("localhost", None, False),
-])
+@pytest.mark.parametrize(
+    "host, key, warned",
+    [
+        ("0.0.0.0", None, True),
+        ("10.1.2.3", None, True),
+        ("0.0.0.0", SERVER_KEY, False),
+        ("127.0.0.1", None, False),
+        ("localhost", None, False),
+    ],
+)
 def test_binding_beyond_loopback_without_a_key_warns(caplog, host, key, warned):
     from gymserve.server.run import _warn_exposed
 
-    cfg = validate_config({"server": {"host": host, **({"api_key": key} if key else {})},
-                           "backend": {"type": "chat", "base_urls": ["http://127.0.0.1:9/v1"]}})
+    cfg = validate_config(
+        {
+            "server": {"host": host, **({"api_key": key} if key else {})},
+            "backend": {"type": "chat", "base_urls": ["http://127.0.0.1:9/v1"]},
+        }
+    )
     with caplog.at_level(logging.WARNING, logger="gymserve.server"):
         _warn_exposed(cfg)
     assert (f"binding {host} without a server API key" in caplog.text) is warned
@@ -147,26 +190,35 @@ def test_upstream_key_never_leaks(tmp_path, caplog):
         return 401, {"error": {"message": f"invalid key {r.headers.get('authorization', '').split()[-1]}"}}
 
     leaky_ok = lambda r: (200, completion(f"fine (you sent {r.headers.get('authorization')})"))  # noqa: E731
-    scripts = [ChatScript(name="ok"), ChatScript(default=echo_key), ChatScript(default=echo_401), ChatScript(default=leaky_ok)]
+    scripts = [
+        ChatScript(name="ok"),
+        ChatScript(default=echo_key),
+        ChatScript(default=echo_401),
+        ChatScript(default=leaky_ok),
+    ]
     capture = tmp_path / "capture.jsonl"
     texts = []
     with caplog.at_level(logging.DEBUG):
-        for i, script in enumerate(scripts):
+        for script in scripts:
             with FakeServer(script) as up:
                 cfg = _chat_config(up.url, capture_path=str(capture))
                 cfg["backend"]["default_query"] = {"api_key": UPSTREAM_KEY}  # a key in the URL, too
                 with start_background_server(validate_config(cfg)) as srv:
-                    for path, body in (("/chat/completions", {"messages": MSG}), ("/responses", {"input": "hi"}),
-                                       ("/chat/completions", {"messages": MSG, "stream": True}),
-                                       ("/responses", {"input": "hi", "stream": True})):
+                    for path, body in (
+                        ("/chat/completions", {"messages": MSG}),
+                        ("/responses", {"input": "hi"}),
+                        ("/chat/completions", {"messages": MSG, "stream": True}),
+                        ("/responses", {"input": "hi", "stream": True}),
+                    ):
                         r = httpx.post(srv.base_url + path, json=body, timeout=10)
                         assert r.status_code in (200, 502), r.text
                         if script.default is not leaky_ok:  # the model's own words reach the client as sent
                             texts.append(r.text)
                     for path in ("/models", "/../health", "/../metrics"):
                         texts.append(httpx.get(srv.base_url + path).text)
-            assert up.requests and all(UPSTREAM_KEY in r.headers["authorization"] for r in up.requests if
-                                       r.path.endswith("/completions"))
+            assert up.requests and all(
+                UPSTREAM_KEY in r.headers["authorization"] for r in up.requests if r.path.endswith("/completions")
+            )
         # And a replica that is not there at all (connection errors name the URL).
         cfg = _chat_config("http://127.0.0.1:9", capture_path=str(capture))
         cfg["backend"]["default_query"] = {"api_key": UPSTREAM_KEY}
@@ -203,11 +255,16 @@ def test_base_urls_come_only_from_configuration(upstream):
         with start_background_server(validate_config(_chat_config(upstream.url))) as srv:
             for key in ("base_url", "base_urls", "api_base", "openai_base_url", "policy_base_url", "url", "endpoint"):
                 body = {"messages": MSG, key: evil.url + "/v1", "extra_body": {key: evil.url + "/v1"}}
-                headers = {"X-Forwarded-Host": f"127.0.0.1:{evil.port}", "X-Base-URL": evil.url + "/v1",
-                           "Forwarded": f"host=127.0.0.1:{evil.port}"}
+                headers = {
+                    "X-Forwarded-Host": f"127.0.0.1:{evil.port}",
+                    "X-Base-URL": evil.url + "/v1",
+                    "Forwarded": f"host=127.0.0.1:{evil.port}",
+                }
                 r = httpx.post(srv.base_url + "/chat/completions", json=body, headers=headers)
                 assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "from up"
-                r = httpx.post(srv.base_url + "/responses", json={"input": "hi", key: evil.url + "/v1"}, headers=headers)
+                r = httpx.post(
+                    srv.base_url + "/responses", json={"input": "hi", key: evil.url + "/v1"}, headers=headers
+                )
                 assert r.status_code == 200
         assert evil.requests == []
         assert len(upstream.chat_requests()) == 14

@@ -10,9 +10,16 @@ from gymserve.backends.local import LocalBackend
 from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, ServerConfig
 from gymserve.server.run import start_background_server
 
-TOOLS_CHAT = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Get the weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS_CHAT = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def _server(model_dir, **local):
@@ -40,8 +47,9 @@ def _fields(message) -> tuple[list[int], list[int], list[float]]:
 def test_chat_returns_training_fields_and_usage(client, tokenizer):
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=6)
     p, g, lp = _fields(r.choices[0].message)
-    expected_prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}],
-                                                    add_generation_prompt=True, tokenize=False)
+    expected_prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello"}], add_generation_prompt=True, tokenize=False
+    )
     assert p == tokenizer(expected_prompt, add_special_tokens=False)["input_ids"]
     assert len(g) == len(lp) == 6
     assert r.choices[0].finish_reason == "length"
@@ -61,21 +69,30 @@ def test_three_turns_stay_token_contiguous(client, tokenizer):
             assert p[: len(prev[0]) + len(prev[1])] == prev[0] + prev[1]
         prev = (p, g)
         # Sent back as NeMo Gym does: content plus the three token fields on the assistant message.
-        messages += [{"role": "assistant", "content": msg.content, "prompt_token_ids": p,
-                      "generation_token_ids": g, "generation_log_probs": lp},
-                     {"role": "user", "content": f"And turn {turn + 2}?"}]
+        messages += [
+            {
+                "role": "assistant",
+                "content": msg.content,
+                "prompt_token_ids": p,
+                "generation_token_ids": g,
+                "generation_log_probs": lp,
+            },
+            {"role": "user", "content": f"And turn {turn + 2}?"},
+        ]
     assert len(prev[0]) > 60
 
 
 def test_pinned_sampling_rejects_other_temperature(client):
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=2, temperature=0.3)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, temperature=0.3
+        )
     err = exc.value.body
     assert err["param"] == "temperature" and "pinned" in err["message"]
     # The same value as the config is fine, as NeMo Gym sends it.
-    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                   temperature=1.0, top_p=1.0)
+    client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, temperature=1.0, top_p=1.0
+    )
 
 
 def test_context_length_error_names_both_numbers(client):
@@ -96,8 +113,14 @@ def test_max_tokens_clamped_to_context_window(client, tokenizer):
 
 
 def test_standard_logprobs_with_token_ids(client):
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
-                                       logprobs=True, top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
     _, g, lp = _fields(r.choices[0].message)
     content = r.choices[0].logprobs.content
     assert [c.token for c in content] == [f"token_id:{t}" for t in g]
@@ -105,21 +128,45 @@ def test_standard_logprobs_with_token_ids(client):
     assert all(len(c.top_logprobs) == 2 for c in content)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "m", "messages": []}, "messages"),
-    ({"model": "m", "messages": "hi"}, "messages"),
-    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, None),
-    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, None),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 5}, "frequency_penalty"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"12": 3}}, "logit_bias"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"},
-                                 {"role": "assistant", "content": "y", "prompt_token_ids": [1, 2],
-                                  "generation_token_ids": [999999999], "generation_log_probs": [-1.0]}]}, None),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     "response_format"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": "hi"}, "messages"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, None),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
+            },
+            None,
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 5}, "frequency_penalty"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"12": 3}}, "logit_bias"),
+        (
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "content": "y",
+                        "prompt_token_ids": [1, 2],
+                        "generation_token_ids": [999999999],
+                        "generation_log_probs": [-1.0],
+                    },
+                ],
+            },
+            None,
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+    ],
+)
 def test_bad_input_is_400_with_error_object(server, body, param):
     r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
@@ -130,8 +177,12 @@ def test_bad_input_is_400_with_error_object(server, body, param):
 
 
 def test_malformed_json_and_unknown_route(server):
-    r = httpx.post(server.base_url + "/chat/completions", content=b"{not json", timeout=10,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.base_url + "/chat/completions",
+        content=b"{not json",
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(server.base_url.removesuffix("/v1") + "/chat/completions", json={}, timeout=10)
     assert r.status_code == 404 and "/v1" in r.json()["error"]["message"]
@@ -174,15 +225,22 @@ def test_non_canonical_generation_survives_splice(client, tokenizer):
     assert sampled != canonical and tokenizer.decode(sampled) == text
     first = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Q1"}], max_tokens=1)
     p = first.choices[0].message.model_extra["prompt_token_ids"]
-    messages = [{"role": "user", "content": "Q1"},
-                {"role": "assistant", "content": text, "prompt_token_ids": p, "generation_token_ids": sampled,
-                 "generation_log_probs": [-1.0] * len(sampled)},
-                {"role": "user", "content": "Q2"}]
+    messages = [
+        {"role": "user", "content": "Q1"},
+        {
+            "role": "assistant",
+            "content": text,
+            "prompt_token_ids": p,
+            "generation_token_ids": sampled,
+            "generation_log_probs": [-1.0] * len(sampled),
+        },
+        {"role": "user", "content": "Q2"},
+    ]
     r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
     p2 = r.choices[0].message.model_extra["prompt_token_ids"]
     assert p2[: len(p) + len(sampled)] == p + sampled
     # Then exactly one end-of-turn, and the template's rendering of the rest.
-    rest = tokenizer.decode(p2[len(p) + len(sampled):])
+    rest = tokenizer.decode(p2[len(p) + len(sampled) :])
     assert rest == "<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -212,8 +270,11 @@ def test_status_at_the_root(server):
     from gymserve import __version__
 
     assert {k: status[k] for k in ("name", "version", "backend", "model")} == {
-        "name": "gymserve", "version": __version__, "backend": "local",
-        "model": server.backend.engine.model_name}
+        "name": "gymserve",
+        "version": __version__,
+        "backend": "local",
+        "model": server.backend.engine.model_name,
+    }
     assert status["links"]["health"] == "/health" and status["links"]["models"] == "/v1/models"
     assert status["links"]["docs"] == "/docs"
     for link in status["links"].values():  # every link leads somewhere (POST routes answer GET with 405)
@@ -223,8 +284,9 @@ def test_status_at_the_root(server):
 def _refused_fields():
     from test_request_checks import CHAT_ON_RESPONSES, RESPONSES_ON_CHAT
 
-    return ([("responses", f, v, h) for f, v, h in CHAT_ON_RESPONSES]
-            + [("chat", f, v, h) for f, v, h in RESPONSES_ON_CHAT])
+    return [("responses", f, v, h) for f, v, h in CHAT_ON_RESPONSES] + [
+        ("chat", f, v, h) for f, v, h in RESPONSES_ON_CHAT
+    ]
 
 
 @pytest.mark.parametrize(("route", "field", "value", "hint"), _refused_fields(), ids=lambda x: str(x)[:20])
@@ -234,28 +296,39 @@ def test_the_other_apis_fields_are_400_naming_the_right_field(client, route, fie
         if route == "responses":
             client.responses.create(model="tiny", input="hi", max_output_tokens=2, extra_body={field: value})
         else:
-            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                           extra_body={field: value})
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={field: value}
+            )
     err = exc.value.body
     assert exc.value.status_code == 400 and err["param"] == field and err["code"] == "unsupported_parameter"
-    assert hint in err["message"] and f"/v1/{'responses' if route == 'responses' else 'chat/completions'}" in err["message"]
+    assert (
+        hint in err["message"]
+        and f"/v1/{'responses' if route == 'responses' else 'chat/completions'}" in err["message"]
+    )
 
 
 def test_max_tokens_on_responses_is_refused_not_ignored(client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.responses.create(model="tiny", input="hi", extra_body={"max_tokens": 4})
-    assert exc.value.body["message"] == ("max_tokens is a Chat Completions field, not a Responses API one: on "
-                                         "POST /v1/responses, use max_output_tokens")
+    assert exc.value.body["message"] == (
+        "max_tokens is a Chat Completions field, not a Responses API one: on POST /v1/responses, use max_output_tokens"
+    )
 
 
 def test_model_null_is_a_missing_model_on_both_routes(server):
     """25 of NeMo Gym's shipped task rows send "model": null."""
-    r = httpx.post(server.base_url + "/responses", timeout=60,
-                   json={"model": None, "input": "hi", "max_output_tokens": 2, "temperature": None, "tools": None})
+    r = httpx.post(
+        server.base_url + "/responses",
+        timeout=60,
+        json={"model": None, "input": "hi", "max_output_tokens": 2, "temperature": None, "tools": None},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["object"] == "response" and r.json()["usage"]["output_tokens"] == 2
-    r = httpx.post(server.base_url + "/chat/completions", timeout=60,
-                   json={"model": None, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stop": None})
+    r = httpx.post(
+        server.base_url + "/chat/completions",
+        timeout=60,
+        json={"model": None, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stop": None},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
 
@@ -263,27 +336,41 @@ def test_model_null_is_a_missing_model_on_both_routes(server):
 def test_a_string_parameters_tool_is_refused_alike_on_both_routes(client):
     """It used to be pasted into the prompt on chat while /v1/responses refused it."""
     with pytest.raises(openai.BadRequestError) as responses_exc:
-        client.responses.create(model="tiny", input="weather?", max_output_tokens=2, tools=[
-            {"type": "function", "name": "get_weather", "parameters": "city: string"}])
+        client.responses.create(
+            model="tiny",
+            input="weather?",
+            max_output_tokens=2,
+            tools=[{"type": "function", "name": "get_weather", "parameters": "city: string"}],
+        )
     with pytest.raises(openai.BadRequestError) as chat_exc:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}], max_tokens=2,
-                                       tools=[{"type": "function", "function": {"name": "get_weather",
-                                                                                "parameters": "city: string"}}])
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "weather?"}],
+            max_tokens=2,
+            tools=[{"type": "function", "function": {"name": "get_weather", "parameters": "city: string"}}],
+        )
     responses_err, chat_err = responses_exc.value.body, chat_exc.value.body
     assert responses_err["param"] == "tools[0].parameters" and chat_err["param"] == "tools[0].function.parameters"
     assert responses_err["message"].startswith("tools[0].parameters must be a JSON Schema object, got a string")
     assert chat_err["message"] == responses_err["message"].replace("tools[0].", "tools[0].function.")
 
 
-@pytest.mark.parametrize("item", [{"role": "system", "content": "Say hello."},
-                                  {"role": "developer", "content": [{"type": "input_text", "text": "Say hello."}]}])
+@pytest.mark.parametrize(
+    "item",
+    [
+        {"role": "system", "content": "Say hello."},
+        {"role": "developer", "content": [{"type": "input_text", "text": "Say hello."}]},
+    ],
+)
 def test_a_system_prompt_alone_is_answered(client, tokenizer, item):
     r = client.responses.create(model="tiny", input=[item], max_output_tokens=3)
     assert r.status == "incomplete" and r.usage.output_tokens == 3
     prompt = r.output[-1].model_extra["prompt_token_ids"]
-    want = tokenizer.apply_chat_template([{"role": "system", "content": "Say hello."}], add_generation_prompt=True,
-                                         tokenize=False)
+    want = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Say hello."}], add_generation_prompt=True, tokenize=False
+    )
     assert tokenizer.decode(prompt) == want
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Say hello."}],
-                                          max_tokens=3)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "Say hello."}], max_tokens=3
+    )
     assert chat.choices[0].message.model_extra["prompt_token_ids"] == prompt

@@ -14,10 +14,10 @@ import time
 
 import httpx
 import pytest
-from helpers.fakes import ChatScript, FakeServer, completion, free_port
 
 from gymserve.config import validate_config
 from gymserve.server.run import start_background_server
+from helpers.fakes import ChatScript, FakeServer, completion, free_port
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -36,8 +36,12 @@ def _serve(upstream_url: str, tmp_path, **server) -> tuple[subprocess.Popen, str
     lines = ["server:", "  host: 127.0.0.1", f"  port: {port}"] + [f"  {k}: {v}" for k, v in server.items()]
     lines += ["backend:", "  type: chat", f"  base_urls: [{upstream_url}/v1]", "  model: policy", "  max_retries: 0"]
     cfg.write_text("\n".join(lines) + "\n")
-    proc = subprocess.Popen([sys.executable, "-m", "gymserve.cli", "serve", "--config", str(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gymserve.cli", "serve", "--config", str(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
