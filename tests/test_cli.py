@@ -324,6 +324,7 @@ def test_serving_line_comes_once_the_port_answers(served):
     base_url, lines, health = served
     assert health.status_code == 200 and health.json()["context_window"] == 384  # --max-model-len reached the engine
     assert not base_url.endswith(":0/v1")  # --port 0: the line names the port actually bound
+    assert lines[-1] == f"gymserve: serving policy, also as policy-v0 (local backend) on {base_url}\n"
     starting = [i for i, line in enumerate(lines) if "gymserve: starting the local backend" in line]
     assert starting and starting[0] < len(lines) - 1  # "starting" came first, "serving" last
     assert "Errno" not in "".join(lines)

@@ -134,28 +134,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _describe(config) -> str:
-    """``local backend, model NAME`` for the start-up lines."""
+def _backend_words(config) -> str:
+    """``local backend`` / ``ray backend, 2 replicas`` / ``chat backend, 2 replicas`` for start-up lines."""
     backend = config.backend
-    names = config.served_model_names
-    model = names[0] if names else (getattr(getattr(backend, "local", backend), "model", None) or "")
-    replicas = f", {backend.replicas} replica(s) on Ray" if backend.type == "ray" else ""
-    return f"{backend.type} backend{replicas}, model {model}" if model else f"{backend.type} backend{replicas}"
+    count = getattr(backend, "replicas", None) or len(getattr(backend, "base_urls", None) or [])
+    return f"{backend.type} backend" + (f", {count} replicas" if isinstance(count, int) and count > 1 else "")
 
 
 def run_server(config) -> int:
     """Serve ``config`` in the foreground until SIGINT/SIGTERM (``gymserve serve`` and ``launch``).
 
-    Says "starting" before the backend loads and "serving ... on URL" only once the port accepts
-    connections. Raises ``server.run.BindError`` (before any model loads) when the port is taken.
+    Says "starting" before the backend loads and "serving MODEL ... on URL" only once the port
+    accepts connections (MODEL: the name clients send, as ``/v1/models`` lists it). Raises
+    ``server.run.BindError`` (before any model loads) when the port is taken.
     """
     from gymserve.server.run import run_event_loop, serve_async
 
-    what = _describe(config)
-    print(f"gymserve: starting the {what} (the server answers once it prints 'serving')", file=sys.stderr, flush=True)
+    backend = getattr(config.backend, "local", config.backend)
+    what = _backend_words(config)
+    print(
+        f"gymserve: starting the {what} (model {getattr(backend, 'model', None) or 'from the upstream'}); "
+        "it answers once it prints 'serving'",
+        file=sys.stderr,
+        flush=True,
+    )
 
-    def started(base_url: str) -> None:
-        print(f"gymserve: serving the {what} on {base_url}", file=sys.stderr, flush=True)
+    def started(base_url: str, models: list[str]) -> None:
+        names = (
+            ", also as ".join([models[0], ", ".join(models[1:])] if len(models) > 1 else models)
+            or "the upstream's models"
+        )
+        print(f"gymserve: serving {names} ({what}) on {base_url}", file=sys.stderr, flush=True)
 
     run_event_loop(serve_async(config, on_started=started))
     return 0

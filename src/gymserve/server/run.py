@@ -203,11 +203,27 @@ def _warn_exposed(config) -> None:
             print(f"gymserve: warning: {msg}", file=sys.stderr)
 
 
-async def serve_async(config, backend=None, *, on_started: Callable[[str], None] | None = None) -> None:
+async def _listed_models(config, backend) -> list[str]:
+    """What ``/v1/models`` will list, for the start-up line; [] when that is the upstream's list (a
+    remote backend with no model configured: asking now would only add retries to the start-up,
+    and an upstream that is down is for ``/health`` to report) or the backend cannot say in 10 s."""
+    if config.served_model_names:
+        return list(config.served_model_names)
+    if getattr(config.backend, "public_model_name", "local") is None:
+        return []
+    try:
+        return list(await asyncio.wait_for(backend.models(), 10))
+    except Exception:  # noqa: BLE001 - a name for a message only
+        return []
+
+
+async def serve_async(config, backend=None, *,
+                      on_started: Callable[[str, list[str]], None] | None = None) -> None:
     """Check ``server.host:port`` is free, build the backend (unless given), serve until
-    SIGINT/SIGTERM, then close the backend. ``on_started(base_url)`` runs once the port accepts
-    connections (``base_url``: ``http://HOST:PORT/v1``, the real port when 0 was asked for).
-    Raises ``BindError`` before any model loads when the port cannot be bound."""
+    SIGINT/SIGTERM, then close the backend. ``on_started(base_url, models)`` runs once the port
+    accepts connections (``base_url``: ``http://HOST:PORT/v1``, the real port when 0 was asked for;
+    ``models``: the names ``/v1/models`` lists, possibly empty). Raises ``BindError`` before any
+    model loads when the port cannot be bound."""
     from gymserve.backends import build_backend
 
     from gymserve.server.app import close_app
@@ -224,7 +240,8 @@ async def serve_async(config, backend=None, *, on_started: Callable[[str], None]
     app = build_app(config, backend)
     server = _server_for(config, app)
     if on_started is not None:
-        server.on_started = lambda started: on_started(base_url_of(started))
+        models = await _listed_models(config, backend)
+        server.on_started = lambda started: on_started(base_url_of(started), models)
     # Start-up objects (model, tokenizer, schemas) never die: freezing them keeps the cyclic GC from
     # rescanning them on every collection that request churn triggers.
     gc.collect()
