@@ -11,7 +11,8 @@ model:
   rollouts shown);
 - the rollout sample (tutorial) holds real token IDs: decoded with the embedded model's tokenizer,
   the prompt is the task's conversation in the model's chat template and the generation is the
-  function call shown; its fields are the Responses API's item fields plus the training fields.
+  function call shown; its fields are the Responses API's item fields plus gymserve's training
+  and weight-version fields.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def test_rollout_sample_is_a_real_model_call(tokenizer):
     from openai.types.responses import ResponseFunctionToolCall
     from openai.types.responses.response_input_item import FunctionCallOutput
 
-    from gymserve.protocol import TRAINING_FIELDS
+    from gymserve.protocol import TRAINING_FIELDS, VERSION_FIELDS
 
     items = json.loads(sample_body("rollout"))
     with_fields = [i for i, it in enumerate(items) if "prompt_token_ids" in it]
@@ -189,7 +190,9 @@ def test_rollout_sample_is_a_real_model_call(tokenizer):
     )
     assert calls and [o["call_id"] for o in outputs] == [c["call_id"] for c in calls]
     for call in calls:
-        assert set(call) <= set(ResponseFunctionToolCall.model_fields) | set(TRAINING_FIELDS), sorted(call)
+        assert set(call) <= set(ResponseFunctionToolCall.model_fields) | set(TRAINING_FIELDS) | set(VERSION_FIELDS), (
+            sorted(call)
+        )
     for out in outputs:
         assert set(out) <= set(FunctionCallOutput.model_fields), sorted(out)
 
