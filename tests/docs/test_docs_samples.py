@@ -130,7 +130,15 @@ def tiny_demo(tiny_model_dir) -> str:
     return out.getvalue()
 
 
+def _preamble(text: str) -> list[str]:
+    lines = text.splitlines()
+    return lines[: next(i for i, line in enumerate(lines) if line.startswith("serving "))]
+
+
 def test_demo_sample_is_in_the_demos_format(tiny_demo):
+    assert _preamble(sample_body("demo")) == _preamble(tiny_demo), (
+        "the demo's first lines changed: run scripts/gen_samples.py demo"
+    )
     sample, now = parse_demo(sample_body("demo")), parse_demo(tiny_demo)
     assert [r["request"] for r in sample["rollouts"]] == [r["request"] for r in now["rollouts"]], (
         "the demo's requests changed: run scripts/gen_samples.py demo"
