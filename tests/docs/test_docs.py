@@ -395,7 +395,7 @@ ERROR_MODULES = (
     "backends/base.py",
     "server/control.py",
     "engine/lora.py",
-    "backends/local_lora.py",
+    "backends/local/lora.py",
     "server/lora.py",
 )
 HINT_FUNCTIONS = ("_not_found_hint", "_connection_hint")

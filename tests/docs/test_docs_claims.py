@@ -11,7 +11,9 @@ Read from the code, never from a list typed here, so a new engine, route or flag
   is exactly the app's routes;
 - ``gymserve ...`` and ``make ...`` in inline code name real subcommands, flags and targets; any
   ``--flag`` in inline code is a gymserve flag, a flag of a command shown in a bash block (vLLM,
-  SGLang...), or one that a script in ``bench/`` or ``scripts/`` defines or passes on;
+  SGLang...), one that a script in ``bench/`` or ``scripts/`` defines or passes on, or one the prose
+  names as another server's ("vLLM's ``--flag``"); columns of a comparison table headed by another
+  server are that server's and not checked;
 - ``server.*`` / ``backend.*`` / ``sampling.*`` option paths in prose are configuration options;
 - parser names in tables headed ``tool_parser`` are registered tool-call parsers.
 """
@@ -27,6 +29,7 @@ from helpers.docs_markdown import (
     ALL_BLOCKS,
     CONFIGS,
     DOCS,
+    OTHER_SERVER,
     ROOT,
     blocks,
     commands_of,
@@ -218,8 +221,9 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def _known_flags() -> set[str]:
-    """gymserve's flags (every subcommand), flags of the commands in bash blocks, and flags the
-    repository's scripts define or pass to the programs they run."""
+    """gymserve's flags (every subcommand), flags of the commands in bash blocks, flags the
+    repository's scripts define or pass to the programs they run, and flags the prose names as
+    another server's ("vLLM's `--flag`")."""
     from gymserve.cli import build_parser
 
     parser = build_parser()
@@ -230,6 +234,9 @@ def _known_flags() -> set[str]:
     for script in list((ROOT / "bench").glob("*.py")) + list((ROOT / "scripts").glob("*.py")):
         # Its own options (add_argument) and those it passes to the programs it runs.
         known |= set(re.findall(r"[\"'](--[a-z][\w-]*)[\"'=]", script.read_text(encoding="utf-8")))
+    for path in doc_files():  # "vLLM's `--lora-modules`": named as another server's flag
+        text = " ".join(prose_of(path).split())
+        known |= {m.group(2) for m in re.finditer(OTHER_SERVER.pattern + r"'s `(--[\w-]+)", text)}
     return known
 
 

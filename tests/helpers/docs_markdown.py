@@ -133,7 +133,7 @@ def prose_of(path: Path) -> str:
 
 # A table column headed by one of these (and not by gymserve) quotes that server: its flags and
 # routes are the other server's, as in a comparison table.
-_OTHER_SERVER = re.compile(r"\b(vLLM|SGLang|TensorRT-LLM|trtllm-serve|llama\.cpp|llama-server|Ray Serve)\b")
+OTHER_SERVER = re.compile(r"\b(vLLM|SGLang|TensorRT-LLM|trtllm-serve|llama\.cpp|llama-server|Ray Serve)\b")
 
 
 def _split_row(line: str) -> list[str]:
@@ -162,7 +162,7 @@ def own_prose(path: Path) -> str:
             continue
         cells = _split_row(line)
         if keep is None:  # the header row
-            keep = [not _OTHER_SERVER.search(c) or "gymserve" in c for c in cells]
+            keep = [not OTHER_SERVER.search(c) or "gymserve" in c for c in cells]
         out.append(" | ".join(c for c, k in zip(cells, keep) if k))
     return "\n".join(out)
 
