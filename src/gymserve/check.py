@@ -45,7 +45,9 @@ class CheckReport:
         for r in self.results:
             mark = "ok  " if r.ok else ("FAIL" if r.required else "warn")
             lines.append(f"  [{mark}] {r.name:<9} ({r.seconds:.2f} s) {r.detail}")
-        lines.append("all probes passed" if self.ok else "some probes failed: read the messages above for what to change")
+        lines.append(
+            "all probes passed" if self.ok else "some probes failed: read the messages above for what to change"
+        )
         return "\n".join(lines)
 
 
@@ -87,23 +89,41 @@ async def run_check(config: Any) -> CheckReport:
     model = getattr(b, "model", None) or "default"
     max_field = backend.convert_options().max_tokens_field
     try:
-        report.results.append(await _probe(
-            "models", backend.upstream_models, lambda ids: f"{len(ids)} model(s): {', '.join(ids[:5])}",
-            required=False))
+        report.results.append(
+            await _probe(
+                "models",
+                backend.upstream_models,
+                lambda ids: f"{len(ids)} model(s): {', '.join(ids[:5])}",
+                required=False,
+            )
+        )
         chat_req = {"model": model, "messages": [{"role": "user", "content": "Say OK."}], max_field: 1}
-        report.results.append(await _probe("chat", lambda: backend.chat(chat_req, ctx), _chat_detail,
-                                           required=not (b.type == "azure" and b.api == "responses")))
+        report.results.append(
+            await _probe(
+                "chat",
+                lambda: backend.chat(chat_req, ctx),
+                _chat_detail,
+                required=not (b.type == "azure" and b.api == "responses"),
+            )
+        )
         # 16 is the smallest max_output_tokens the OpenAI Responses API accepts.
         resp_req = {"model": model, "input": "Say OK.", "max_output_tokens": 16}
-        report.results.append(await _probe("responses", lambda: backend.responses(resp_req, ctx), _responses_detail,
-                                           required=not (b.type == "azure" and b.api == "chat")))
+        report.results.append(
+            await _probe(
+                "responses",
+                lambda: backend.responses(resp_req, ctx),
+                _responses_detail,
+                required=not (b.type == "azure" and b.api == "chat"),
+            )
+        )
     finally:
         await backend.close()
     return report
 
 
-def main_check(config: Any, *, env_path: str | None = None, overrides: dict[str, Any] | None = None,
-               out: TextIO | None = None) -> int:
+def main_check(
+    config: Any, *, env_path: str | None = None, overrides: dict[str, Any] | None = None, out: TextIO | None = None
+) -> int:
     """CLI entry: run the probes for ``config`` (a loaded ``GymserveConfig``, or a config file path /
     None to load one with ``env_path``/``overrides``) and print the report. Returns 0 when every
     required probe passed, 1 when one failed, 2 when the config itself is invalid."""

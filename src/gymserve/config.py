@@ -26,9 +26,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from gymserve.registry import Registry
 from gymserve.wire.reasoning import ReasoningField
@@ -51,8 +60,11 @@ class ServerConfig(_Model):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: SecretStr | None = None
-    admin_api_key: SecretStr | None = Field(None, description="key for the control routes (/pause, /update_weights, "
-                                            "...); default: api_key. Without any key they answer 403 beyond loopback")
+    admin_api_key: SecretStr | None = Field(
+        None,
+        description="key for the control routes (/pause, /update_weights, "
+        "...); default: api_key. Without any key they answer 403 beyond loopback",
+    )
     max_body_bytes: int = Field(16 << 20, ge=1024)
     capture_path: str | None = None
     max_queue: int = Field(1024, ge=0)
@@ -66,11 +78,14 @@ class _ServedModelNames(_Model):
     into the name and ``served_model_aliases``."""
 
     served_model_name: str | None = Field(
-        None, description="Name clients see in answers (`model`) and `/v1/models` (default: the model's own "
-                          "name). A list is the name followed by aliases, as `--served-model-name A B`.")
+        None,
+        description="Name clients see in answers (`model`) and `/v1/models` (default: the model's own "
+        "name). A list is the name followed by aliases, as `--served-model-name A B`.",
+    )
     served_model_aliases: list[str] = Field(
-        default_factory=list, description="Other names `/v1/models` lists for the same model (vLLM lists every "
-                                          "`--served-model-name`).")
+        default_factory=list,
+        description="Other names `/v1/models` lists for the same model (vLLM lists every `--served-model-name`).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -79,8 +94,11 @@ class _ServedModelNames(_Model):
             names = [str(n) for n in data["served_model_name"]]
             if not names or not all(n.strip() for n in names):
                 raise ValueError("served_model_name: give at least one non-empty name")
-            data = {**data, "served_model_name": names[0],
-                    "served_model_aliases": [*names[1:], *(data.get("served_model_aliases") or [])]}
+            data = {
+                **data,
+                "served_model_name": names[0],
+                "served_model_aliases": [*names[1:], *(data.get("served_model_aliases") or [])],
+            }
         return data
 
     @property
@@ -117,14 +135,19 @@ class LocalBackendConfig(_ServedModelNames):
     context_window: int | None = Field(None, ge=1)
     num_threads: int | None = Field(None, ge=1)
     reasoning_field: ReasoningField = "reasoning_content"
-    pause_timeout: float = Field(300.0, gt=0, description="seconds a pause (POST /pause) lasts at most when it "
-                                 "names no timeout; then generation resumes by itself and the log says so")
+    pause_timeout: float = Field(
+        300.0,
+        gt=0,
+        description="seconds a pause (POST /pause) lasts at most when it "
+        "names no timeout; then generation resumes by itself and the log says so",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Arguments for a GPU engine (`vllm`, `trtllm`): `tensor_parallel_size`, "
-                    "`gpu_memory_utilization`, `max_model_len`, `dtype`, and any other engine argument by its "
-                    "vLLM `AsyncEngineArgs` / TensorRT-LLM `LLM` name. Ignored by `transformers`.")
+        "`gpu_memory_utilization`, `max_model_len`, `dtype`, and any other engine argument by its "
+        "vLLM `AsyncEngineArgs` / TensorRT-LLM `LLM` name. Ignored by `transformers`.",
+    )
 
     @field_validator("engine")
     @classmethod
@@ -138,16 +161,29 @@ class LocalBackendConfig(_ServedModelNames):
 
 # NeMo Gym model-server options with no meaning here (process layout, its own server), accepted so a
 # copied config loads; they are dropped before validation.
-_NEMO_GYM_IGNORED = frozenset({
-    "entrypoint", "host", "port", "domain", "uses_reasoning_parser", "spinup_server", "server_args",
-    "router_dp_size", "enable_router", "name", "description",
-})
+_NEMO_GYM_IGNORED = frozenset(
+    {
+        "entrypoint",
+        "host",
+        "port",
+        "domain",
+        "uses_reasoning_parser",
+        "spinup_server",
+        "server_args",
+        "router_dp_size",
+        "enable_router",
+        "name",
+        "description",
+    }
+)
 
 
 class _RemoteBackendConfig(_ServedModelNames):
     """Options shared by every backend that calls a remote HTTP API."""
 
-    api_key: SecretStr | None = Field(None, validation_alias=AliasChoices("api_key", "policy_api_key", "openai_api_key"))
+    api_key: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("api_key", "policy_api_key", "openai_api_key")
+    )
     model: str | None = Field(None, validation_alias=AliasChoices("model", "policy_model_name", "openai_model"))
     num_concurrent_requests: int = Field(64, ge=1)
     timeout: float = Field(600.0, gt=0)
@@ -201,12 +237,17 @@ class ChatBackendConfig(_RemoteBackendConfig):
     """
 
     type: Literal["chat"] = "chat"
-    base_urls: list[str] = Field(validation_alias=AliasChoices("base_urls", "policy_base_url", "openai_base_url", "base_url"))
+    base_urls: list[str] = Field(
+        validation_alias=AliasChoices("base_urls", "policy_base_url", "openai_base_url", "base_url")
+    )
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     return_token_id_information: bool = False
-    health_check_interval: float = Field(10.0, ge=0, description="seconds between probes of each replica "
-                                         "(GET {base}/models; the first at start-up); 0 disables")
+    health_check_interval: float = Field(
+        10.0,
+        ge=0,
+        description="seconds between probes of each replica (GET {base}/models; the first at start-up); 0 disables",
+    )
 
     @field_validator("base_urls", mode="before")
     @classmethod
@@ -227,7 +268,9 @@ class OpenAIBackendConfig(_RemoteBackendConfig):
     """The OpenAI API or any Responses-native server: ``/v1/responses`` passes through as is."""
 
     type: Literal["openai"] = "openai"
-    base_url: str = Field("https://api.openai.com/v1", validation_alias=AliasChoices("base_url", "policy_base_url", "openai_base_url"))
+    base_url: str = Field(
+        "https://api.openai.com/v1", validation_alias=AliasChoices("base_url", "policy_base_url", "openai_base_url")
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -251,14 +294,19 @@ class AzureBackendConfig(_RemoteBackendConfig):
     """
 
     type: Literal["azure"] = "azure"
-    endpoint: str | None = Field(None, validation_alias=AliasChoices("endpoint", "azure_endpoint", "policy_base_url", "openai_base_url", "base_url"))
+    endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("endpoint", "azure_endpoint", "policy_base_url", "openai_base_url", "base_url"),
+    )
     deployment: str | None = Field(None, validation_alias=AliasChoices("deployment", "azure_deployment"))
     api: Literal["chat", "responses"] = "chat"
     chat_base_url: str | None = None
     responses_base_url: str | None = None
     azure_ad_token: SecretStr | None = None
     # default_query precedes api_version so api_version's validator can read it.
-    api_version: str | None = Field(None, validate_default=True, validation_alias=AliasChoices("api_version", "policy_api_version"))
+    api_version: str | None = Field(
+        None, validate_default=True, validation_alias=AliasChoices("api_version", "policy_api_version")
+    )
 
     @field_validator("endpoint", "chat_base_url", "responses_base_url")
     @classmethod
@@ -283,11 +331,17 @@ class AzureBackendConfig(_RemoteBackendConfig):
         self.default_query = {k: v for k, v in self.default_query.items() if k != "api-version"}
         if self.api == "chat" and self.chat_base_url is None:
             if self.endpoint is None:
-                raise ValueError("endpoint is required (https://RESOURCE.openai.azure.com), or chat_base_url for a gateway")
+                raise ValueError(
+                    "endpoint is required (https://RESOURCE.openai.azure.com), or chat_base_url for a gateway"
+                )
             if self.deployment_name is None:
-                raise ValueError("deployment is required for Azure Chat Completions (the deployment name, not the model name)")
+                raise ValueError(
+                    "deployment is required for Azure Chat Completions (the deployment name, not the model name)"
+                )
         if self.api == "responses" and self.responses_base_url is None and self.endpoint is None:
-            raise ValueError("endpoint is required (https://RESOURCE.openai.azure.com), or responses_base_url for a gateway")
+            raise ValueError(
+                "endpoint is required (https://RESOURCE.openai.azure.com), or responses_base_url for a gateway"
+            )
         return self
 
     @property
@@ -296,7 +350,7 @@ class AzureBackendConfig(_RemoteBackendConfig):
         if self.endpoint is None:
             return None
         head, sep, _ = self.endpoint.partition("/openai")
-        return head if sep and (self.endpoint[len(head) + 7:len(head) + 8] in ("", "/")) else self.endpoint
+        return head if sep and (self.endpoint[len(head) + 7 : len(head) + 8] in ("", "/")) else self.endpoint
 
     @property
     def deployment_name(self) -> str | None:
@@ -352,21 +406,30 @@ class RayBackendConfig(_Model):
 
     type: Literal["ray"] = "ray"
     replicas: int = Field(1, ge=1, description="number of engine replicas (Ray actors)")
-    ray_address: str | None = Field(None, description="None: start or join a local Ray instance; 'local': always "
-                                    "start one; 'auto', HOST:6379 or ray://HOST:10001: join that cluster")
+    ray_address: str | None = Field(
+        None,
+        description="None: start or join a local Ray instance; 'local': always "
+        "start one; 'auto', HOST:6379 or ray://HOST:10001: join that cluster",
+    )
     namespace: str = Field("gymserve", description="Ray namespace of the replica actors")
     replica_resources: RayResourcesConfig = Field(default_factory=RayResourcesConfig)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="how the replicas' placement-group bundles are spread over nodes")
+        "PACK", description="how the replicas' placement-group bundles are spread over nodes"
+    )
     health_check_interval: float = Field(5.0, ge=0, description="seconds between replica probes; 0 disables")
     health_check_timeout: float = Field(10.0, gt=0, description="seconds a replica has to answer a probe")
     startup_timeout: float = Field(600.0, gt=0, description="seconds to wait for resources and model loading")
     max_concurrent_requests: int = Field(64, ge=1, description="per replica, in flight from the front end")
-    runtime_env: dict[str, Any] | None = Field(None, description="Ray runtime_env for the replicas (env_vars, pip, ...)")
+    runtime_env: dict[str, Any] | None = Field(
+        None, description="Ray runtime_env for the replicas (env_vars, pip, ...)"
+    )
     # Only used when gymserve starts the Ray instance itself (ray_address unset and none running).
-    object_store_memory: int | None = Field(None, ge=78_643_200, description="bytes; only for a Ray instance gymserve starts")
-    local: LocalBackendConfig = Field(default_factory=LocalBackendConfig,
-                                      description="each replica's local backend (may be written flat)")
+    object_store_memory: int | None = Field(
+        None, ge=78_643_200, description="bytes; only for a Ray instance gymserve starts"
+    )
+    local: LocalBackendConfig = Field(
+        default_factory=LocalBackendConfig, description="each replica's local backend (may be written flat)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -408,14 +471,18 @@ BACKENDS.register("azure", "gymserve.backends.azure:AzureBackend")
 BACKENDS.register("ray", "gymserve.ray_cluster.backend:RayBackend")
 
 BackendConfig = Annotated[
-    Union[LocalBackendConfig, ChatBackendConfig, OpenAIBackendConfig, AzureBackendConfig, RayBackendConfig],
+    LocalBackendConfig | ChatBackendConfig | OpenAIBackendConfig | AzureBackendConfig | RayBackendConfig,
     Field(discriminator="type"),
 ]
 
 # Other spellings of the backend type (NeMo Gym server names, the AZ-01 case's "azure_openai").
 _TYPE_ALIASES = {
-    "vllm": "chat", "vllm_model": "chat", "openai_compatible": "chat",
-    "openai_model": "openai", "azure_openai": "azure", "azure_openai_model": "azure",
+    "vllm": "chat",
+    "vllm_model": "chat",
+    "openai_compatible": "chat",
+    "openai_model": "openai",
+    "azure_openai": "azure",
+    "azure_openai_model": "azure",
 }
 
 
@@ -467,20 +534,29 @@ def validate_config(data: dict[str, Any]) -> GymserveConfig:
 
 _NEMO_GYM_SERVERS = {"vllm_model": "chat", "openai_model": "openai", "azure_openai_model": "azure"}
 _FLAT_KEYS = {
-    "policy_base_url", "policy_api_key", "policy_model_name", "policy_api_version",
-    "openai_base_url", "openai_api_key", "openai_model",
+    "policy_base_url",
+    "policy_api_key",
+    "policy_model_name",
+    "policy_api_version",
+    "openai_base_url",
+    "openai_api_key",
+    "openai_model",
 }
 
 
-def _shape(data: dict[str, Any], variables: set[str]) -> dict[str, Any]:
+def _shape(data: dict[Any, Any], variables: set[str]) -> dict[str, Any]:
     """Map the three accepted layouts onto ``{server, backend}``; ``variables`` (env.yaml keys and
     ``policy_*`` values) are interpolation sources, not options."""
-    out = {k: data[k] for k in ("server", "backend") if k in data}
+    out: dict[str, Any] = {k: data[k] for k in ("server", "backend") if k in data}
     rest = {k: v for k, v in data.items() if k not in ("server", "backend")}
     if "backend" not in out:
-        nested = ((rest.get("policy_model") or {}).get("responses_api_models") or {}) if isinstance(rest.get("policy_model"), dict) else {}
+        nested = (
+            ((rest.get("policy_model") or {}).get("responses_api_models") or {})
+            if isinstance(rest.get("policy_model"), dict)
+            else {}
+        )
         if nested:
-            (name, options), = list(nested.items())[:1]
+            ((name, options),) = list(nested.items())[:1]
             out["backend"] = {"type": _NEMO_GYM_SERVERS.get(name, name), **(options or {})}
             if out["backend"]["type"] == "azure" and "policy_api_version" in rest:
                 out["backend"].setdefault("api_version", rest["policy_api_version"])
@@ -492,13 +568,18 @@ def _shape(data: dict[str, Any], variables: set[str]) -> dict[str, Any]:
     unknown = [k for k in rest if k not in variables and not k.startswith("policy_")]
     if unknown:
         raise ConfigError(
-            "invalid configuration:\n  " + "\n  ".join(f"{k}: unknown top-level key (expected server, backend)" for k in unknown)
+            "invalid configuration:\n  "
+            + "\n  ".join(f"{k}: unknown top-level key (expected server, backend)" for k in unknown)
         )
     return out
 
 
-def load_config(path: str | os.PathLike | None, *, env_path: str | os.PathLike | None = None,
-                overrides: dict[str, Any] | None = None) -> GymserveConfig:
+def load_config(
+    path: str | os.PathLike | None,
+    *,
+    env_path: str | os.PathLike | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> GymserveConfig:
     """Read, interpolate and validate a config file.
 
     ``path``: the YAML file (None: defaults, i.e. the local embedded model). ``env_path``: the
@@ -507,11 +588,11 @@ def load_config(path: str | os.PathLike | None, *, env_path: str | os.PathLike |
     applied last. Raises ``ConfigError`` for a missing file, bad YAML, an unresolved ``${var}`` or
     invalid values; each message names the key.
     """
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, ListConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        env = OmegaConf.create()
+        env: DictConfig | ListConfig = OmegaConf.create()
         if env_path is None and path is not None and (Path(path).parent / "env.yaml").is_file():
             env_path = Path(path).parent / "env.yaml"
         if env_path is not None:
@@ -523,11 +604,13 @@ def load_config(path: str | os.PathLike | None, *, env_path: str | os.PathLike |
         for key, value in (overrides or {}).items():
             OmegaConf.update(merged, key, value, force_add=True)
         data = OmegaConf.to_container(merged, resolve=True)
+        if not isinstance(data, dict):  # cannot happen: the top level was checked to be a mapping above
+            raise ConfigError(f"{path}: the top level must be a mapping")
     except FileNotFoundError as exc:
         raise ConfigError(f"config file not found: {exc.filename}") from None
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None)
-        raise ConfigError(f"{key or path}: {str(exc).splitlines()[0]}") from None
+        full_key = getattr(exc, "full_key", None)
+        raise ConfigError(f"{full_key or path}: {str(exc).splitlines()[0]}") from None
     except ConfigError:
         raise
     except Exception as exc:  # YAML syntax errors and the like

@@ -88,10 +88,18 @@ class ContextLengthExceededError(InvalidRequestError):
 
     code = "context_length_exceeded"
 
-    def __init__(self, prompt_tokens: int | None, context_window: int | None, *, message: str | None = None,
-                 url: str | None = None, param: str | None = "messages"):
+    def __init__(
+        self,
+        prompt_tokens: int | None,
+        context_window: int | None,
+        *,
+        message: str | None = None,
+        url: str | None = None,
+        param: str | None = "messages",
+    ):
         super().__init__(
-            message or f"This model's maximum context length is {context_window} tokens, but the prompt has "
+            message
+            or f"This model's maximum context length is {context_window} tokens, but the prompt has "
             f"{prompt_tokens} tokens, leaving no room to generate. Shorten the conversation.",
             param=param,
         )
@@ -192,8 +200,9 @@ class ShuttingDownError(GymserveError):
     code = "shutting_down"
 
     def __init__(self) -> None:
-        super().__init__("gymserve is shutting down and accepts no new requests; retry against another "
-                         "instance or after it restarts")
+        super().__init__(
+            "gymserve is shutting down and accepts no new requests; retry against another instance or after it restarts"
+        )
         self.retry_after = 1.0
 
 
@@ -211,8 +220,15 @@ class UpstreamError(GymserveError):
     status_code = 502
     error_type = "upstream_error"
 
-    def __init__(self, message: str, *, url: str | None = None, status_code: int | None = None,
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str | None = None,
+        status_code: int | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message, param=param, code=code)
         self.url = url
         if status_code is not None:

@@ -28,6 +28,7 @@ They are informational: nothing reads them back from the next turn's input.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypedDict
 
 TRAINING_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
@@ -54,7 +55,7 @@ class TokenInfo(TypedDict):
     generation_log_probs: list[float]
 
 
-def get_token_info(obj: dict[str, Any], *, deep: bool = True) -> TokenInfo | None:
+def get_token_info(obj: Mapping[str, Any], *, deep: bool = True) -> TokenInfo | None:
     """The training fields of a message or item: all three, or None when none is present.
 
     Raises ``InvalidRequestError`` when only some are present, when they are not lists of the right
@@ -86,7 +87,9 @@ def get_token_info(obj: dict[str, Any], *, deep: bool = True) -> TokenInfo | Non
         if len(lp) != len(g):
             raise InvalidRequestError(
                 f"generation_log_probs has {len(lp)} entries but generation_token_ids has {len(g)}; "
-                "they must be equal (one log-prob per generated token)", param="generation_log_probs")
+                "they must be equal (one log-prob per generated token)",
+                param="generation_log_probs",
+            )
         return TokenInfo(prompt_token_ids=p, generation_token_ids=g, generation_log_probs=lp)
     for name, value in (("prompt_token_ids", p), ("generation_token_ids", g)):
         # set(map(type, ...)) iterates in C: this check runs on every spliced turn's whole prompt.

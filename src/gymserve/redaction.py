@@ -31,6 +31,11 @@ def redact_url(url: str) -> str:
     except ValueError:
         return "<unparseable URL>"
     netloc = parts.netloc.rsplit("@", 1)[-1]
-    query = urlencode([(k, "***" if _SECRET_QUERY.search(k) and k != "api-version" else v)
-                       for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe=":/*")
+    query = urlencode(
+        [
+            (k, "***" if _SECRET_QUERY.search(k) and k != "api-version" else v)
+            for k, v in parse_qsl(parts.query, keep_blank_values=True)
+        ],
+        safe=":/*",
+    )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

@@ -58,8 +58,15 @@ class AzureUpstream(Upstream):
         if not (key or token):
             # A gateway may authenticate with default_headers alone; the SDK insists on a credential.
             key = os.environ.get("AZURE_OPENAI_API_KEY") or "none"
-        return Transport(AsyncAzureOpenAI(base_url=base, api_version=cfg.api_version, api_key=None if token else key,
-                                          azure_ad_token=token, **self._sdk_options()))
+        return Transport(
+            AsyncAzureOpenAI(
+                base_url=base,
+                api_version=cfg.api_version,
+                api_key=None if token else key,
+                azure_ad_token=token,
+                **self._sdk_options(),
+            )
+        )
 
     def url(self, base: str, kind: str) -> str:
         cfg = self.config
@@ -67,7 +74,8 @@ class AzureUpstream(Upstream):
             if cfg.chat_base_url is None and (cfg.resource_endpoint is None or cfg.deployment_name is None):
                 raise InvalidRequestError(
                     "this Azure backend is configured for the Responses API only; set endpoint and deployment "
-                    "(or chat_base_url) to serve /v1/chat/completions")
+                    "(or chat_base_url) to serve /v1/chat/completions"
+                )
             return f"{cfg.chat_base}/chat/completions"
         if kind == "responses":
             if cfg.responses_base_url is None and cfg.endpoint is None:

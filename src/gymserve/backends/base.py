@@ -23,6 +23,7 @@ __all__ = ["Backend", "RequestContext"]
 if TYPE_CHECKING:
     from gymserve.backends.pool import Limiter
     from gymserve.convert import ConvertOptions
+    from gymserve.engine.base import PauseMode
 
 
 class Backend(ABC):
@@ -131,9 +132,11 @@ class Backend(ABC):
         return NotSupportedError(
             f"{what} is not supported by the {self.name} backend yet: it serves weights it does not own. "
             "Use the local backend (backend.type: local) for weight updates and pauses in gymserve, or "
-            "drive your upstream server's own control API", code="control_not_supported")
+            "drive your upstream server's own control API",
+            code="control_not_supported",
+        )
 
-    async def pause_generation(self, mode: str = "abort", *, timeout: float | None = None) -> None:
+    async def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
         """Pause in ``mode`` (``abort`` | ``wait`` | ``keep``) for at most ``timeout`` s; see
         docs/concepts/training-control.md. Raises ``NotSupportedError`` (501) by default."""
         raise self._no_control("pause_generation")
@@ -146,8 +149,9 @@ class Backend(ABC):
         """Whether generation is paused. Raises ``NotSupportedError`` (501) by default."""
         raise self._no_control("is_paused")
 
-    async def update_weights(self, tensors: Any = None, *, path: str | None = None,
-                             weight_version: int | str | None = None) -> int | str:
+    async def update_weights(
+        self, tensors: Any = None, *, path: str | None = None, weight_version: int | str | None = None
+    ) -> int | str:
         """Swap in a state dict (``tensors``) or the safetensors under ``path``, all or nothing;
         returns the new weight version. Raises ``NotSupportedError`` (501) by default."""
         raise self._no_control("update_weights")
@@ -156,9 +160,16 @@ class Backend(ABC):
         """Name the serving weights ``new_version``. Raises ``NotSupportedError`` (501) by default."""
         raise self._no_control("update_weight_version")
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike | None = None, *,
-                                tensors: Mapping[str, Any] | None = None, config: Any = None,
-                                load_inplace: bool = False, weight_version: int | str | None = None) -> int | str:
+    async def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | os.PathLike | None = None,
+        *,
+        tensors: Mapping[str, Any] | None = None,
+        config: Any = None,
+        load_inplace: bool = False,
+        weight_version: int | str | None = None,
+    ) -> int | str:
         """Merge a LoRA adapter (PEFT format; see ``engine.lora``); returns the new weight version.
         Raises ``NotSupportedError`` (501) by default."""
         raise self._no_control("load_lora_adapter")

@@ -47,8 +47,15 @@ class UpstreamCaller:
     def translate(self, exc: BaseException, url: str, kind: str) -> GymserveError:
         """The ``GymserveError`` explaining ``exc`` raised while calling ``url``."""
         up = self.upstream
-        return translate_error(exc, url=url, kind=kind, backend=up.kind, secrets=up.secrets,
-                               api_version=up.api_version, timeout=self.config.timeout)
+        return translate_error(
+            exc,
+            url=url,
+            kind=kind,
+            backend=up.kind,
+            secrets=up.secrets,
+            api_version=up.api_version,
+            timeout=self.config.timeout,
+        )
 
     @property
     def probe_timeout(self) -> float:
@@ -64,11 +71,26 @@ class UpstreamCaller:
             async with asyncio.timeout(self.probe_timeout):
                 await replica.client.get(url, timeout=self.probe_timeout)
         except Exception as exc:
-            raise translate_error(exc, url=url, kind="models", backend=self.upstream.kind, secrets=self.upstream.secrets,
-                                  api_version=self.upstream.api_version, timeout=self.probe_timeout) from None
+            raise translate_error(
+                exc,
+                url=url,
+                kind="models",
+                backend=self.upstream.kind,
+                secrets=self.upstream.secrets,
+                api_version=self.upstream.api_version,
+                timeout=self.probe_timeout,
+            ) from None
 
-    async def call(self, kind: str, body: dict[str, Any] | None, ctx: RequestContext, *, stream: bool = False,
-                   replica: Replica | None = None, url: str | None = None) -> tuple[Any, Replica]:
+    async def call(
+        self,
+        kind: str,
+        body: dict[str, Any] | None,
+        ctx: RequestContext,
+        *,
+        stream: bool = False,
+        replica: Replica | None = None,
+        url: str | None = None,
+    ) -> tuple[Any, Replica]:
         """POST ``body`` (GET when None) to the ``kind`` URL of a replica (``replica``, else the
         session's; ``url`` overrides the URL). Returns ``(parsed JSON object or SDK stream,
         replica)``; raises the translated ``GymserveError`` once retries are spent."""
@@ -100,8 +122,14 @@ class UpstreamCaller:
                 asked = err.upstream_retry_after if isinstance(err, UpstreamRateLimitedError) else None
                 delay = backoff_delay(attempt, self.config.retry_backoff, asked)
                 attempt += 1
-                log.warning("retry %d/%d of %s in %.2f s: %s", attempt, self.config.max_retries,
-                            redact_url(target), delay, err.message)
+                log.warning(
+                    "retry %d/%d of %s in %.2f s: %s",
+                    attempt,
+                    self.config.max_retries,
+                    redact_url(target),
+                    delay,
+                    err.message,
+                )
                 await asyncio.sleep(delay)
                 continue
             finally:
@@ -110,7 +138,9 @@ class UpstreamCaller:
             if not stream and not isinstance(result, dict):
                 raise UpstreamBadResponseError(
                     f"{redact_url(target)} answered with something that is not a JSON object "
-                    f"({str(result)[:120]!r}); is the base URL an OpenAI-compatible API?", url=redact_url(target))
+                    f"({str(result)[:120]!r}); is the base URL an OpenAI-compatible API?",
+                    url=redact_url(target),
+                )
             return result, rep
 
     async def close(self) -> None:

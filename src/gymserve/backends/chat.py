@@ -30,8 +30,12 @@ class ChatUpstream(Upstream):
 
         cfg = self.config
         key = secret_value(cfg.api_key) or PLACEHOLDER_KEY
-        lean = JSONClient(headers={"Authorization": f"Bearer {key}", **(cfg.default_headers or {})},
-                          params=cfg.default_query, limit=cfg.num_concurrent_requests, timeout=cfg.timeout)
+        lean = JSONClient(
+            headers={"Authorization": f"Bearer {key}", **(cfg.default_headers or {})},
+            params=cfg.default_query,
+            limit=cfg.num_concurrent_requests,
+            timeout=cfg.timeout,
+        )
         return Transport(AsyncOpenAI(base_url=base, api_key=key, **self._sdk_options()), lean)
 
 

@@ -31,12 +31,15 @@ def checked_chunk(chunk: Any, where: str, call_index: dict[tuple[int, str], int]
     mid-stream (vLLM's ``{"object": "error", …}``; the SDK already raises on ``{"error": …}``) or
     an event that is not a JSON object raises ``UpstreamError`` naming ``where``."""
     if not isinstance(chunk, dict):
-        raise UpstreamBadResponseError(f"{where} sent a stream event that is not a JSON object: {str(chunk)[:200]}",
-                                       url=where)
+        raise UpstreamBadResponseError(
+            f"{where} sent a stream event that is not a JSON object: {str(chunk)[:200]}", url=where
+        )
     if chunk.get("object") == "error" or (isinstance(chunk.get("error"), dict) and "choices" not in chunk):
-        error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
-        raise UpstreamError(f"{where} failed mid-stream: {error.get('message') or error}", url=where,
-                            code="upstream_error")
+        raw_error = chunk.get("error")
+        error: dict[Any, Any] = raw_error if isinstance(raw_error, dict) else chunk
+        raise UpstreamError(
+            f"{where} failed mid-stream: {error.get('message') or error}", url=where, code="upstream_error"
+        )
     seen = call_index if call_index is not None else {}
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") if isinstance(choice, dict) else None
@@ -59,16 +62,23 @@ def checked_chunk(chunk: Any, where: str, call_index: dict[tuple[int, str], int]
 def completion_to_chunks(completion: ChatCompletionDict) -> list[dict[str, Any]]:
     """A whole ``ChatCompletion`` as two ``ChatCompletionChunk`` dicts: the full delta, then the
     finish reason with usage (training fields ride on the first delta)."""
-    head = {"id": completion.get("id"), "object": "chat.completion.chunk", "created": completion.get("created"),
-            "model": completion.get("model")}
+    head = {
+        "id": completion.get("id"),
+        "object": "chat.completion.chunk",
+        "created": completion.get("created"),
+        "model": completion.get("model"),
+    }
     choice = completion["choices"][0]
     delta = {k: v for k, v in (choice.get("message") or {}).items() if v is not None}
     if delta.get("tool_calls"):
         delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(delta["tool_calls"])]
     return [
         {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice.get("logprobs")}]},
-        {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason")}],
-         "usage": completion.get("usage")},
+        {
+            **head,
+            "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason")}],
+            "usage": completion.get("usage"),
+        },
     ]
 
 

@@ -70,7 +70,10 @@ class JSONClient:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self._limit, limit_per_host=0),
                 timeout=aiohttp.ClientTimeout(total=None, connect=self._timeout, sock_read=self._timeout),
-                headers=self._headers, skip_auto_headers=("User-Agent",), raise_for_status=False)
+                headers=self._headers,
+                skip_auto_headers=("User-Agent",),
+                raise_for_status=False,
+            )
         return self._session
 
     async def post(self, url: str, body: dict[str, Any]) -> Any:

@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from gymserve.errors import OverloadedError
 
@@ -48,33 +48,43 @@ class Replica:
     last_probe_at: float | None = None
 
 
-class ReplicaPool:
+R = TypeVar("R", bound=Replica)
+
+
+class ReplicaPool(Generic[R]):
     """Chooses a replica per request; see the module docstring for the policy.
 
     ``probe(replica)`` must raise when the replica is down, its message saying why (it is called
     for every replica once when ``start()`` runs inside an event loop, then every ``interval``
     seconds; ``interval == 0`` disables probing). ``max_sessions`` bounds the affinity table (least
-    recently used sessions are forgotten).
+    recently used sessions are forgotten). Generic in the replica type, so a backend gets its own
+    ``Replica`` subclass back from ``pick``.
     """
 
-    def __init__(self, replicas: list[Replica], *, probe: Callable[[Replica], Awaitable[Any]] | None = None,
-                 interval: float = 10.0, max_sessions: int = 100_000):
+    def __init__(
+        self,
+        replicas: list[R],
+        *,
+        probe: Callable[[R], Awaitable[Any]] | None = None,
+        interval: float = 10.0,
+        max_sessions: int = 100_000,
+    ):
         if not replicas:
             raise ValueError("a replica pool needs at least one replica")
         self.replicas = replicas
         self._probe = probe
         self._interval = interval
         self._rr = itertools.count()
-        self._sessions: OrderedDict[str, Replica] = OrderedDict()
+        self._sessions: OrderedDict[str, R] = OrderedDict()
         self._max_sessions = max_sessions
         self._task: asyncio.Task | None = None
         self._first_round = asyncio.Event()  # set when every replica has been probed once
 
-    def _next_healthy(self) -> Replica:
+    def _next_healthy(self) -> R:
         healthy = [r for r in self.replicas if r.healthy] or self.replicas
         return healthy[next(self._rr) % len(healthy)]
 
-    def pick(self, session_id: str | None = None) -> Replica:
+    def pick(self, session_id: str | None = None) -> R:
         """The replica for this request: the session's own if healthy, else a round-robin choice
         (recorded for the session)."""
         self.start()
@@ -95,12 +105,12 @@ class ReplicaPool:
             old.sessions -= 1
         return replica
 
-    def mark_down(self, replica: Replica, reason: str) -> None:
+    def mark_down(self, replica: R, reason: str) -> None:
         if replica.healthy:
             log.warning("replica %s marked unhealthy: %s", replica.base_url, reason)
         replica.healthy, replica.last_error = False, reason
 
-    def mark_up(self, replica: Replica) -> None:
+    def mark_up(self, replica: R) -> None:
         if not replica.healthy:
             log.info("replica %s is healthy again", replica.base_url)
         replica.healthy, replica.last_error = True, None
@@ -111,7 +121,7 @@ class ReplicaPool:
         if probe is None:
             return
 
-        async def one(replica: Replica) -> None:
+        async def one(replica: R) -> None:
             try:
                 await probe(replica)
             except Exception as exc:  # any failure means "not usable now"
@@ -166,10 +176,21 @@ class ReplicaPool:
         Unix seconds (None before the first probe; ``probe_interval_s`` 0: no background probe)."""
         up = sum(r.healthy for r in self.replicas)
         state = "ok" if up == len(self.replicas) else "degraded" if up else "down"
-        return {"status": state, "probe_interval_s": self._interval if self.probing else 0, "replicas": [
-            {"base_url": r.base_url, "healthy": r.healthy,
-             "last_probe_at": round(r.last_probe_at, 3) if r.last_probe_at is not None else None,
-             "last_error": r.last_error, "in_flight": r.in_flight, "sessions": r.sessions} for r in self.replicas]}
+        return {
+            "status": state,
+            "probe_interval_s": self._interval if self.probing else 0,
+            "replicas": [
+                {
+                    "base_url": r.base_url,
+                    "healthy": r.healthy,
+                    "last_probe_at": round(r.last_probe_at, 3) if r.last_probe_at is not None else None,
+                    "last_error": r.last_error,
+                    "in_flight": r.in_flight,
+                    "sessions": r.sessions,
+                }
+                for r in self.replicas
+            ],
+        }
 
     async def close(self) -> None:
         if self._task is not None:
@@ -214,4 +235,4 @@ def backoff_delay(attempt: int, initial: float, retry_after: float | None = None
     minus up to 25 % jitter (as the openai SDK does); an upstream Retry-After up to 60 s wins."""
     if retry_after is not None and 0 < retry_after <= 60:
         return retry_after
-    return min(initial * (2 ** attempt), MAX_BACKOFF) * (1 - 0.25 * random.random())
+    return min(initial * (2**attempt), MAX_BACKOFF) * (1 - 0.25 * random.random())

@@ -17,8 +17,12 @@ from gymserve.wire.ids import new_id
 from gymserve.wire.reasoning import REASONING_FIELDS  # the chat backend fills both names (case CR-01)
 
 
-def apply_parsers(choice: dict[str, Any], tools: list[dict[str, Any]] | None,
-                  tool_parser: ToolCallParser | None, reasoning_parser: ReasoningParser | None) -> None:
+def apply_parsers(
+    choice: dict[str, Any],
+    tools: list[dict[str, Any]] | None,
+    tool_parser: ToolCallParser | None,
+    reasoning_parser: ReasoningParser | None,
+) -> None:
     """Parse ``choice["message"]["content"]`` in place: reasoning into both reasoning fields, tool
     calls into ``tool_calls`` (``finish_reason`` ``stop`` becomes ``tool_calls``), the rest back
     into ``content``."""
@@ -28,14 +32,22 @@ def apply_parsers(choice: dict[str, Any], tools: list[dict[str, Any]] | None,
     reasoning_parser = reasoning_parser if not any(msg.get(k) for k in REASONING_FIELDS) else None
     if not isinstance(text, str) or not text or (tool_parser is None and reasoning_parser is None):
         return
-    parsed = parse_output(text, prompt_tail="", finish_reason=choice.get("finish_reason") or "stop",
-                          tools=tools, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+    parsed = parse_output(
+        text,
+        prompt_tail="",
+        finish_reason=choice.get("finish_reason") or "stop",
+        tools=tools,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
+    )
     msg["content"] = parsed.content
     if parsed.reasoning is not None:
         msg.update(dict.fromkeys(REASONING_FIELDS, parsed.reasoning))
     if parsed.tool_calls:
-        msg["tool_calls"] = [{"id": new_id("call"), "type": "function",
-                              "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.tool_calls]
+        msg["tool_calls"] = [
+            {"id": new_id("call"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parsed.tool_calls
+        ]
         if choice.get("finish_reason") == "stop":
             choice["finish_reason"] = "tool_calls"
 
@@ -51,8 +63,12 @@ class ParsedChunkStream:
     server already sent tool calls (or reasoning) keeps those and is not parsed for them again.
     """
 
-    def __init__(self, tools: list[dict[str, Any]] | None, tool_parser: ToolCallParser | None,
-                 reasoning_parser: ReasoningParser | None) -> None:
+    def __init__(
+        self,
+        tools: list[dict[str, Any]] | None,
+        tool_parser: ToolCallParser | None,
+        reasoning_parser: ReasoningParser | None,
+    ) -> None:
         self.tools = tools
         self.tool_parser = tool_parser if tools else None
         self.reasoning_parser = reasoning_parser
@@ -62,9 +78,15 @@ class ParsedChunkStream:
     def _parser(self, index: int) -> ChatDeltas:
         if index not in self._parsers:
             seen = self._upstream.get(index, set())
-            self._parsers[index] = ChatDeltas(StreamingParser(
-                None if "tool_calls" in seen else self.tool_parser,
-                None if "reasoning" in seen else self.reasoning_parser, "", self.tools), REASONING_FIELDS)
+            self._parsers[index] = ChatDeltas(
+                StreamingParser(
+                    None if "tool_calls" in seen else self.tool_parser,
+                    None if "reasoning" in seen else self.reasoning_parser,
+                    "",
+                    self.tools,
+                ),
+                REASONING_FIELDS,
+            )
         return self._parsers[index]
 
     def process(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
@@ -103,7 +125,8 @@ class ParsedChunkStream:
         return out
 
 
-def _with_choice(chunk: dict[str, Any], index: int, delta: dict[str, Any], finish: str | None,
-                 **extra: Any) -> dict[str, Any]:
+def _with_choice(
+    chunk: dict[str, Any], index: int, delta: dict[str, Any], finish: str | None, **extra: Any
+) -> dict[str, Any]:
     head = {k: v for k, v in chunk.items() if k not in ("choices", "usage")}
     return {**head, "choices": [{"index": index, "delta": delta, "finish_reason": finish, **extra}]}

@@ -91,9 +91,13 @@ class RemoteBackend(Backend):
         return self.upstream.secrets
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "target": self.upstream.target(), "model": self.config.model,
-                "tool_call_parser": getattr(self._tool_parser, "name", None),
-                "reasoning_parser": getattr(self._reasoning_parser, "name", None)}
+        return {
+            "backend": self.name,
+            "target": self.upstream.target(),
+            "model": self.config.model,
+            "tool_call_parser": getattr(self._tool_parser, "name", None),
+            "reasoning_parser": getattr(self._reasoning_parser, "name", None),
+        }
 
     def convert_options(self) -> ConvertOptions:
         return self.upstream.convert_options()
@@ -121,7 +125,9 @@ class RemoteBackend(Backend):
             completion, replica = await self.caller.call("chat", body, ctx)
             choices = completion.get("choices")
             if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-                raise UpstreamError(f"{redact_url(self.caller.url(replica, 'chat'))} returned a chat completion without choices")
+                raise UpstreamError(
+                    f"{redact_url(self.caller.url(replica, 'chat'))} returned a chat completion without choices"
+                )
             if self._wants_token_ids:
                 await attach_token_info(self.caller, completion, request, body, replica, ctx)
         for choice in choices:
@@ -139,8 +145,12 @@ class RemoteBackend(Backend):
         try:
             return await self._chat(request, ctx)
         except ContextLengthExceededError as exc:
-            log.info("context window exceeded upstream; answering with an empty length-terminated reply: %s", exc.message)
-            return context_exceeded_chat_completion(request, self.config.served_model_name or request.get("model") or "")
+            log.info(
+                "context window exceeded upstream; answering with an empty length-terminated reply: %s", exc.message
+            )
+            return context_exceeded_chat_completion(
+                request, self.config.served_model_name or request.get("model") or ""
+            )
 
     async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         """Upstream chunks passed through (reasoning field mirrored), their raw text parsed as it
@@ -161,7 +171,9 @@ class RemoteBackend(Backend):
             try:
                 stream, replica = await self.caller.call("chat", body, ctx, stream=True)
             except ContextLengthExceededError:
-                for chunk in completion_to_chunks(context_exceeded_chat_completion(request, request.get("model") or "")):
+                for chunk in completion_to_chunks(
+                    context_exceeded_chat_completion(request, request.get("model") or "")
+                ):
                     yield chunk
                 return
             got_chunk = False
@@ -176,19 +188,24 @@ class RemoteBackend(Backend):
                         tokens.take(chunk)
                     for piece in parsed.process(chunk) if parsed is not None else [chunk]:
                         if tokens is not None and tokens.is_finish(piece):
-                            await attach_token_info(self.caller, tokens.completion(piece), request, plain_body,
-                                                    replica, ctx)
+                            await attach_token_info(
+                                self.caller, tokens.completion(piece), request, plain_body, replica, ctx
+                            )
                         yield piece
                 if not got_chunk:
                     where = redact_url(self.caller.url(replica, "chat"))
                     raise UpstreamBadResponseError(
                         f"{where} answered a streaming request without any events (not server-sent events, or an "
-                        "empty stream); does the server support stream=true?", url=where)
+                        "empty stream); does the server support stream=true?",
+                        url=where,
+                    )
                 if tokens is not None and not tokens.finished:
                     where = redact_url(self.caller.url(replica, "chat"))
                     raise UpstreamTokenIdsError(
                         f"{where} ended the stream without a finish_reason, so the token IDs of the generation are "
-                        "incomplete; is the server cutting streams short?", url=where)
+                        "incomplete; is the server cutting streams short?",
+                        url=where,
+                    )
             except Exception as exc:
                 raise self.caller.translate(exc, self.caller.url(replica, "chat"), "chat") from None
             finally:
@@ -249,8 +266,9 @@ class RemoteBackend(Backend):
             return super().responses_stream(request, ctx)
         return self._native_responses_stream(request, ctx)
 
-    async def _native_responses_stream(self, request: ResponsesRequest,
-                                       ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+    async def _native_responses_stream(
+        self, request: ResponsesRequest, ctx: RequestContext
+    ) -> AsyncIterator[dict[str, Any]]:
         body = {**self.upstream.responses_body(request), "stream": True}
         async with self.limiter.slot():
             try:
@@ -261,7 +279,11 @@ class RemoteBackend(Backend):
                 return
             try:
                 async for event in stream:
-                    if self.config.served_model_name and isinstance(event, dict) and isinstance(event.get("response"), dict):
+                    if (
+                        self.config.served_model_name
+                        and isinstance(event, dict)
+                        and isinstance(event.get("response"), dict)
+                    ):
                         event["response"]["model"] = self.config.served_model_name
                     yield event
             except Exception as exc:

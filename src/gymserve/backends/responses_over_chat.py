@@ -57,8 +57,9 @@ class ChatAnswer:
     reasoning_field: ReasoningField = REASONING_FIELDS[0]
 
     @classmethod
-    def of_chunks(cls, chunks: list[dict[str, Any]], *,
-                  reasoning_field: ReasoningField = REASONING_FIELDS[0]) -> ChatAnswer:
+    def of_chunks(
+        cls, chunks: list[dict[str, Any]], *, reasoning_field: ReasoningField = REASONING_FIELDS[0]
+    ) -> ChatAnswer:
         return cls(chunks=chunks, reasoning_field=reasoning_field)
 
     @classmethod
@@ -129,8 +130,9 @@ async def responses_over_chat(backend: ChatSide, request: ResponsesRequest, ctx:
     return answer.response(request)
 
 
-async def responses_stream_over_chat(backend: ChatSide, request: ResponsesRequest,
-                                     ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+async def responses_stream_over_chat(
+    backend: ChatSide, request: ResponsesRequest, ctx: RequestContext
+) -> AsyncIterator[dict[str, Any]]:
     """Responses streaming events built from ``backend.chat_stream`` (``ResponseStreamBuilder``).
 
     The first chat chunk is awaited before ``response.created`` is yielded, so a request the

@@ -80,7 +80,9 @@ class StreamedTokens:
         return {"prompt_token_ids": self.prompt, "choices": [choice]}
 
 
-def vllm_token_fields(completion: dict[str, Any], choice: dict[str, Any]) -> tuple[list | None, list | None, list | None]:
+def vllm_token_fields(
+    completion: dict[str, Any], choice: dict[str, Any]
+) -> tuple[list | None, list | None, list | None]:
     """``(prompt_ids, generation_ids, logprobs)`` from vLLM's answer shapes (None where absent).
 
     Raises ``InvalidRequestError`` when ``token_ids`` and the ``token_id:N`` log-prob tokens
@@ -103,8 +105,14 @@ def vllm_token_fields(completion: dict[str, Any], choice: dict[str, Any]) -> tup
     return prompt, gen, logprobs
 
 
-async def attach_token_info(caller: UpstreamCaller, completion: dict[str, Any], request: dict[str, Any],
-                            body: dict[str, Any], replica: Replica, ctx: RequestContext) -> None:
+async def attach_token_info(
+    caller: UpstreamCaller,
+    completion: dict[str, Any],
+    request: dict[str, Any],
+    body: dict[str, Any],
+    replica: Replica,
+    ctx: RequestContext,
+) -> None:
     """Put the three training fields on ``completion["choices"][0]["message"]`` (``return_token_id_information``):
     taken as given when the upstream sent them (another gymserve, NeMo RL), else from vLLM's forms
     (``vllm_token_fields``), the prompt from ``/tokenize`` on the same replica when missing. The
@@ -122,7 +130,8 @@ async def attach_token_info(caller: UpstreamCaller, completion: dict[str, Any], 
             raise InvalidRequestError(
                 f"no {missing} in the answer; return_token_id_information needs a server that honours "
                 "return_token_ids or logprobs + return_tokens_as_token_ids (vLLM ≥ 0.10.2), or set "
-                "return_token_id_information: false")
+                "return_token_id_information: false"
+            )
         if prompt is None:
             prompt = await _tokenize(caller, body, replica, ctx)
         msg.update(prompt_token_ids=prompt, generation_token_ids=gen, generation_log_probs=logprobs)
@@ -143,7 +152,9 @@ async def _tokenize(caller: UpstreamCaller, body: dict[str, Any], replica: Repli
     try:
         result, _ = await caller.call("tokenize", tbody, ctx, replica=replica, url=f"{root}/tokenize")
     except GymserveError as exc:
-        raise InvalidRequestError(f"no prompt_token_ids in the answer and the /tokenize fallback failed: {exc.message}") from None
+        raise InvalidRequestError(
+            f"no prompt_token_ids in the answer and the /tokenize fallback failed: {exc.message}"
+        ) from None
     tokens = result.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         raise InvalidRequestError(f"{root}/tokenize returned no token list")

@@ -117,8 +117,12 @@ class Upstream(ABC):
 
     def _sdk_options(self) -> dict[str, Any]:
         cfg = self.config
-        return {"default_query": cfg.default_query or None, "default_headers": cfg.default_headers or None,
-                "timeout": cfg.timeout, "max_retries": 0}
+        return {
+            "default_query": cfg.default_query or None,
+            "default_headers": cfg.default_headers or None,
+            "timeout": cfg.timeout,
+            "max_retries": 0,
+        }
 
     # ---- what is sent --------------------------------------------------------------------------
 
@@ -149,5 +153,8 @@ class Upstream(ABC):
         cfg = self.config
         role: Literal["system", "keep"] = "keep" if self.cloud else "system"
         field: Literal["max_tokens", "max_completion_tokens"] = "max_completion_tokens" if self.cloud else "max_tokens"
-        return ConvertOptions(reasoning_mode=cfg.reasoning_mode, developer_role=cfg.developer_role or role,
-                              max_tokens_field=cfg.max_tokens_field or field)
+        return ConvertOptions(
+            reasoning_mode=cfg.reasoning_mode,
+            developer_role=cfg.developer_role or role,
+            max_tokens_field=cfg.max_tokens_field or field,
+        )

@@ -56,7 +56,8 @@ def _body_message(body: Any, fallback: str) -> tuple[str, str | None, str | None
     """(message, code, param) from an OpenAI-shaped (``{"error": {...}}``), vLLM-shaped
     (``{"object": "error", "message"}``) or FastAPI-shaped (``{"detail"}``) error body."""
     if isinstance(body, dict):
-        inner = body.get("error") if isinstance(body.get("error"), dict) else body
+        err = body.get("error")
+        inner = err if isinstance(err, dict) else body
         msg = inner.get("message") or inner.get("detail") or body.get("detail") or fallback
         code, param = inner.get("code"), inner.get("param")
         return str(msg), (str(code) if code is not None else None), (str(param) if param is not None else None)
@@ -77,37 +78,50 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
-    out, seen = [], set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        out.append(exc)
-        exc = exc.__cause__ or exc.__context__
+    out: list[BaseException] = []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
     return out
 
 
 def _not_found_hint(url: str, kind: str, backend: str, api_version: str | None) -> str:
     path = urlsplit(url).path
     if backend == "azure":
-        hint = ("Azure answers a bare 404 'Resource not found' when api-version is missing or wrong, or the path is wrong. "
-                "Chat Completions is deployment-scoped ({endpoint}/openai/deployments/<deployment>/chat/completions) "
-                "but Responses is not ({endpoint}/openai/responses, or {endpoint}/openai/v1/responses): "
-                "a /deployments/ base used for Responses 404s, and the deployment name goes in body.model.")
+        hint = (
+            "Azure answers a bare 404 'Resource not found' when api-version is missing or wrong, or the path is wrong. "
+            "Chat Completions is deployment-scoped ({endpoint}/openai/deployments/<deployment>/chat/completions) "
+            "but Responses is not ({endpoint}/openai/responses, or {endpoint}/openai/v1/responses): "
+            "a /deployments/ base used for Responses 404s, and the deployment name goes in body.model."
+        )
         if "/deployments/" in path and kind == "responses":
             hint = "This Responses URL is deployment-scoped, which Azure does not serve. " + hint
         return hint + f" api-version sent: {api_version or 'none'}; check the deployment name and api_version."
     if kind == "responses":
-        return ("The server has no Responses API at this path: most OpenAI-compatible servers (vLLM, SGLang, llama.cpp, "
-                "transformers serve) speak only Chat Completions; use backend type 'chat', which converts Responses "
-                "requests to Chat Completions, or fix base_url.")
+        return (
+            "The server has no Responses API at this path: most OpenAI-compatible servers (vLLM, SGLang, llama.cpp, "
+            "transformers serve) speak only Chat Completions; use backend type 'chat', which converts Responses "
+            "requests to Chat Completions, or fix base_url."
+        )
     if "/v1" not in path:
         return "The base URL probably lacks /v1 (e.g. http://host:8000/v1); gymserve appends /chat/completions to it."
-    return "Check the base URL's path (it should end where /chat/completions is appended, usually /v1) and the model name."
+    return (
+        "Check the base URL's path (it should end where /chat/completions is appended, usually /v1) and the model name."
+    )
 
 
 def _connection_hint(root: BaseException, host: str, port: int | None) -> str:
     text = f"{type(root).__name__}: {root}".lower()
-    if "name or service not known" in text or "nodename nor servname" in text or "getaddrinfo" in text \
-            or "name resolution" in text or "no address associated" in text:
+    if (
+        "name or service not known" in text
+        or "nodename nor servname" in text
+        or "getaddrinfo" in text
+        or "name resolution" in text
+        or "no address associated" in text
+    ):
         return f"DNS lookup of {host} failed: check the host name in the base URL/endpoint."
     if "refused" in text:
         return f"nothing is listening on {host}:{port}: is the server running, and is the port right?"
@@ -121,9 +135,16 @@ def _connection_hint(root: BaseException, host: str, port: int | None) -> str:
     return "check the base URL, that the server is up, and any proxy settings."
 
 
-def translate_error(exc: BaseException, *, url: str, kind: str = "chat", backend: str = "chat",
-                    secrets: tuple[str, ...] = (), api_version: str | None = None,
-                    timeout: float | None = None) -> GymserveError:
+def translate_error(
+    exc: BaseException,
+    *,
+    url: str,
+    kind: str = "chat",
+    backend: str = "chat",
+    secrets: tuple[str, ...] = (),
+    api_version: str | None = None,
+    timeout: float | None = None,
+) -> GymserveError:
     """The ``GymserveError`` that explains ``exc`` raised while calling ``url``.
 
     ``kind``: what was called ("chat", "responses", "models", "tokenize"); ``backend``: "chat",
@@ -153,22 +174,32 @@ def translate_error(exc: BaseException, *, url: str, kind: str = "chat", backend
             shown = redact_url(str(sent.url))  # the URL as sent, default query (api-version) included
         where = f"{getattr(sent, 'method', 'POST')} {shown}"
         if status in (400, 413, 422, 500) and is_context_length_message(msg, code):
-            return ContextLengthExceededError(None, None, message=f"upstream context window exceeded ({where}): {msg}",
-                                              url=shown, param=None)
+            return ContextLengthExceededError(
+                None, None, message=f"upstream context window exceeded ({where}): {msg}", url=shown, param=None
+            )
         if status == 404:
-            return UpstreamNotFoundError(f"upstream returned 404 Not Found for {where}: {msg!r}. "
-                                         f"{_not_found_hint(url, kind, backend, api_version)}", url=shown)
+            return UpstreamNotFoundError(
+                f"upstream returned 404 Not Found for {where}: {msg!r}. "
+                f"{_not_found_hint(url, kind, backend, api_version)}",
+                url=shown,
+            )
         if status in (401, 403):
-            fix = ("the key goes in the api-key header (api_key) or an Entra token in azure_ad_token"
-                   if backend == "azure" else "set api_key (sent as Authorization: Bearer)")
-            return UpstreamAuthError(f"upstream rejected the credentials ({status}) for {where}: {msg}. Check the key: {fix}.",
-                                     url=shown)
+            fix = (
+                "the key goes in the api-key header (api_key) or an Entra token in azure_ad_token"
+                if backend == "azure"
+                else "set api_key (sent as Authorization: Bearer)"
+            )
+            return UpstreamAuthError(
+                f"upstream rejected the credentials ({status}) for {where}: {msg}. Check the key: {fix}.", url=shown
+            )
         if status == 429:
-            return UpstreamRateLimitedError(f"upstream is rate limiting ({where}): {msg}",
-                                            upstream_retry_after=_retry_after(response))
+            return UpstreamRateLimitedError(
+                f"upstream is rate limiting ({where}): {msg}", upstream_retry_after=_retry_after(response)
+            )
         if 400 <= status < 500:
-            return UpstreamRejectedError(msg, url=shown, status_code=status if status != 408 else 504, param=param,
-                                         code=code)
+            return UpstreamRejectedError(
+                msg, url=shown, status_code=status if status != 408 else 504, param=param, code=code
+            )
         return UpstreamServerError(f"upstream failed with {status} ({where}): {msg}", url=shown)
 
     chain = _chain(exc)
@@ -180,26 +211,57 @@ def translate_error(exc: BaseException, *, url: str, kind: str = "chat", backend
     cause = f"{type(root).__name__}: {redact(str(root), secrets)}" if str(root) else type(root).__name__
     # The transport's class (httpx ConnectError, ReadTimeout...) is what users search for; the
     # root (gaierror, ConnectionRefusedError) says why.
-    transport = next((e for e in chain if type(e).__module__.split(".")[0].startswith(("httpx", "httpcore", "aiohttp"))),
-                     None)
+    transport = next(
+        (e for e in chain if type(e).__module__.split(".")[0].startswith(("httpx", "httpcore", "aiohttp"))), None
+    )
     if transport is not None and transport is not root:
         cause = f"{type(transport).__name__} ({cause})"
-    if names & {"APITimeoutError", "ReadTimeout", "WriteTimeout", "PoolTimeout", "TimeoutException", "TimeoutError"} \
-            and not names & {"ConnectTimeout"}:
+    if names & {
+        "APITimeoutError",
+        "ReadTimeout",
+        "WriteTimeout",
+        "PoolTimeout",
+        "TimeoutException",
+        "TimeoutError",
+    } and not names & {"ConnectTimeout"}:
         after = f" after {timeout:g} s" if timeout else ""
-        return UpstreamTimeoutError(f"upstream {host} timed out{after} ({shown}; {cause}). "
-                                    "Raise the backend timeout or lower num_concurrent_requests.", url=shown)
-    if names & {"APIConnectionError", "ConnectError", "ConnectTimeout", "NetworkError", "TransportError",
-                "UnsupportedProtocol", "RemoteProtocolError", "ProxyError", "ReadError", "WriteError", "OSError",
-                "ConnectionError", "gaierror", "LocalProtocolError",
-                # aiohttp (the chat backend's lean client, backends/http.py)
-                "ClientConnectionError", "ClientConnectorError", "ClientOSError", "ServerDisconnectedError",
-                "ClientPayloadError", "ServerConnectionError"} or isinstance(root, OSError):
+        return UpstreamTimeoutError(
+            f"upstream {host} timed out{after} ({shown}; {cause}). "
+            "Raise the backend timeout or lower num_concurrent_requests.",
+            url=shown,
+        )
+    if names & {
+        "APIConnectionError",
+        "ConnectError",
+        "ConnectTimeout",
+        "NetworkError",
+        "TransportError",
+        "UnsupportedProtocol",
+        "RemoteProtocolError",
+        "ProxyError",
+        "ReadError",
+        "WriteError",
+        "OSError",
+        "ConnectionError",
+        "gaierror",
+        "LocalProtocolError",
+        # aiohttp (the chat backend's lean client, backends/http.py)
+        "ClientConnectionError",
+        "ClientConnectorError",
+        "ClientOSError",
+        "ServerDisconnectedError",
+        "ClientPayloadError",
+        "ServerConnectionError",
+    } or isinstance(root, OSError):
         return UpstreamUnreachableError(
-            f"cannot reach upstream host {host} ({shown}): {cause}. {_connection_hint(root, host, port)}", url=shown)
+            f"cannot reach upstream host {host} ({shown}): {cause}. {_connection_hint(root, host, port)}", url=shown
+        )
     if names & {"JSONDecodeError", "APIResponseValidationError"}:
-        return UpstreamBadResponseError(f"upstream answered {shown} with something that is not the expected JSON "
-                                        f"({cause}); is the base URL pointing at an OpenAI-compatible API?", url=shown)
+        return UpstreamBadResponseError(
+            f"upstream answered {shown} with something that is not the expected JSON "
+            f"({cause}); is the base URL pointing at an OpenAI-compatible API?",
+            url=shown,
+        )
     return UpstreamError(f"calling {shown} failed: {cause}", url=shown)
 
 

@@ -15,9 +15,9 @@ from gymserve.convert.chat_to_responses import (
     context_exceeded_chat_completion,
     context_exceeded_response,
 )
+from gymserve.convert.chunks import ChunkAccumulator
 from gymserve.convert.options import ConvertOptions
 from gymserve.convert.responses_to_chat import responses_to_chat
-from gymserve.convert.chunks import ChunkAccumulator
 from gymserve.convert.stream import ResponseStreamBuilder
 from gymserve.wire.think import split_think
 

@@ -21,7 +21,6 @@ from gymserve.wire.reasoning import field_reasoning
 from gymserve.wire.think import split_think
 
 
-
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -52,6 +51,7 @@ def normalize_arguments(arguments: Any) -> str:
 
 # -- items -----------------------------------------------------------------------------------
 
+
 def reasoning_item(item_id: str, text: str | None) -> dict[str, Any]:
     """A reasoning output item; ``text=None`` gives the empty shell announced when streaming starts."""
     content = [] if text is None else [{"type": "reasoning_text", "text": text}]
@@ -69,19 +69,31 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
 
 
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 # -- envelope --------------------------------------------------------------------------------
+
 
 def _echo_tools(tools: Any) -> list[Any]:
     out = []
     for tool in tools or []:
         if isinstance(tool, dict) and tool.get("type") == "function":
             # The Open Responses spec requires these keys on every function tool, null allowed.
-            tool = {"type": "function", "name": tool.get("name"), "description": tool.get("description"),
-                    "parameters": tool.get("parameters"), "strict": tool.get("strict")}
+            tool = {
+                "type": "function",
+                "name": tool.get("name"),
+                "description": tool.get("description"),
+                "parameters": tool.get("parameters"),
+                "strict": tool.get("strict"),
+            }
         out.append(tool)
     return out
 
@@ -99,11 +111,18 @@ def _number(value: Any, default: float) -> float:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
-def response_envelope(request: ResponsesRequest, *, model: str | None, status: str,
-                      output: list[dict[str, Any]] | None = None,
-                      incomplete_details: dict[str, Any] | None = None, usage: dict[str, Any] | None = None,
-                      error: dict[str, Any] | None = None, response_id: str | None = None,
-                      created_at: float | None = None) -> ResponseDict:
+def response_envelope(
+    request: ResponsesRequest,
+    *,
+    model: str | None,
+    status: str,
+    output: list[dict[str, Any]] | None = None,
+    incomplete_details: dict[str, Any] | None = None,
+    usage: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+    response_id: str | None = None,
+    created_at: float | None = None,
+) -> ResponseDict:
     """The Response object around ``output``, echoing the request's parameters as the OpenAI
     Responses API does, with every key the Open Responses ``ResponseResource`` schema requires."""
     created = int(created_at if created_at is not None else time.time())
@@ -125,8 +144,11 @@ def response_envelope(request: ResponsesRequest, *, model: str | None, status: s
         "tool_choice": request.get("tool_choice") or "auto",
         "parallel_tool_calls": request.get("parallel_tool_calls") is not False,
         "text": _echo_text(request.get("text")),
-        "reasoning": ({"effort": reasoning.get("effort"), "summary": reasoning.get("summary")}
-                      if isinstance(reasoning, dict) else None),
+        "reasoning": (
+            {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")}
+            if isinstance(reasoning, dict)
+            else None
+        ),
         "temperature": _number(request.get("temperature"), 1.0),
         "top_p": _number(request.get("top_p"), 1.0),
         "presence_penalty": _number(request.get("presence_penalty"), 0.0),
@@ -179,6 +201,7 @@ def finish_status(finish_reason: Any) -> tuple[str, dict[str, Any] | None]:
 
 # -- conversion ------------------------------------------------------------------------------
 
+
 def _first_choice(completion: Any) -> dict[str, Any]:
     choices = completion.get("choices") if isinstance(completion, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -196,10 +219,15 @@ def _token_info(completion: dict[str, Any], choice: dict[str, Any], message: dic
     return None
 
 
-def chat_to_response(completion: ChatCompletionDict, request: ResponsesRequest, *,
-                     response_id: str | None = None, created_at: float | None = None,
-                     item_ids: Sequence[str] | None = None,
-                     turns: Sequence[dict[str, Any]] | None = None) -> ResponseDict:
+def chat_to_response(
+    completion: ChatCompletionDict,
+    request: ResponsesRequest,
+    *,
+    response_id: str | None = None,
+    created_at: float | None = None,
+    item_ids: Sequence[str] | None = None,
+    turns: Sequence[dict[str, Any]] | None = None,
+) -> ResponseDict:
     """Translate a ``ChatCompletion`` dict into a ``Response`` dict for ``request``.
 
     Output items, in order: one reasoning item per reasoning source (``reasoning_content`` or
@@ -220,7 +248,8 @@ def chat_to_response(completion: ChatCompletionDict, request: ResponsesRequest, 
     the completion has no choices and ``InvalidRequestError`` for inconsistent training fields.
     """
     choice = _first_choice(completion)
-    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    raw_message = choice.get("message")
+    message: dict[str, Any] = raw_message if isinstance(raw_message, dict) else {}
     status, details = finish_status(choice.get("finish_reason"))
     given: Iterator[str] = iter(item_ids or ())
 
@@ -244,8 +273,15 @@ def chat_to_response(completion: ChatCompletionDict, request: ResponsesRequest, 
         output[-1].update(tokens)
         output[-1].update({f: message[f] for f in VERSION_FIELDS if message.get(f) is not None})
     response = response_envelope(
-        request, model=completion.get("model"), status=status, output=output, incomplete_details=details,
-        usage=convert_usage(completion.get("usage")), response_id=response_id, created_at=created_at)
+        request,
+        model=completion.get("model"),
+        status=status,
+        output=output,
+        incomplete_details=details,
+        usage=convert_usage(completion.get("usage")),
+        response_id=response_id,
+        created_at=created_at,
+    )
     return response
 
 
@@ -266,10 +302,17 @@ def message_items(message: dict[str, Any], next_id: Callable[[str], str]) -> lis
     for tc in message.get("tool_calls") or []:
         if not isinstance(tc, dict):
             raise UpstreamError("the backend returned a tool call that is not an object")
-        function = tc.get("function") if isinstance(tc.get("function"), dict) else {}
-        output.append(function_call_item(
-            next_id("fc"), tc.get("id") or new_id("call"), function.get("name") or "",
-            normalize_arguments(function.get("arguments")), "completed"))
+        raw_function = tc.get("function")
+        function: dict[str, Any] = raw_function if isinstance(raw_function, dict) else {}
+        output.append(
+            function_call_item(
+                next_id("fc"),
+                tc.get("id") or new_id("call"),
+                function.get("name") or "",
+                normalize_arguments(function.get("arguments")),
+                "completed",
+            )
+        )
     return output
 
 
@@ -293,7 +336,13 @@ def _empty_length_completion(model: str) -> ChatCompletionDict:
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "finish_reason": "length", "logprobs": None,
-                     "message": {"role": "assistant", "content": None, "tool_calls": None}}],
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "length",
+                "logprobs": None,
+                "message": {"role": "assistant", "content": None, "tool_calls": None},
+            }
+        ],
         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }

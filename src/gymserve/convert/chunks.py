@@ -58,7 +58,8 @@ class ChunkAccumulator:
         logprobs = choice.get("logprobs")
         if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
             self.logprobs = [*(self.logprobs or ()), *logprobs["content"]]
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        raw_delta = choice.get("delta")
+        delta: dict[str, Any] = raw_delta if isinstance(raw_delta, dict) else {}
         self._take_tokens(delta)
         reasoning = field_reasoning(delta)
         if reasoning is not None:
@@ -77,7 +78,8 @@ class ChunkAccumulator:
 
     def _take_tool_call(self, pos: int, tc: dict[str, Any]) -> tuple[Any, bool, str]:
         key = tc.get("index", pos)
-        function = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+        raw_function = tc.get("function")
+        function: dict[str, Any] = raw_function if isinstance(raw_function, dict) else {}
         is_new = key not in self.tool_calls
         if is_new:
             call_id = tc.get("id")
@@ -131,8 +133,13 @@ class ChunkAccumulator:
             "object": "chat.completion",
             "created": int(self.created or time.time()),
             "model": self.model or "",
-            "choices": [{"index": 0, "finish_reason": self.finish_reason or "stop",
-                         "logprobs": {"content": self.logprobs, "refusal": None} if self.logprobs is not None else None,
-                         "message": message}],
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": self.finish_reason or "stop",
+                    "logprobs": {"content": self.logprobs, "refusal": None} if self.logprobs is not None else None,
+                    "message": message,
+                }
+            ],
             "usage": self.usage,
         }

@@ -39,16 +39,16 @@ _STATELESS = "Chat Completions is stateless: send the whole conversation in mess
 
 # Chat Completions fields that the Responses API does not take: what to send instead.
 _CHAT_ONLY: dict[str, str] = {
-    "messages": "use input: a string, or a list of input items ({\"role\": ..., \"content\": ...} "
-                "messages are valid input items)",
+    "messages": 'use input: a string, or a list of input items ({"role": ..., "content": ...} '
+    "messages are valid input items)",
     "max_tokens": "use max_output_tokens",
     "max_completion_tokens": "use max_output_tokens",
     "n": "the Responses API makes one response per request; send n requests",
     "logprobs": "use top_logprobs (0-20) for alternatives; the sampled tokens' log-probs come as "
-                "generation_log_probs on the last output item",
-    "response_format": "use text.format, e.g. {\"format\": {\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}}}",
-    "reasoning_effort": "use reasoning.effort, e.g. {\"effort\": \"low\"}",
-    "functions": "use tools: [{\"type\": \"function\", \"name\": ..., \"parameters\": {...}}]",
+    "generation_log_probs on the last output item",
+    "response_format": 'use text.format, e.g. {"format": {"type": "json_schema", "name": ..., "schema": {...}}}',
+    "reasoning_effort": 'use reasoning.effort, e.g. {"effort": "low"}',
+    "functions": 'use tools: [{"type": "function", "name": ..., "parameters": {...}}]',
     "function_call": "use tool_choice",
     "verbosity": "use text.verbosity",
     "logit_bias": _NO_COUNTERPART_CHAT,
@@ -60,11 +60,11 @@ _CHAT_ONLY: dict[str, str] = {
 
 # Responses API fields that Chat Completions does not take: what to send instead.
 _RESPONSES_ONLY: dict[str, str] = {
-    "input": "use messages: a list of {\"role\": ..., \"content\": ...} messages",
+    "input": 'use messages: a list of {"role": ..., "content": ...} messages',
     "instructions": "put them in a system message at the start of messages",
     "max_output_tokens": "use max_completion_tokens (or max_tokens)",
     "text": "use response_format for text.format (and verbosity for text.verbosity)",
-    "reasoning": "use reasoning_effort, e.g. \"low\"",
+    "reasoning": 'use reasoning_effort, e.g. "low"',
     "previous_response_id": _STATELESS,
     "conversation": _STATELESS,
     "include": _NO_COUNTERPART_RESPONSES,
@@ -78,9 +78,15 @@ _OTHER_API = {"responses": "chat", "chat": "responses"}
 
 # (key, integer?, low, high) for the chat route: ranges the OpenAI API and vLLM both accept.
 _CHAT_NUMBERS = (
-    ("max_tokens", True, 1, None), ("max_completion_tokens", True, 1, None), ("n", True, 1, None),
-    ("temperature", False, 0, None), ("top_p", False, 0, 1), ("top_logprobs", True, 0, 20),
-    ("presence_penalty", False, -2, 2), ("frequency_penalty", False, -2, 2), ("seed", True, None, None),
+    ("max_tokens", True, 1, None),
+    ("max_completion_tokens", True, 1, None),
+    ("n", True, 1, None),
+    ("temperature", False, 0, None),
+    ("top_p", False, 0, 1),
+    ("top_logprobs", True, 0, 20),
+    ("presence_penalty", False, -2, 2),
+    ("frequency_penalty", False, -2, 2),
+    ("seed", True, None, None),
 )
 
 
@@ -101,8 +107,15 @@ def json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def number(obj: dict[str, Any], key: str, *, integer: bool = False, low: float | None = None,
-           high: float | None = None, where: str | None = None) -> int | float | None:
+def number(
+    obj: dict[str, Any],
+    key: str,
+    *,
+    integer: bool = False,
+    low: float | None = None,
+    high: float | None = None,
+    where: str | None = None,
+) -> int | float | None:
     """``obj[key]`` checked as a JSON number (``integer``: a whole number) within ``[low, high]``.
 
     Returns None when absent or null. Raises ``InvalidRequestError`` (param ``where`` or ``key``):
@@ -114,8 +127,11 @@ def number(obj: dict[str, Any], key: str, *, integer: bool = False, low: float |
         return None
     path = where or key
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise InvalidRequestError(f"{path} must be {'an integer' if integer else 'a number'}, got {json_type(value)}"
-                                  f"{'' if isinstance(value, (dict, list)) else f' ({value!r})'}", param=path)
+        raise InvalidRequestError(
+            f"{path} must be {'an integer' if integer else 'a number'}, got {json_type(value)}"
+            f"{'' if isinstance(value, (dict, list)) else f' ({value!r})'}",
+            param=path,
+        )
     if (low is not None and value < low) or (high is not None and value > high):
         if high is None:
             bound = f"at least {low}"
@@ -153,27 +169,36 @@ def check_request(request: Any, api: Api) -> dict[str, Any]:
         if key in wrong:
             raise InvalidRequestError(
                 f"{key} is a {_API_NAME[_OTHER_API[api]]} field, not a {_API_NAME[api]} one: on "
-                f"{_ROUTE[api]}, {wrong[key]}", param=key, code="unsupported_parameter")
+                f"{_ROUTE[api]}, {wrong[key]}",
+                param=key,
+                code="unsupported_parameter",
+            )
     if "model" in request and not isinstance(request["model"], str):
         raise InvalidRequestError(f"model must be a string, got {json_type(request['model'])}", param="model")
     if api == "chat":
         messages = request.get("messages")
         if messages is None:
-            raise InvalidRequestError("messages is required: a non-empty list of {\"role\": ..., \"content\": ...} "
-                                      "messages", param="messages")
+            raise InvalidRequestError(
+                'messages is required: a non-empty list of {"role": ..., "content": ...} messages', param="messages"
+            )
         if not isinstance(messages, list) or not messages:
-            raise InvalidRequestError(f"messages must be a non-empty list of messages, got "
-                                      f"{'an empty array' if messages == [] else json_type(messages)}", param="messages")
+            raise InvalidRequestError(
+                f"messages must be a non-empty list of messages, got "
+                f"{'an empty array' if messages == [] else json_type(messages)}",
+                param="messages",
+            )
         for key, integer, low, high in _CHAT_NUMBERS:
             number(request, key, integer=integer, low=low, high=high)
         if "logprobs" in request and not isinstance(request["logprobs"], bool):
-            raise InvalidRequestError(f"logprobs must be a boolean, got {json_type(request['logprobs'])}",
-                                      param="logprobs")
+            raise InvalidRequestError(
+                f"logprobs must be a boolean, got {json_type(request['logprobs'])}", param="logprobs"
+            )
         chat_tools(request.get("tools"), functions_only=False)
     return request
 
 
 # -- tools ------------------------------------------------------------------------------------
+
 
 def function_tool(tool: Any, where: str, *, nested: bool) -> dict[str, Any]:
     """One function tool checked, as the chat ``function`` object (``name``, ``description``,
@@ -191,10 +216,16 @@ def function_tool(tool: Any, where: str, *, nested: bool) -> dict[str, Any]:
     if nested:
         fn, at = tool.get("function"), f"{where}.function"
         if fn is None:
-            flat = " (this looks like a Responses API tool; Chat Completions nests name, description and " \
-                   "parameters under function)" if "name" in tool else ""
-            raise InvalidRequestError(f"{at} is required: {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                                      f"\"parameters\": {{...}}}}}}{flat}", param=at)
+            flat = (
+                " (this looks like a Responses API tool; Chat Completions nests name, description and "
+                "parameters under function)"
+                if "name" in tool
+                else ""
+            )
+            raise InvalidRequestError(
+                f'{at} is required: {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}{flat}',
+                param=at,
+            )
         if not isinstance(fn, dict):
             raise InvalidRequestError(f"{at} must be an object, got {json_type(fn)}", param=at)
     else:
@@ -202,21 +233,29 @@ def function_tool(tool: Any, where: str, *, nested: bool) -> dict[str, Any]:
         if "name" not in tool and isinstance(tool.get("function"), dict):
             raise InvalidRequestError(
                 f"{where}.name is required (this looks like a Chat Completions tool; the Responses API puts "
-                "name, description and parameters on the tool itself: {\"type\": \"function\", \"name\": ..., "
-                "\"parameters\": {...}})", param=f"{where}.name")
+                'name, description and parameters on the tool itself: {"type": "function", "name": ..., '
+                '"parameters": {...}})',
+                param=f"{where}.name",
+            )
     name = fn.get("name")
     if not isinstance(name, str) or not name:
-        got = "" if name is None else f", got {json_type(name)}" if not isinstance(name, str) else ", got an empty string"
+        got = (
+            "" if name is None else f", got {json_type(name)}" if not isinstance(name, str) else ", got an empty string"
+        )
         raise InvalidRequestError(f"{at}.name is required (a non-empty string){got}", param=f"{at}.name")
     out: dict[str, Any] = {"name": name}
-    for key, ok, what in (("description", str, "a string"), ("parameters", dict, "a JSON Schema object"),
-                          ("strict", bool, "a boolean")):
+    for key, ok, what in (
+        ("description", str, "a string"),
+        ("parameters", dict, "a JSON Schema object"),
+        ("strict", bool, "a boolean"),
+    ):
         value = fn.get(key)
         if value is None:
             continue
         if not isinstance(value, ok):
-            hint = (", e.g. {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}"
-                    if key == "parameters" else "")
+            hint = (
+                ', e.g. {"type": "object", "properties": {"city": {"type": "string"}}}' if key == "parameters" else ""
+            )
             raise InvalidRequestError(f"{at}.{key} must be {what}, got {json_type(value)}{hint}", param=f"{at}.{key}")
         out[key] = value
     return out
@@ -246,7 +285,9 @@ def chat_tools(tools: Any, *, functions_only: bool) -> list[dict[str, Any]] | No
 def unsupported_tool_type(kind: Any, where: str) -> InvalidRequestError:
     """The 400 for a tool that is not a function tool, on a backend that runs only function tools."""
     if kind is None:
-        return InvalidRequestError(f"{where}.type is required: \"function\"", param=f"{where}.type")
-    return InvalidRequestError(f"{where}.type {kind!r} is not supported: only function tools can be given to "
-                               "this model ({\"type\": \"function\", ...}); hosted tools run on OpenAI's side",
-                               param=f"{where}.type")
+        return InvalidRequestError(f'{where}.type is required: "function"', param=f"{where}.type")
+    return InvalidRequestError(
+        f"{where}.type {kind!r} is not supported: only function tools can be given to "
+        'this model ({"type": "function", ...}); hosted tools run on OpenAI\'s side',
+        param=f"{where}.type",
+    )

@@ -31,9 +31,15 @@ def _check(request: dict[str, Any], key: str, types: tuple[type, ...], what: str
 
 # Include values that ask for nothing gymserve could add: results of hosted tools (rejected on
 # their own) and encrypted reasoning (it has none to give). Token log-probs have a better home.
-_INCLUDE_NOTHING = {"file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
-                    "message.input_image.image_url", "computer_call_output.output.image_url",
-                    "code_interpreter_call.outputs", "reasoning.encrypted_content"}
+_INCLUDE_NOTHING = {
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+}
 
 
 def check_include(include: Any) -> None:
@@ -48,7 +54,9 @@ def check_include(include: Any) -> None:
             raise InvalidRequestError(
                 "include message.output_text.logprobs is not supported; per-token log-probs come as "
                 "generation_log_probs on the last output item (local engine; chat backends with "
-                "return_token_id_information), or use /v1/chat/completions with logprobs", param=f"include[{i}]")
+                "return_token_id_information), or use /v1/chat/completions with logprobs",
+                param=f"include[{i}]",
+            )
         if value not in _INCLUDE_NOTHING:
             raise InvalidRequestError(f"include[{i}] {value!r} is not a known include value", param=f"include[{i}]")
 
@@ -57,13 +65,18 @@ def check_include(include: Any) -> None:
 # the ranges the OpenAI API and vLLM both accept. seed, presence_penalty and frequency_penalty are
 # not in the Responses API: gymserve carries them as sampling extras, like stop below.
 _CARRIED_NUMBERS = (
-    ("temperature", False, 0, None), ("top_p", False, 0, 1), ("presence_penalty", False, -2, 2),
-    ("frequency_penalty", False, -2, 2), ("seed", True, None, None),
+    ("temperature", False, 0, None),
+    ("top_p", False, 0, 1),
+    ("presence_penalty", False, -2, 2),
+    ("frequency_penalty", False, -2, 2),
+    ("seed", True, None, None),
 )
 # ... and the rest: (name, accepted types, what to say).
 _CARRIED = (
-    ("user", (str,), "a string"), ("metadata", (dict,), "an object"),
-    ("stop", (str, list), "a string or a list of strings"), ("parallel_tool_calls", (bool,), "a boolean"),
+    ("user", (str,), "a string"),
+    ("metadata", (dict,), "an object"),
+    ("stop", (str, list), "a string or a list of strings"),
+    ("parallel_tool_calls", (bool,), "a boolean"),
     ("chat_template_kwargs", (dict,), "an object"),  # engine extra (vLLM, SGLang), e.g. enable_thinking
 )
 
@@ -87,8 +100,9 @@ def copy_sampling(request: dict[str, Any], chat: ChatRequest, options: ConvertOp
     reasoning = _check(request, "reasoning", (dict,), "an object")
     if reasoning and reasoning.get("effort") is not None:
         if not isinstance(reasoning["effort"], str):
-            raise InvalidRequestError(f"reasoning.effort must be a string, got {json_type(reasoning['effort'])}",
-                                      param="reasoning.effort")
+            raise InvalidRequestError(
+                f"reasoning.effort must be a string, got {json_type(reasoning['effort'])}", param="reasoning.effort"
+            )
         chat["reasoning_effort"] = reasoning["effort"]
 
 
@@ -121,7 +135,9 @@ def convert_tool_choice(choice: Any) -> Any:
     kind = choice.get("type") if isinstance(choice, dict) else None
     raise InvalidRequestError(
         f"tool_choice {kind or choice!r} is not supported; use auto, none, required or "
-        '{"type": "function", "name": ...}', param="tool_choice")
+        '{"type": "function", "name": ...}',
+        param="tool_choice",
+    )
 
 
 def convert_text_format(text: Any) -> dict[str, Any] | None:
@@ -151,6 +167,6 @@ def convert_text_format(text: Any) -> dict[str, Any] | None:
         if fmt.get("description") is not None:
             spec["description"] = fmt["description"]
         return {"type": "json_schema", "json_schema": spec}
-    raise InvalidRequestError(f"text.format.type {kind!r} is not supported; use text, json_object or json_schema",
-                              param="text.format.type")
-
+    raise InvalidRequestError(
+        f"text.format.type {kind!r} is not supported; use text, json_object or json_schema", param="text.format.type"
+    )

@@ -52,23 +52,28 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
     request = without_nulls(request)
     if request.get("previous_response_id") is not None:
         raise InvalidRequestError(
-            "previous_response_id is not supported: gymserve stores no responses; send the whole "
-            "conversation in input", param="previous_response_id")
+            "previous_response_id is not supported: gymserve stores no responses; send the whole conversation in input",
+            param="previous_response_id",
+        )
     if request.get("conversation") is not None:
-        raise InvalidRequestError("conversation is not supported; send the whole conversation in input",
-                                  param="conversation")
+        raise InvalidRequestError(
+            "conversation is not supported; send the whole conversation in input", param="conversation"
+        )
     if request.get("background"):
-        raise InvalidRequestError("background is not supported: a background response is stored and polled, and "
-                                  "gymserve stores no responses; leave background out (or false)",
-                                  param="background")
+        raise InvalidRequestError(
+            "background is not supported: a background response is stored and polled, and "
+            "gymserve stores no responses; leave background out (or false)",
+            param="background",
+        )
     check_include(request.get("include"))
 
     builder = _MessageBuilder(options)
     instructions = request.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise InvalidRequestError(f"instructions must be a string, got {json_type(instructions)}",
-                                      param="instructions")
+            raise InvalidRequestError(
+                f"instructions must be a string, got {json_type(instructions)}", param="instructions"
+            )
         if instructions:
             builder.system_texts.append(instructions)
 
@@ -79,11 +84,14 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
         for i, item in enumerate(raw_input):
             builder.add_item(item, f"input[{i}]")
     elif raw_input is None:
-        raise InvalidRequestError("input is required: a string, or a list of input items (gymserve stores no "
-                                  "conversations to continue)", param="input")
+        raise InvalidRequestError(
+            "input is required: a string, or a list of input items (gymserve stores no conversations to continue)",
+            param="input",
+        )
     else:
-        raise InvalidRequestError(f"input must be a string or a list of input items, got {json_type(raw_input)}",
-                                  param="input")
+        raise InvalidRequestError(
+            f"input must be a string or a list of input items, got {json_type(raw_input)}", param="input"
+        )
     messages = builder.finish()
     if builder.last_tokens is not None:
         # Only the last token record is spliced; check it element by element (see get_token_info).
@@ -138,14 +146,18 @@ class _MessageBuilder:
         elif kind == "function_call_output":
             self._add_function_call_output(item, where)
         elif kind == "item_reference":
-            raise InvalidRequestError(f"{where}: item_reference is not supported: gymserve stores no "
-                                      "responses; send the full item", param=f"{where}.type")
+            raise InvalidRequestError(
+                f"{where}: item_reference is not supported: gymserve stores no responses; send the full item",
+                param=f"{where}.type",
+            )
         elif kind is None:
             raise InvalidRequestError(f"{where} has no type (and no role)", param=f"{where}.type")
         else:
             raise InvalidRequestError(
                 f"{where}: item type {kind!r} is not supported by chat backends; supported: message, "
-                "reasoning, function_call, function_call_output", param=f"{where}.type")
+                "reasoning, function_call, function_call_output",
+                param=f"{where}.type",
+            )
 
     def finish(self) -> list[dict[str, Any]]:
         self._flush()
@@ -178,8 +190,9 @@ class _MessageBuilder:
             self.messages.append({"role": "user", "content": _user_content(content, f"{where}.content")})
         else:
             problem = "is required" if role is None else f"{role!r} is not a role"
-            raise InvalidRequestError(f"{where}.role {problem}: use user, assistant, system or developer",
-                                      param=f"{where}.role")
+            raise InvalidRequestError(
+                f"{where}.role {problem}: use user, assistant, system or developer", param=f"{where}.role"
+            )
 
     def _add_reasoning(self, item: dict[str, Any], where: str) -> None:
         text = _reasoning_text(item, where)
@@ -196,11 +209,13 @@ class _MessageBuilder:
         elif arguments is None:
             arguments = "{}"
         elif not isinstance(arguments, str):
-            raise InvalidRequestError(f"{where}.arguments must be a JSON string, got {json_type(arguments)}",
-                                      param=f"{where}.arguments")
+            raise InvalidRequestError(
+                f"{where}.arguments must be a JSON string, got {json_type(arguments)}", param=f"{where}.arguments"
+            )
         turn = self._open_turn()
-        turn["tool_calls"].append({"id": call_id, "type": "function",
-                                   "function": {"name": name, "arguments": arguments}})
+        turn["tool_calls"].append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        )
         self._take_tokens(item, where)
 
     def _add_function_call_output(self, item: dict[str, Any], where: str) -> None:
@@ -211,8 +226,10 @@ class _MessageBuilder:
         elif isinstance(output, list):
             content = _user_content(output, f"{where}.output")
         else:
-            raise InvalidRequestError(f"{where}.output must be a string or a list of content parts, got "
-                                      f"{json_type(output)}", param=f"{where}.output")
+            raise InvalidRequestError(
+                f"{where}.output must be a string or a list of content parts, got {json_type(output)}",
+                param=f"{where}.output",
+            )
         self._flush()
         self.messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
 
@@ -256,6 +273,7 @@ class _MessageBuilder:
 
 # -- content helpers -------------------------------------------------------------------------
 
+
 def _required_str(obj: dict[str, Any], key: str, where: str) -> str:
     value = obj.get(key)
     if not isinstance(value, str) or not value:
@@ -269,12 +287,14 @@ def _parts(content: Any, path: str) -> list[dict[str, Any]]:
     if content is None:
         raise InvalidRequestError(f"{path} is required: a string or a list of content parts", param=path)
     if not isinstance(content, list):
-        raise InvalidRequestError(f"{path} must be a string or a list of content parts, got {json_type(content)}",
-                                  param=path)
+        raise InvalidRequestError(
+            f"{path} must be a string or a list of content parts, got {json_type(content)}", param=path
+        )
     for j, part in enumerate(content):
         if not isinstance(part, dict):
-            raise InvalidRequestError(f"{path}[{j}] must be a content part object, got {json_type(part)}",
-                                      param=f"{path}[{j}]")
+            raise InvalidRequestError(
+                f"{path}[{j}] must be a content part object, got {json_type(part)}", param=f"{path}[{j}]"
+            )
     return content
 
 
@@ -296,8 +316,10 @@ def _part_text(part: dict[str, Any], where: str) -> str | None:
 def _unsupported_part(part: dict[str, Any], where: str) -> InvalidRequestError:
     kind = part.get("type")
     if kind in ("input_file", "input_audio", "input_video"):
-        return InvalidRequestError(f"{where}: content part type '{kind}' is not supported by chat "
-                                   "backends; send text or input_image", param=f"{where}.type")
+        return InvalidRequestError(
+            f"{where}: content part type '{kind}' is not supported by chat backends; send text or input_image",
+            param=f"{where}.type",
+        )
     return InvalidRequestError(f"{where}: unknown content part type {kind!r}", param=f"{where}.type")
 
 
@@ -331,8 +353,9 @@ def _user_content(content: Any, path: str) -> Any:
         elif part.get("type") == "input_image":
             url = part.get("image_url")
             if not isinstance(url, str) or not url:
-                raise InvalidRequestError(f"{at}.image_url is required (a URL or data URL; file_id is "
-                                          "not supported)", param=f"{at}.image_url")
+                raise InvalidRequestError(
+                    f"{at}.image_url is required (a URL or data URL; file_id is not supported)", param=f"{at}.image_url"
+                )
             image: dict[str, Any] = {"url": url}
             if part.get("detail") is not None:
                 image["detail"] = part["detail"]
@@ -351,13 +374,13 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
         if value is None:
             continue
         if not isinstance(value, list):
-            raise InvalidRequestError(f"{where}.{key} must be a list of text parts, got {json_type(value)}",
-                                      param=f"{where}.{key}")
+            raise InvalidRequestError(
+                f"{where}.{key} must be a list of text parts, got {json_type(value)}", param=f"{where}.{key}"
+            )
         texts = []
         for j, part in enumerate(value):
             if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-                raise InvalidRequestError(f"{where}.{key}[{j}].text must be a string",
-                                          param=f"{where}.{key}[{j}].text")
+                raise InvalidRequestError(f"{where}.{key}[{j}].text must be a string", param=f"{where}.{key}[{j}].text")
             texts.append(part["text"])
         if texts:
             return "\n\n".join(texts)

@@ -65,7 +65,10 @@ class _Phase:
 
     def view(self) -> dict[str, Any]:
         content = "".join(self.content)
-        return {"content": content.lstrip() if self.after_call else content, REASONING_FIELDS[0]: "".join(self.reasoning)}
+        return {
+            "content": content.lstrip() if self.after_call else content,
+            REASONING_FIELDS[0]: "".join(self.reasoning),
+        }
 
     def message(self, accumulator: ChunkAccumulator) -> dict[str, Any]:
         calls = self.frozen if self.frozen is not None else [accumulator.tool_calls[k] for k in self.keys]
@@ -95,9 +98,15 @@ class ResponseStreamBuilder:
     ``response.reasoning.delta/.done`` (same fields).
     """
 
-    def __init__(self, request: ResponsesRequest, *, response_id: str | None = None,
-                 created_at: float | None = None, model: str | None = None,
-                 reasoning_events: Literal["reasoning_text", "reasoning"] = "reasoning_text"):
+    def __init__(
+        self,
+        request: ResponsesRequest,
+        *,
+        response_id: str | None = None,
+        created_at: float | None = None,
+        model: str | None = None,
+        reasoning_events: Literal["reasoning_text", "reasoning"] = "reasoning_text",
+    ):
         self.request = request
         self.response_id = response_id or new_id("resp")
         self.created_at = int(created_at if created_at is not None else time.time())
@@ -116,8 +125,10 @@ class ResponseStreamBuilder:
     def start(self) -> list[Event]:
         """response.created and response.in_progress, with an empty in-progress response."""
         shell = self._envelope("in_progress")
-        return [self._event("response.created", response=shell),
-                self._event("response.in_progress", response=self._envelope("in_progress"))]
+        return [
+            self._event("response.created", response=shell),
+            self._event("response.in_progress", response=self._envelope("in_progress")),
+        ]
 
     def feed(self, chunk: dict[str, Any]) -> list[Event]:
         """Events for one ``ChatCompletionChunk`` dict (possibly none)."""
@@ -138,7 +149,9 @@ class ResponseStreamBuilder:
                 if added[kind]:
                     getattr(phase, kind).append(added[kind])
             phase.plain = phase.plain and not phase.reasoning and "<" not in added["content"]
-            events += self._plain_text(phase, added["content"]) if phase.plain else self._sync_segments(phase, final=False)
+            events += (
+                self._plain_text(phase, added["content"]) if phase.plain else self._sync_segments(phase, final=False)
+            )
         for key, is_new, args in added["tool_calls"]:
             if is_new:
                 if not phase.keys:
@@ -162,8 +175,14 @@ class ResponseStreamBuilder:
         if self.model and not self.accumulator.model:
             self.accumulator.model = self.model
         turns = [p.message(self.accumulator) for p in self._phases] if len(self._phases) > 1 else None
-        response = chat_to_response(self.accumulator.completion(), self.request, response_id=self.response_id,
-                                    created_at=self.created_at, item_ids=[it.id for it in self._items], turns=turns)
+        response = chat_to_response(
+            self.accumulator.completion(),
+            self.request,
+            response_id=self.response_id,
+            created_at=self.created_at,
+            item_ids=[it.id for it in self._items],
+            turns=turns,
+        )
         output = response["output"]
         for item in self._items:
             if not item.closed and item.output_index < len(output):
@@ -196,8 +215,14 @@ class ResponseStreamBuilder:
     # -- helpers -----------------------------------------------------------------------------
 
     def _envelope(self, status: str, **kwargs: Any) -> dict[str, Any]:
-        return response_envelope(self.request, model=self.model or self.accumulator.model, status=status,
-                                 response_id=self.response_id, created_at=self.created_at, **kwargs)
+        return response_envelope(
+            self.request,
+            model=self.model or self.accumulator.model,
+            status=status,
+            response_id=self.response_id,
+            created_at=self.created_at,
+            **kwargs,
+        )
 
     def _event(self, kind: str, **fields: Any) -> Event:
         event = {"type": kind, "sequence_number": self._seq, **fields}
@@ -215,14 +240,15 @@ class ResponseStreamBuilder:
         for i, (kind, text) in enumerate(segments):
             if i == len(phase.segments):
                 events += self._flush() + self._close_items(phase.segments)
-                item = self._new_item("reasoning" if kind == "reasoning" else "message",
-                                      "rs" if kind == "reasoning" else "msg")
+                item = self._new_item(
+                    "reasoning" if kind == "reasoning" else "message", "rs" if kind == "reasoning" else "msg"
+                )
                 phase.segments.append(item)
                 events += self._open_part(item)
             item = phase.segments[i]
             if item.closed or not text.startswith(item.emitted):
                 continue  # cannot un-say streamed text; finish() still sends the exact final item
-            events += self._text_delta(item, text[len(item.emitted):])
+            events += self._text_delta(item, text[len(item.emitted) :])
         return events
 
     def _plain_text(self, phase: _Phase, piece: str) -> list[Event]:
@@ -232,7 +258,7 @@ class ResponseStreamBuilder:
         if not phase.segments and phase.after_call:
             combined = combined.lstrip()
         body = combined.rstrip()
-        phase.held = combined[len(body):]
+        phase.held = combined[len(body) :]
         if not body:
             return []
         events: list[Event] = []
@@ -256,9 +282,16 @@ class ResponseStreamBuilder:
         for key, call in zip(phase.keys, turn["tool_calls"]):
             item = self._tools[key]
             if not item.closed:
-                events += self._close(item, function_call_item(item.id, item.call_id, call["function"]["name"],
-                                                               normalize_arguments(call["function"]["arguments"]),
-                                                               "completed"))
+                events += self._close(
+                    item,
+                    function_call_item(
+                        item.id,
+                        item.call_id,
+                        call["function"]["name"],
+                        normalize_arguments(call["function"]["arguments"]),
+                        "completed",
+                    ),
+                )
         return events
 
     def _close_items(self, items: list[_Item]) -> list[Event]:
@@ -266,8 +299,11 @@ class ResponseStreamBuilder:
         events: list[Event] = []
         for item in items:
             if not item.closed:
-                final = (reasoning_item(item.id, item.emitted) if item.kind == "reasoning"
-                         else message_item(item.id, item.emitted, "completed"))
+                final = (
+                    reasoning_item(item.id, item.emitted)
+                    if item.kind == "reasoning"
+                    else message_item(item.id, item.emitted, "completed")
+                )
                 events += self._close(item, final)
         return events
 
@@ -275,8 +311,9 @@ class ResponseStreamBuilder:
         """Close a phase's reasoning/message items with their final values (a refusal part
         included; a message holding only a refusal is announced and closed here)."""
         ids = iter([item.id for item in phase.segments])
-        finals = message_items({**phase.view(), "refusal": "".join(phase.refusal)},
-                               lambda prefix: next(ids, None) or new_id(prefix))
+        finals = message_items(
+            {**phase.view(), "refusal": "".join(phase.refusal)}, lambda prefix: next(ids, None) or new_id(prefix)
+        )
         events: list[Event] = []
         for index, final in enumerate(finals):
             if index < len(phase.segments):
@@ -296,8 +333,15 @@ class ResponseStreamBuilder:
             shell, part = message_item(item.id, None, "in_progress"), output_text_part("")
         events = [self._event("response.output_item.added", output_index=item.output_index, item=shell)]
         if with_part:
-            events.append(self._event("response.content_part.added", item_id=item.id, output_index=item.output_index,
-                                      content_index=0, part=part))
+            events.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item.id,
+                    output_index=item.output_index,
+                    content_index=0,
+                    part=part,
+                )
+            )
             item.parts = 1
         return events
 
@@ -323,8 +367,11 @@ class ResponseStreamBuilder:
         if not delta:
             return []
         item.emitted += delta
-        return [self._event("response.function_call_arguments.delta", item_id=item.id,
-                            output_index=item.output_index, delta=delta)]
+        return [
+            self._event(
+                "response.function_call_arguments.delta", item_id=item.id, output_index=item.output_index, delta=delta
+            )
+        ]
 
     def _close(self, item: _Item, final: dict[str, Any]) -> list[Event]:
         """Remaining delta (what was withheld), the done events, output_item.done with ``final``."""
@@ -332,9 +379,10 @@ class ResponseStreamBuilder:
         where = {"item_id": item.id, "output_index": item.output_index}
         if final.get("type") == "function_call":
             args = final["arguments"]
-            events = self._arguments_delta(item, args[len(item.emitted):]) if args.startswith(item.emitted) else []
-            events.append(self._event("response.function_call_arguments.done", **where, name=final["name"],
-                                      arguments=args))
+            events = self._arguments_delta(item, args[len(item.emitted) :]) if args.startswith(item.emitted) else []
+            events.append(
+                self._event("response.function_call_arguments.done", **where, name=final["name"], arguments=args)
+            )
         else:
             events = []
             parts = final.get("content") or []
@@ -360,7 +408,7 @@ class ResponseStreamBuilder:
         else:
             text = part.get("text", "")
             if index == 0 and text.startswith(item.emitted):
-                events += self._text_delta(item, text[len(item.emitted):])
+                events += self._text_delta(item, text[len(item.emitted) :])
             elif index > 0 and text:
                 events.append(self._event("response.output_text.delta", **where, delta=text, logprobs=[]))
             if item.kind == "reasoning":
@@ -372,7 +420,7 @@ class ResponseStreamBuilder:
 
     def _replay(self, index: int, final: dict[str, Any]) -> list[Event]:
         """Full lifecycle for an item the chunks never announced (e.g. text that was all withheld)."""
-        kind = final.get("type")
+        kind: str = final["type"]  # every output item chat_to_response builds has a type
         item = _Item(kind=kind, id=final["id"], output_index=index)
         self._items.append(item)
         if kind == "function_call":

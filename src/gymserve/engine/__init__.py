@@ -13,8 +13,11 @@ from gymserve.registry import Registry
 __all__ = ["ENGINES", "Engine", "Generation", "SamplingParams", "TokenDelta", "create_engine"]
 
 ENGINES: Registry = Registry("engine")
-ENGINES.register("transformers", "gymserve.engine.transformers_engine:TransformersEngine",
-                 install_hint='install the local extra: pip install "gymserve[local]"')
+ENGINES.register(
+    "transformers",
+    "gymserve.engine.transformers_engine:TransformersEngine",
+    install_hint='install the local extra: pip install "gymserve[local]"',
+)
 ENGINES.register("vllm", "gymserve.engine.vllm_engine:VLLMEngine", install_hint="pip install vllm")
 ENGINES.register("trtllm", "gymserve.engine.trtllm_engine:TRTLLMEngine", install_hint="pip install tensorrt_llm")
 

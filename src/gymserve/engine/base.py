@@ -12,7 +12,7 @@ token it streams says which weight version sampled it (``TokenDelta.weight_versi
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -126,7 +126,8 @@ class NoControl:
         return NotSupportedError(
             f"{what} is not supported yet by the {self.engine_name} engine; use the transformers engine "
             "(backend.engine: transformers), or drive your own server's control API through the chat backend",
-            code="control_not_supported")
+            code="control_not_supported",
+        )
 
     async def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
         raise self._unsupported("pause_generation")
@@ -137,8 +138,9 @@ class NoControl:
     async def is_paused(self) -> bool:
         return False
 
-    async def update_weights(self, tensors: Any = None, *, path: str | os.PathLike | None = None,
-                             weight_version: WeightVersion | None = None) -> WeightVersion:
+    async def update_weights(
+        self, tensors: Any = None, *, path: str | os.PathLike | None = None, weight_version: WeightVersion | None = None
+    ) -> WeightVersion:
         raise self._unsupported("update_weights")
 
     async def update_weight_version(self, new_version: WeightVersion) -> None:
@@ -167,7 +169,7 @@ class RunBasedEngine(NoControl):
         """Generate to completion; see ``Engine.generate``."""
         return await collect(self._run(prompt_ids, sampling, stream=False))
 
-    def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[TokenDelta]:
+    def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncGenerator[TokenDelta, None]:
         """Yield token deltas; closing the iterator early aborts the request."""
         return self._run(prompt_ids, sampling, stream=True)
 
@@ -180,7 +182,9 @@ class RunBasedEngine(NoControl):
         if not prompt_ids:
             raise EngineError("empty prompt")
 
-    def _run(self, prompt_ids: Sequence[int], sampling: SamplingParams, *, stream: bool) -> AsyncIterator[TokenDelta]:
+    def _run(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, *, stream: bool
+    ) -> AsyncGenerator[TokenDelta, None]:
         raise NotImplementedError
 
 
@@ -216,7 +220,7 @@ class Engine(Protocol):
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation: ...
 
-    def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[TokenDelta]:
+    def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncGenerator[TokenDelta, None]:
         """Yield token deltas as they are sampled; closing the iterator cancels the generation."""
         ...
 
@@ -226,8 +230,9 @@ class Engine(Protocol):
 
     async def is_paused(self) -> bool: ...
 
-    async def update_weights(self, tensors: Any = None, *, path: str | os.PathLike | None = None,
-                             weight_version: WeightVersion | None = None) -> WeightVersion: ...
+    async def update_weights(
+        self, tensors: Any = None, *, path: str | os.PathLike | None = None, weight_version: WeightVersion | None = None
+    ) -> WeightVersion: ...
 
     async def update_weight_version(self, new_version: WeightVersion) -> None: ...
 

@@ -59,13 +59,16 @@ def position_logprob(position: Any, token: int, top_n: int, engine: str) -> tupl
         raise EngineError(f"{engine} returned log-probs of an unknown form: {type(position).__name__}")
     entry: Any = position.get(token)
     if entry is None:
-        raise EngineError(f"{engine} returned no log-prob for the sampled token {token}; gymserve needs the "
-                          "sampled token's log-prob at every position")
+        raise EngineError(
+            f"{engine} returned no log-prob for the sampled token {token}; gymserve needs the "
+            "sampled token's log-prob at every position"
+        )
     lp = _logprob(entry)
     tops: list[tuple[int, float]] = []
     if top_n > 0:
-        items: list[tuple[int, float, Any]] = [(int(t), _logprob(e), getattr(e, "rank", None))
-                                               for t, e in position.items()]
+        items: list[tuple[int, float, Any]] = [
+            (int(t), _logprob(e), getattr(e, "rank", None)) for t, e in position.items()
+        ]
         ranked = [x for x in items if x[2] is not None and x[2] <= top_n]
         if ranked:
             ranked.sort(key=lambda x: x[2])
@@ -97,8 +100,9 @@ def parse_positions(token_ids: Sequence[int], logprobs: Any, top_n: int, engine:
 Amend = Callable[[Any, list, list, list, "FinishReason | None"], tuple[list, list, list]]
 
 
-async def output_deltas(outputs: AsyncIterator[Any], engine: str, top_n: int, *, cumulative: bool,
-                        amend: Amend | None = None) -> AsyncGenerator[TokenDelta, None]:
+async def output_deltas(
+    outputs: AsyncIterator[Any], engine: str, top_n: int, *, cumulative: bool, amend: Amend | None = None
+) -> AsyncGenerator[TokenDelta, None]:
     """``TokenDelta``s from an engine's stream of request outputs in vLLM's shape (``out.finished``;
     ``out.outputs[0]`` with ``token_ids``, ``logprobs``, ``finish_reason``), which TensorRT-LLM's
     LLM API shares. ``cumulative``: each output repeats the earlier tokens, so only the new ones are

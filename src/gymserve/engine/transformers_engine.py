@@ -27,7 +27,7 @@ import itertools
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,13 +92,28 @@ class TransformersEngine(LoraEngine, WorkerControl):
     @classmethod
     def from_config(cls, config, resolved) -> TransformersEngine:
         """The engine for a ``LocalBackendConfig`` and a ``model_store.ResolvedModel``."""
-        return cls(resolved.path, model_name=resolved.name, max_batch_size=config.max_batch_size,
-                   context_window=config.context_window, num_threads=config.num_threads,
-                   pause_timeout=config.pause_timeout)
+        return cls(
+            resolved.path,
+            model_name=resolved.name,
+            max_batch_size=config.max_batch_size,
+            context_window=config.context_window,
+            num_threads=config.num_threads,
+            pause_timeout=config.pause_timeout,
+        )
 
-    def __init__(self, model_dir: str | Path | None = None, *, model_name: str | None = None, max_batch_size: int = 8,
-                 context_window: int | None = None, num_threads: int | None = None, dtype: str = "float32",
-                 model: Any = None, weight_version: WeightVersion = 0, pause_timeout: float = 300.0):
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        *,
+        model_name: str | None = None,
+        max_batch_size: int = 8,
+        context_window: int | None = None,
+        num_threads: int | None = None,
+        dtype: str = "float32",
+        model: Any = None,
+        weight_version: WeightVersion = 0,
+        pause_timeout: float = 300.0,
+    ):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         if model_dir is None and model is None:
@@ -107,13 +122,17 @@ class TransformersEngine(LoraEngine, WorkerControl):
         cfg_path = model_dir or getattr(getattr(model, "config", None), "_name_or_path", None) or ""
         self.model_dir = Path(cfg_path)
         self.model_name = model_name or self.model_dir.name or "policy"
-        self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=getattr(torch, dtype))
+        self.model = (
+            model
+            if model is not None
+            else AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+        )
         self.model.eval()
         cfg = self.model.config
         self.model_type = getattr(cfg, "model_type", None) or None
         self.vocab_size = int(cfg.vocab_size)
-        self.context_window = int(context_window or getattr(cfg, "max_position_embeddings", 4096))
+        max_positions: int = getattr(cfg, "max_position_embeddings", 4096)  # an int in every HF config
+        self.context_window = int(context_window or max_positions)
         eos: set[int] = set()
         try:
             gen_cfg = GenerationConfig.from_pretrained(str(cfg_path)) if cfg_path else None
@@ -143,15 +162,18 @@ class TransformersEngine(LoraEngine, WorkerControl):
         """Generate to completion; see ``Engine.generate``."""
         return await collect(self.stream(prompt_ids, sampling))
 
-    async def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[TokenDelta]:
+    async def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncGenerator[TokenDelta, None]:
         """Yield one ``TokenDelta`` per sampled token; leaving the loop early cancels the request."""
         if self._closed:
             raise EngineError("the engine is shut down")
         if not prompt_ids:
             raise EngineError("empty prompt")
         req = _Request(
-            prompt_ids=list(prompt_ids), sampling=sampling, loop=asyncio.get_running_loop(),
-            out=asyncio.Queue(), stop_ids=frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids),
+            prompt_ids=list(prompt_ids),
+            sampling=sampling,
+            loop=asyncio.get_running_loop(),
+            out=asyncio.Queue(),
+            stop_ids=frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids),
             generator=make_generator(sampling),
         )
         self._inbox.put(req)
@@ -303,8 +325,14 @@ class TransformersEngine(LoraEngine, WorkerControl):
 
     def _forward(self, input_ids, attention_mask, position_ids, cache):
         """One forward pass; ``cache`` is extended in place. Returns the last position's logits."""
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
         return out.logits[:, -1, :].float()
 
     def _encode(self, token_ids: list[int]):

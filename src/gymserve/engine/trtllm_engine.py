@@ -63,8 +63,9 @@ def import_trtllm() -> SimpleNamespace:
     return SimpleNamespace(LLM=LLM, SamplingParams=TSamplingParams, KvCacheConfig=KvCacheConfig)
 
 
-def trtllm_llm_kwargs(model_dir: Path, engine_args: dict[str, Any], context_window: int | None,
-                      kv_cache_config_cls: Any) -> dict[str, Any]:
+def trtllm_llm_kwargs(
+    model_dir: Path, engine_args: dict[str, Any], context_window: int | None, kv_cache_config_cls: Any
+) -> dict[str, Any]:
     """``tensorrt_llm.LLM`` keywords from gymserve's ``engine_args`` (vLLM names accepted).
 
     ``max_model_len`` → ``max_seq_len``; ``gpu_memory_utilization`` → ``kv_cache_config=
@@ -75,8 +76,10 @@ def trtllm_llm_kwargs(model_dir: Path, engine_args: dict[str, Any], context_wind
     for key, value in engine_args.items():
         if key == "gpu_memory_utilization":
             if kv_cache_config_cls is None:
-                raise ValueError("engine_args.gpu_memory_utilization needs tensorrt_llm.llmapi.KvCacheConfig, "
-                                 "which this TensorRT-LLM lacks")
+                raise ValueError(
+                    "engine_args.gpu_memory_utilization needs tensorrt_llm.llmapi.KvCacheConfig, "
+                    "which this TensorRT-LLM lacks"
+                )
             kwargs["kv_cache_config"] = kv_cache_config_cls(free_gpu_memory_fraction=float(value))
         else:
             kwargs[_RENAMED.get(key, key)] = value
@@ -123,11 +126,21 @@ class TRTLLMEngine(RunBasedEngine):
     @classmethod
     def from_config(cls, config, resolved) -> TRTLLMEngine:
         """The engine for a ``LocalBackendConfig`` (its ``engine_args``) and a ``ResolvedModel``."""
-        return cls(resolved.path, model_name=resolved.name, context_window=config.context_window,
-                   engine_args=dict(config.engine_args or {}))
+        return cls(
+            resolved.path,
+            model_name=resolved.name,
+            context_window=config.context_window,
+            engine_args=dict(config.engine_args or {}),
+        )
 
-    def __init__(self, model_dir: str | Path, *, model_name: str | None = None, context_window: int | None = None,
-                 engine_args: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        model_name: str | None = None,
+        context_window: int | None = None,
+        engine_args: dict[str, Any] | None = None,
+    ):
         self._t = import_trtllm()
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
@@ -138,17 +151,20 @@ class TRTLLMEngine(RunBasedEngine):
         self.end_id = meta.eos_token_ids[0]
         self.raw_logprobs = accepts(self._t.SamplingParams, "logprobs_mode")
         if not self.raw_logprobs:
-            log.warning("this TensorRT-LLM's SamplingParams has no logprobs_mode: its log-probs may be those of the "
-                        "processed distribution (after temperature/top-k/top-p), not gymserve's raw log-probs; they "
-                        "agree at temperature 1 with top_k and top_p off. Check with `gymserve verify-rollouts`.")
+            log.warning(
+                "this TensorRT-LLM's SamplingParams has no logprobs_mode: its log-probs may be those of the "
+                "processed distribution (after temperature/top-k/top-p), not gymserve's raw log-probs; they "
+                "agree at temperature 1 with top_k and top_p off. Check with `gymserve verify-rollouts`."
+            )
         kwargs = trtllm_llm_kwargs(self.model_dir, dict(engine_args or {}), context_window, self._t.KvCacheConfig)
         try:
             self.llm = self._t.LLM(**kwargs)
         except TypeError as exc:
             raise ValueError(f"engine_args not accepted by tensorrt_llm.LLM: {exc}") from exc
         llm_args = getattr(self.llm, "args", None)
-        self.context_window = int(getattr(llm_args, "max_seq_len", None) or kwargs.get("max_seq_len")
-                                  or meta.max_position_embeddings or 4096)
+        self.context_window = int(
+            getattr(llm_args, "max_seq_len", None) or kwargs.get("max_seq_len") or meta.max_position_embeddings or 4096
+        )
         self._closed = False
 
     def sampling_params(self, sampling: SamplingParams):
@@ -162,8 +178,9 @@ class TRTLLMEngine(RunBasedEngine):
         self._check_prompt(prompt_ids)
         params = self.sampling_params(sampling)
         stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids)
-        result = self.llm.generate_async({"prompt_token_ids": [int(t) for t in prompt_ids]},
-                                         sampling_params=params, streaming=stream)
+        result = self.llm.generate_async(
+            {"prompt_token_ids": [int(t) for t in prompt_ids]}, sampling_params=params, streaming=stream
+        )
 
         def readd_stop_token(comp, ids, lps, tops, finish):
             if finish == "stop" and _last(comp.token_ids) not in stop_ids:
@@ -178,8 +195,9 @@ class TRTLLMEngine(RunBasedEngine):
         finished = False
         steps = result if stream else _once(result)
         try:
-            async with aclosing(output_deltas(steps, "TensorRT-LLM", sampling.top_logprobs, cumulative=True,
-                                              amend=readd_stop_token)) as deltas:
+            async with aclosing(
+                output_deltas(steps, "TensorRT-LLM", sampling.top_logprobs, cumulative=True, amend=readd_stop_token)
+            ) as deltas:
                 async for delta in deltas:
                     finished = delta.finish_reason is not None
                     yield delta

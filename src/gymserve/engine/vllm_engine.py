@@ -65,8 +65,13 @@ def import_vllm() -> SimpleNamespace:
         from vllm.sampling_params import RequestOutputKind
     except ImportError:
         RequestOutputKind = None
-    return SimpleNamespace(SamplingParams=VSamplingParams, AsyncEngineArgs=AsyncEngineArgs,
-                           TokensPrompt=TokensPrompt, AsyncLLM=AsyncLLM, RequestOutputKind=RequestOutputKind)
+    return SimpleNamespace(
+        SamplingParams=VSamplingParams,
+        AsyncEngineArgs=AsyncEngineArgs,
+        TokensPrompt=TokensPrompt,
+        AsyncLLM=AsyncLLM,
+        RequestOutputKind=RequestOutputKind,
+    )
 
 
 def vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
@@ -106,11 +111,21 @@ class VLLMEngine(RunBasedEngine):
     @classmethod
     def from_config(cls, config, resolved) -> VLLMEngine:
         """The engine for a ``LocalBackendConfig`` (its ``engine_args``) and a ``ResolvedModel``."""
-        return cls(resolved.path, model_name=resolved.name, context_window=config.context_window,
-                   engine_args=dict(config.engine_args or {}))
+        return cls(
+            resolved.path,
+            model_name=resolved.name,
+            context_window=config.context_window,
+            engine_args=dict(config.engine_args or {}),
+        )
 
-    def __init__(self, model_dir: str | Path, *, model_name: str | None = None, context_window: int | None = None,
-                 engine_args: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        model_name: str | None = None,
+        context_window: int | None = None,
+        engine_args: dict[str, Any] | None = None,
+    ):
         self._v = import_vllm()
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
@@ -121,8 +136,10 @@ class VLLMEngine(RunBasedEngine):
         args = dict(engine_args or {})
         mode = args.get("logprobs_mode", RAW_LOGPROBS)
         if mode != RAW_LOGPROBS:
-            raise ValueError(f"engine_args.logprobs_mode={mode!r}: gymserve reports raw log-probs (the policy's "
-                             f"distribution before temperature/top-k/top-p); use {RAW_LOGPROBS!r} or leave it out")
+            raise ValueError(
+                f"engine_args.logprobs_mode={mode!r}: gymserve reports raw log-probs (the policy's "
+                f"distribution before temperature/top-k/top-p); use {RAW_LOGPROBS!r} or leave it out"
+            )
         engine_args_cls = self._v.AsyncEngineArgs
         if accepts(engine_args_cls, "logprobs_mode"):
             args["logprobs_mode"] = RAW_LOGPROBS
@@ -137,8 +154,12 @@ class VLLMEngine(RunBasedEngine):
             raise ValueError(f"engine_args not accepted by vLLM's AsyncEngineArgs: {exc}") from exc
         self.engine = self._v.AsyncLLM.from_engine_args(eargs)
         model_config = getattr(self.engine, "model_config", None)
-        self.context_window = int(getattr(model_config, "max_model_len", None) or args.get("max_model_len")
-                                  or meta.max_position_embeddings or 4096)
+        self.context_window = int(
+            getattr(model_config, "max_model_len", None)
+            or args.get("max_model_len")
+            or meta.max_position_embeddings
+            or 4096
+        )
         self._closed = False
 
     def sampling_params(self, sampling: SamplingParams, *, stream: bool):
@@ -159,7 +180,9 @@ class VLLMEngine(RunBasedEngine):
         finished = False
         try:
             # Cumulative or final-only outputs unless vLLM sends deltas.
-            async with aclosing(output_deltas(outputs, "vLLM", sampling.top_logprobs, cumulative=not delta_mode)) as deltas:
+            async with aclosing(
+                output_deltas(outputs, "vLLM", sampling.top_logprobs, cumulative=not delta_mode)
+            ) as deltas:
                 async for delta in deltas:
                     finished = delta.finish_reason is not None
                     yield delta

@@ -113,7 +113,7 @@ def _error_dict(exc: BaseException) -> dict[str, Any]:
         err["code"] = exc.code
         if isinstance(exc.body, dict) and exc.body.get("message"):
             err["message"] = str(exc.body["message"])
-    elif hasattr(exc, "code") and isinstance(getattr(exc, "code"), str):
+    elif hasattr(exc, "code") and isinstance(exc.code, str):
         err["code"] = exc.code  # gymserve's own errors (e.g. from get_token_info)
     return err
 
@@ -194,8 +194,12 @@ async def run_agent(
         run.output.extend(output)
         if response.get("status") == "failed" or response.get("error"):
             err = response.get("error") or {}
-            run.error = {"type": "ResponseFailed", "message": err.get("message", "response failed"),
-                         "status": None, "code": err.get("code")}
+            run.error = {
+                "type": "ResponseFailed",
+                "message": err.get("message", "response failed"),
+                "status": None,
+                "code": err.get("code"),
+            }
             run.stop_reason = "error"
             return run
 

@@ -59,8 +59,10 @@ def print_run(request: str, run: Any, reward: float | None, out: TextIO) -> None
             elif kind == "message":
                 print(f"  message: {_short(message_text(item))}", file=out)
             elif kind == "function_call":
-                print(f"  function_call: {item.get('name')}({item.get('arguments')})  call_id={item.get('call_id')}",
-                      file=out)
+                print(
+                    f"  function_call: {item.get('name')}({item.get('arguments')})  call_id={item.get('call_id')}",
+                    file=out,
+                )
                 result = outputs.get(item.get("call_id"))
                 if result is not None:
                     print(f"  function_call_output: {_short(str(result.get('output')))}", file=out)
@@ -71,8 +73,14 @@ def print_run(request: str, run: Any, reward: float | None, out: TextIO) -> None
     print(f"--- stop: {run.stop_reason}, reward {reward_s}{err}", file=out)
 
 
-async def _run_agents(base_url: str, model: str | None, requests: tuple[str, ...] | list[str],
-                      max_output_tokens: int, max_steps: int, out: TextIO) -> tuple[str, list[tuple[str, Any, Any]]]:
+async def _run_agents(
+    base_url: str,
+    model: str | None,
+    requests: tuple[str, ...] | list[str],
+    max_output_tokens: int,
+    max_steps: int,
+    out: TextIO,
+) -> tuple[str, list[tuple[str, Any, Any]]]:
     from openai import AsyncOpenAI
 
     from gymserve.harness.agent import run_agent
@@ -85,10 +93,12 @@ async def _run_agents(base_url: str, model: str | None, requests: tuple[str, ...
         async with open_environments(["weather"]) as envs:
             env = envs["weather"]
             params = [{"input": r, "max_output_tokens": max_output_tokens} for r in requests]
-            runs = await asyncio.gather(*(
-                run_agent(client, env, p, model=name, max_steps=max_steps, session_id=f"demo-{i}")
-                for i, p in enumerate(params)
-            ))
+            runs = await asyncio.gather(
+                *(
+                    run_agent(client, env, p, model=name, max_steps=max_steps, session_id=f"demo-{i}")
+                    for i, p in enumerate(params)
+                )
+            )
             results = []
             for r, p, run in zip(requests, params, runs):
                 reward = None if run.error else env.verify({"responses_create_params": p}, run.output)
@@ -132,12 +142,18 @@ def run_demo(
             resolved = resolve_model(model)
             teacher_spec = str(resolved.path)
             t0 = time.perf_counter()
-            server = start_background_server(GymserveConfig(
-                backend=LocalBackendConfig(model=str(resolved.path), sampling=SamplingConfig(temperature=0.0, seed=0)),
-                server=ServerConfig(port=0),
-            ))
-            print(f"serving {resolved.name} in process at {server.base_url} ({time.perf_counter() - t0:.1f} s to load)",
-                  file=out)
+            server = start_background_server(
+                GymserveConfig(
+                    backend=LocalBackendConfig(
+                        model=str(resolved.path), sampling=SamplingConfig(temperature=0.0, seed=0)
+                    ),
+                    server=ServerConfig(port=0),
+                )
+            )
+            print(
+                f"serving {resolved.name} in process at {server.base_url} ({time.perf_counter() - t0:.1f} s to load)",
+                file=out,
+            )
             base_url, model = server.base_url, None
         name, results = asyncio.run(_run_agents(base_url, model, requests, max_output_tokens, max_steps, out))
     except Exception as exc:  # noqa: BLE001 - known failures are reported here; bugs go to the CLI's report
@@ -163,6 +179,7 @@ def run_demo(
 
 def _check(results: list[tuple[str, Any, Any]], teacher_spec: str | None, tolerance: float, out: TextIO) -> int:
     from gymserve.harness.verify import check_contiguity, load_model, rollout_log_prob_diffs
+    from gymserve.protocol import TokenInfo
 
     print("\n=== checks", file=out)
     ok = True
@@ -171,27 +188,43 @@ def _check(results: list[tuple[str, Any, Any]], teacher_spec: str | None, tolera
         ok = False
         print(f"rollouts that ended with an error: {len(errored)}  FAIL", file=out)
     # Keyed by position: two requests may have the same text.
-    token_runs = [(i, run) for i, (_, run, _) in enumerate(results)
-                  if run.turns and all(t.prompt_token_ids is not None for t in run.turns)]
+    token_runs = [
+        (i, run)
+        for i, (_, run, _) in enumerate(results)
+        if run.turns and all(t.prompt_token_ids is not None for t in run.turns)
+    ]
     if not token_runs:
         print("contiguity: not checked (the endpoint returned no token fields)", file=out)
         print("log-probs: not checked (no token fields)", file=out)
         print("verdict: " + ("PASS" if ok else "FAIL"), file=out)
         return 0 if ok else 1
-    turns_of = {r: [dict(prompt_token_ids=t.prompt_token_ids, generation_token_ids=t.generation_token_ids,
-                         generation_log_probs=t.generation_log_probs) for t in run.turns] for r, run in token_runs}
+    turns_of = {
+        r: [
+            TokenInfo(
+                prompt_token_ids=t.prompt_token_ids,
+                generation_token_ids=t.generation_token_ids,
+                generation_log_probs=t.generation_log_probs,
+            )
+            for t in run.turns
+        ]
+        for r, run in token_runs
+    }
     contig = {r: check_contiguity(turns_of[r]) for r, _ in token_runs}
     n_ok = sum(c.ok for c in contig.values())
     multi = sum(len(turns_of[r]) > 1 for r, _ in token_runs)
-    print(f"contiguity: {n_ok}/{len(contig)} rollouts token-contiguous ({multi} multi-turn)"
-          + ("" if n_ok == len(contig) else "  FAIL"), file=out)
+    print(
+        f"contiguity: {n_ok}/{len(contig)} rollouts token-contiguous ({multi} multi-turn)"
+        + ("" if n_ok == len(contig) else "  FAIL"),
+        file=out,
+    )
     for i, c in contig.items():
         if not c.ok:
             print(f"  {results[i][0]!r}: turn {c.turn}: {c.reason}", file=out)
     ok = ok and n_ok == len(contig)
     if teacher_spec is None:
-        print("log-probs: teacher forcing skipped (pass --verify-model with a local copy of the policy model)",
-              file=out)
+        print(
+            "log-probs: teacher forcing skipped (pass --verify-model with a local copy of the policy model)", file=out
+        )
     else:
         t0 = time.perf_counter()
         lm = load_model(teacher_spec)
@@ -200,8 +233,11 @@ def _check(results: list[tuple[str, Any, Any]], teacher_spec: str | None, tolera
             diffs += rollout_log_prob_diffs(lm, turns_of[r], contig[r].ok)
         md = max(diffs) if diffs else 0.0
         good = md <= tolerance
-        print(f"log-probs: {len(diffs)} generated tokens teacher-forced, max |diff| = {md:.3g} "
-              f"(tolerance {tolerance:g}, {time.perf_counter() - t0:.1f} s)" + ("" if good else "  FAIL"), file=out)
+        print(
+            f"log-probs: {len(diffs)} generated tokens teacher-forced, max |diff| = {md:.3g} "
+            f"(tolerance {tolerance:g}, {time.perf_counter() - t0:.1f} s)" + ("" if good else "  FAIL"),
+            file=out,
+        )
         ok = ok and good
     print("verdict: " + ("PASS" if ok else "FAIL"), file=out)
     return 0 if ok else 1

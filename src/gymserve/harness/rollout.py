@@ -112,7 +112,7 @@ def prepare_output(path: str | os.PathLike, resume: bool) -> set[str]:
             try:
                 done.add(str(json.loads(raw)["id"]))
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                if not data[nl + 1:].strip():
+                if not data[nl + 1 :].strip():
                     break  # a corrupt last line is dropped like a partial one (it is simply rerun)
                 line_no = data.count(b"\n", 0, pos) + 1
                 raise TaskFileError(f"{p}:{line_no}: corrupt rollout line ({exc}); fix or remove it") from exc
@@ -151,7 +151,9 @@ class JsonlAppender:
         self.close()
 
 
-def rollout_record(task: dict[str, Any], run: Any, env: Any, *, model: str, started_at: float, total_s: float) -> dict[str, Any]:
+def rollout_record(
+    task: dict[str, Any], run: Any, env: Any, *, model: str, started_at: float, total_s: float
+) -> dict[str, Any]:
     """The output line of one finished rollout (format in the module doc)."""
     reward = None
     if run.stop_reason != "error":
@@ -238,11 +240,16 @@ async def collect_rollouts(
                 started = time.time()
                 t0 = time.perf_counter()
                 run = await run_agent(
-                    client, env, task["responses_create_params"], model=model,
-                    max_steps=int(task.get("max_steps", max_steps)), session_id=task["id"],
+                    client,
+                    env,
+                    task["responses_create_params"],
+                    model=model,
+                    max_steps=int(task.get("max_steps", max_steps)),
+                    session_id=task["id"],
                 )
-                record = rollout_record(task, run, env, model=model, started_at=started,
-                                        total_s=time.perf_counter() - t0)
+                record = rollout_record(
+                    task, run, env, model=model, started_at=started, total_s=time.perf_counter() - t0
+                )
                 # No await from here to the end of the write: cancellation cannot split a line.
                 out.append(record)
                 summary.written += 1
@@ -252,9 +259,12 @@ async def collect_rollouts(
                 if record["reward"] is not None:
                     rewards.append(record["reward"])
                 elapsed = time.perf_counter() - t_start
-                bar.set_postfix(tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.1f}",
-                                reward=f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
-                                errors=summary.errors, refresh=False)
+                bar.set_postfix(
+                    tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.1f}",
+                    reward=f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
+                    errors=summary.errors,
+                    refresh=False,
+                )
                 bar.update(1)
 
         workers = [asyncio.create_task(one(t)) for t in todo]
@@ -335,15 +345,24 @@ def main_rollout(
 
             async with AsyncOpenAI(base_url=base_url, api_key=default_api_key(), max_retries=2, timeout=600) as client:
                 name = await served_model_name(client, model)
-                return await collect_rollouts(tasks, output_path, client=client, model=name,
-                                              concurrency=concurrency, resume=resume,
-                                              max_steps=max_steps, fsync=fsync)
+                return await collect_rollouts(
+                    tasks,
+                    output_path,
+                    client=client,
+                    model=name,
+                    concurrency=concurrency,
+                    resume=resume,
+                    max_steps=max_steps,
+                    fsync=fsync,
+                )
 
         try:
             summary = asyncio.run(go())
         except KeyboardInterrupt:
-            print(f"\ninterrupted: finished rollouts are in {output_path}; rerun with --resume to continue",
-                  file=sys.stderr)
+            print(
+                f"\ninterrupted: finished rollouts are in {output_path}; rerun with --resume to continue",
+                file=sys.stderr,
+            )
             return 130
         except Exception as exc:  # noqa: BLE001 - known failures are reported here; bugs go to the CLI's report
             from gymserve.failures import classify, report

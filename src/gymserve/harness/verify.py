@@ -55,9 +55,10 @@ def check_contiguity(turns: Sequence[TokenInfo | None]) -> Contiguity:
     if not turns or any(t is None for t in turns):
         bad = next((i for i, t in enumerate(turns) if t is None), None)
         return Contiguity(False, bad, "no token fields")
-    for k in range(1, len(turns)):
-        prev = turns[k - 1]["prompt_token_ids"] + turns[k - 1]["generation_token_ids"]
-        prompt = turns[k]["prompt_token_ids"]
+    infos = [t for t in turns if t is not None]  # all of them (checked above), typed without None
+    for k in range(1, len(infos)):
+        prev = infos[k - 1]["prompt_token_ids"] + infos[k - 1]["generation_token_ids"]
+        prompt = infos[k]["prompt_token_ids"]
         if prompt[: len(prev)] != prev:
             if len(prompt) < len(prev):
                 why = f"prompt has {len(prompt)} tokens, fewer than the previous prompt + generation ({len(prev)})"
@@ -209,8 +210,9 @@ def load_rollouts(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rollouts
 
 
-def verify_rollouts(rollouts: Sequence[dict[str, Any]], model: Any | None = None, *,
-                    tolerance: float = DEFAULT_TOLERANCE) -> VerifyReport:
+def verify_rollouts(
+    rollouts: Sequence[dict[str, Any]], model: Any | None = None, *, tolerance: float = DEFAULT_TOLERANCE
+) -> VerifyReport:
     """Check contiguity of every rollout and, when ``model`` is given, its log-probs.
 
     Rollouts whose ``turns`` list is empty (an error before the first model call) are skipped.
@@ -226,8 +228,9 @@ def verify_rollouts(rollouts: Sequence[dict[str, Any]], model: Any | None = None
             report.checks.append(RolloutCheck(rid, Contiguity(False, None, str(exc)), error=str(exc)))
             continue
         check = RolloutCheck(rid, check_contiguity(turns))
-        if model is not None and turns and all(t is not None for t in turns):
-            diffs = rollout_log_prob_diffs(model, turns, check.contiguity.ok)
+        infos = [t for t in turns if t is not None]
+        if model is not None and infos and len(infos) == len(turns):  # every turn has token fields
+            diffs = rollout_log_prob_diffs(model, infos, check.contiguity.ok)
             check.num_tokens = len(diffs)
             check.max_diff = max(diffs) if diffs else 0.0
         report.checks.append(check)
@@ -241,17 +244,24 @@ def format_report(report: VerifyReport, *, max_listed: int = 10) -> str:
         lines.append("no rollouts with model calls to check")
         return "\n".join(lines)
     share = 100.0 * report.contiguous / report.total
-    lines.append(f"contiguity: {report.contiguous}/{report.total} rollouts token-contiguous ({share:.1f}%)"
-                 + ("" if report.contiguity_ok else "  FAIL"))
+    lines.append(
+        f"contiguity: {report.contiguous}/{report.total} rollouts token-contiguous ({share:.1f}%)"
+        + ("" if report.contiguity_ok else "  FAIL")
+    )
     if report.teacher_forced:
         md = report.max_diff
         md_s = "n/a (no generated tokens)" if md is None else f"{md:.3g}"
-        lines.append(f"log-probs: {report.num_tokens} tokens teacher-forced, max |diff| = {md_s} "
-                     f"(tolerance {report.tolerance:g})" + ("" if report.log_probs_ok else "  FAIL"))
+        lines.append(
+            f"log-probs: {report.num_tokens} tokens teacher-forced, max |diff| = {md_s} "
+            f"(tolerance {report.tolerance:g})" + ("" if report.log_probs_ok else "  FAIL")
+        )
     else:
         lines.append("log-probs: not recomputed (no model given)")
-    bad = [c for c in report.checks
-           if not c.contiguity.ok or c.error or (c.max_diff is not None and c.max_diff > report.tolerance)]
+    bad = [
+        c
+        for c in report.checks
+        if not c.contiguity.ok or c.error or (c.max_diff is not None and c.max_diff > report.tolerance)
+    ]
     for c in bad[:max_listed]:
         parts = []
         if not c.contiguity.ok:

@@ -163,8 +163,12 @@ P = TypeVar("P", bound=type)
 TOOL_CALL_PARSERS: Registry[type[ToolCallParser]] = Registry("tool-call parser")
 REASONING_PARSERS: Registry[type[ReasoningParser]] = Registry("reasoning parser")
 # The built-in parsers, imported on first use (their modules import this one, never the reverse).
-for _name, _cls in (("hermes", "HermesToolCallParser"), ("qwen2_5_coder", "Qwen25CoderToolCallParser"),
-                    ("llama3_json", "Llama3JsonToolCallParser"), ("mistral", "MistralToolCallParser")):
+for _name, _cls in (
+    ("hermes", "HermesToolCallParser"),
+    ("qwen2_5_coder", "Qwen25CoderToolCallParser"),
+    ("llama3_json", "Llama3JsonToolCallParser"),
+    ("mistral", "MistralToolCallParser"),
+):
     TOOL_CALL_PARSERS.register(_name, f"gymserve.parsers.tool_calls:{_cls}")
 for _name, _cls in (("deepseek_r1", "DeepSeekR1ReasoningParser"), ("qwen3", "Qwen3ReasoningParser")):
     REASONING_PARSERS.register(_name, f"gymserve.parsers.reasoning:{_cls}")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Union
 
 from gymserve.parsers.json_scan import Brackets, call_in_object, skip_ws, valid_name
 from gymserve.text import partial_tag_len
@@ -75,12 +74,14 @@ class CallArguments:
     text: str
 
 
-ScanEvent = Union[str, CallStart, CallArguments]
+ScanEvent = str | CallStart | CallArguments
 """What a scanner decides: a ``str`` is content (verbatim; the caller strips the whole), or a
 call's start, or a piece of its arguments."""
 
-_HEAD = re.compile(r'\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\\x00-\x1f]|\\.)*")[ \t\n\r]*,'
-                   r'[ \t\n\r]*"(?:arguments|parameters)"[ \t\n\r]*:[ \t\n\r]*(?=\{)')
+_HEAD = re.compile(
+    r'\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\\x00-\x1f]|\\.)*")[ \t\n\r]*,'
+    r'[ \t\n\r]*"(?:arguments|parameters)"[ \t\n\r]*:[ \t\n\r]*(?=\{)'
+)
 _FENCE_HEAD = re.compile(r"```[ \t]*(?:json)?[ \t]*\n?", re.I)
 _FENCE_PARTIAL = re.compile(r"`{0,3}|```[ \t]*(?:j(?:s(?:o(?:n)?)?)?)?[ \t]*\n?", re.I)
 _FENCE = "```"
@@ -142,8 +143,15 @@ class CallScanner:
 
     def _run(self) -> list[ScanEvent]:
         self._out = []
-        handlers = {"start": self._start, "content": self._content, "region": self._region_step,
-                    "list": self._list, "head": self._head, "args": self._args, "tail": self._tail}
+        handlers = {
+            "start": self._start,
+            "content": self._content,
+            "region": self._region_step,
+            "list": self._list,
+            "head": self._head,
+            "args": self._args,
+            "tail": self._tail,
+        }
         while handlers[self.mode]():
             pass
         return self._out

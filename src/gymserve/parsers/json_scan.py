@@ -11,7 +11,10 @@ value, so a call's arguments can be returned exactly as the model spelled them.
 from __future__ import annotations
 
 import json
-from json.decoder import scanstring
+
+# typeshed's json.decoder stub omits scanstring (it leaves it out of __all__), though the module
+# has always exported it at runtime (the C scanner or its pure-Python fallback).
+from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
 
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -154,8 +157,7 @@ def encodable(text: str) -> bool:
 def valid_name(name: object, declared: set[str] | None) -> bool:
     """Whether ``name`` can name a call: a non-blank string that can be sent as UTF-8, and one of
     ``declared`` when that is given."""
-    return (isinstance(name, str) and bool(name.strip()) and encodable(name)
-            and (declared is None or name in declared))
+    return isinstance(name, str) and bool(name.strip()) and encodable(name) and (declared is None or name in declared)
 
 
 def call_in_object(text: str, declared: set[str] | None = None) -> tuple[str, str] | None:
@@ -198,4 +200,3 @@ def declared_tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
         if isinstance(name, str) and name:
             names.add(name)
     return names
-

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gymserve.parsers.base import ReasoningParser, ToolCallParser
-from gymserve.parsers.call_scan import CallStart
+from gymserve.parsers.call_scan import CallStart, ScanEvent
 from gymserve.parsers.json_scan import declared_tool_names
 from gymserve.text import partial_tag_len
 from gymserve.wire.ids import new_id
@@ -167,6 +167,7 @@ class StreamingParser:
         assert self._rest_start is not None
         piece = self._text[self._rest_start + self._fed :]
         self._fed += len(piece)
+        events: list[ScanEvent]
         if self._scanner is None:
             events = [piece]
         else:
@@ -218,6 +219,14 @@ class ChatDeltas:
             return dict.fromkeys(self.reasoning_fields, d.text)
         if d.kind == "tool_call_start":
             self.call_ids.append(new_id("call"))
-            return {"tool_calls": [{"index": d.index, "id": self.call_ids[-1], "type": "function",
-                                    "function": {"name": d.name, "arguments": ""}}]}
+            return {
+                "tool_calls": [
+                    {
+                        "index": d.index,
+                        "id": self.call_ids[-1],
+                        "type": "function",
+                        "function": {"name": d.name, "arguments": ""},
+                    }
+                ]
+            }
         return {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}

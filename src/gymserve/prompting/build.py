@@ -30,10 +30,15 @@ class PromptResult:
     spliced: bool
 
 
-def build_prompt(template: ChatTemplate, messages: Sequence[Mapping[str, Any]],
-                 tools: Sequence[Mapping[str, Any]] | None = None,
-                 chat_template_kwargs: Mapping[str, Any] | None = None,
-                 eos_token_ids: Sequence[int] = (), *, vocab_size: int) -> PromptResult:
+def build_prompt(
+    template: ChatTemplate,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    eos_token_ids: Sequence[int] = (),
+    *,
+    vocab_size: int,
+) -> PromptResult:
     """The prompt token IDs for ``messages`` (OpenAI chat messages, as the client sent them).
 
     No message carries token fields: the template's rendering with the generation prompt,
@@ -65,7 +70,7 @@ def build_prompt(template: ChatTemplate, messages: Sequence[Mapping[str, Any]],
     if len(tail) < TAIL_CHARS:
         # The rendering before the suffix holds a sentinel, not the model's words: take the real
         # text of the prompt's last tokens instead (the tail only guides the reasoning parser).
-        tail = template.tokenizer.decode(ids[-TAIL_CHARS:], skip_special_tokens=False,
-                                         clean_up_tokenization_spaces=False)[-TAIL_CHARS:]
+        tail = template.tokenizer.decode(
+            ids[-TAIL_CHARS:], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )[-TAIL_CHARS:]
     return PromptResult(token_ids=ids, text_tail=tail, spliced=True)
-

@@ -29,8 +29,12 @@ from gymserve.errors import InvalidRequestError, SpliceError
 from gymserve.protocol import TRAINING_FIELDS, TokenInfo, get_token_info
 
 
-def splice_token_ids(prev_prompt_ids: Sequence[int], prev_generation_ids: Sequence[int],
-                     template_suffix_ids: Sequence[int], eos_token_ids: Sequence[int]) -> list[int]:
+def splice_token_ids(
+    prev_prompt_ids: Sequence[int],
+    prev_generation_ids: Sequence[int],
+    template_suffix_ids: Sequence[int],
+    eos_token_ids: Sequence[int],
+) -> list[int]:
     """The spliced prompt: ``P + G + suffix``, with exactly one EOS closing the spliced turn.
 
     ``template_suffix_ids`` are the template's tokens starting AT the EOS (end-of-turn token) that
@@ -132,9 +136,14 @@ class TurnSuffix:
     token_ids: list[int]
 
 
-def find_turn_suffix(template: Any, messages: Sequence[Mapping[str, Any]], k: int,
-                     tools: Sequence[Mapping[str, Any]] | None, kwargs: Mapping[str, Any] | None,
-                     eos_token_ids: Sequence[int]) -> TurnSuffix:
+def find_turn_suffix(
+    template: Any,
+    messages: Sequence[Mapping[str, Any]],
+    k: int,
+    tools: Sequence[Mapping[str, Any]] | None,
+    kwargs: Mapping[str, Any] | None,
+    eos_token_ids: Sequence[int],
+) -> TurnSuffix:
     """The template's text and tokens after assistant turn ``k`` of prepared ``messages``.
 
     ``template`` is a ``ChatTemplate``; ``messages`` are already prepared (``prepare_messages``).
@@ -164,7 +173,7 @@ def find_turn_suffix(template: Any, messages: Sequence[Mapping[str, Any]], k: in
     turn["content"] = sentinel
     head = list(messages[:k]) + [turn]
     text_a = template.render_text(head, tools, kwargs, add_generation_prompt=False)
-    text_b = template.render_text(head + list(messages[k + 1:]), tools, kwargs, add_generation_prompt=True)
+    text_b = template.render_text(head + list(messages[k + 1 :]), tools, kwargs, add_generation_prompt=True)
 
     where = f"the end of assistant turn messages[{k}]"
     if text_a.count(sentinel) != 1:
@@ -172,7 +181,7 @@ def find_turn_suffix(template: Any, messages: Sequence[Mapping[str, Any]], k: in
             f"cannot find {where}: the chat template renders the assistant's content "
             f"{text_a.count(sentinel)} times instead of once, so the turn boundary is ambiguous"
         )
-    closing = text_a[text_a.index(sentinel) + len(sentinel):]
+    closing = text_a[text_a.index(sentinel) + len(sentinel) :]
     tokenizer = template.tokenizer
     eos_texts = {t for t in tokenizer.convert_ids_to_tokens(list(eos_token_ids)) if t}
     if not any(t in closing for t in eos_texts):
@@ -190,7 +199,7 @@ def find_turn_suffix(template: Any, messages: Sequence[Mapping[str, Any]], k: in
     # Only the part of `closing` that B renders too counts: A may end the conversation with
     # something B does not have (a trailing newline, an end-of-text marker), while the turn's own
     # closing (tool calls, end-of-turn token) must be rendered identically in both.
-    same = len(os.path.commonprefix([closing, text_b[after_b:after_b + len(closing)]]))
+    same = len(os.path.commonprefix([closing, text_b[after_b : after_b + len(closing)]]))
     cut = max((closing.rfind(t, 0, same) for t in eos_texts), default=-1)
     if cut < 0:
         raise SpliceError(
@@ -207,4 +216,3 @@ def find_turn_suffix(template: Any, messages: Sequence[Mapping[str, Any]], k: in
             f"(got {ids[:1]}, expected one of {sorted(set(eos_token_ids))})"
         )
     return TurnSuffix(text=suffix_text, token_ids=ids)
-

@@ -36,11 +36,26 @@ _MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "fi
 
 # apply_chat_template arguments a request must not set through chat_template_kwargs: they would
 # change what the call returns or which template runs, not what the template renders.
-_RESERVED_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
-})
+_RESERVED_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
+)
 
 
 class ChatTemplate:
@@ -56,8 +71,9 @@ class ChatTemplate:
     configuration error, raised at start-up, never per request).
     """
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None,
-                 default_kwargs: Mapping[str, Any] | None = None):
+    def __init__(
+        self, tokenizer: Any, chat_template: str | None = None, default_kwargs: Mapping[str, Any] | None = None
+    ):
         self.tokenizer = tokenizer
         if chat_template is not None and "{" not in chat_template:
             try:
@@ -139,8 +155,13 @@ class ChatTemplate:
         self._check_kwargs(kwargs, "chat_template_kwargs")
         return {**self.default_kwargs, **kwargs}
 
-    def render_text(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                    kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True) -> str:
+    def render_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
         """The rendered prompt text of already-prepared ``messages`` (see ``prepare_messages``).
 
         ``tools``: chat-form tools (``[{"type": "function", "function": {...}}]``) or None.
@@ -154,8 +175,12 @@ class ChatTemplate:
         merged = self.merged_kwargs(kwargs)
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), tools=list(tools) if tools else None, chat_template=self.template,
-                add_generation_prompt=add_generation_prompt, tokenize=False, **merged,
+                list(messages),
+                tools=list(tools) if tools else None,
+                chat_template=self.template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **merged,
             )
         except (jinja2.TemplateError, TypeError) as e:
             raise InvalidRequestError(
@@ -169,14 +194,22 @@ class ChatTemplate:
         """Token IDs of rendered template text, without adding special tokens (the text has them)."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def render_ids(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                   kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True) -> list[int]:
+    def render_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         """``encode(render_text(...))``: the prompt token IDs when nothing is spliced."""
         return self.encode(self.render_text(messages, tools, kwargs, add_generation_prompt))
 
-    def generation_prompt_tail(self, messages: Sequence[Mapping[str, Any]],
-                               tools: Sequence[Mapping[str, Any]] | None = None,
-                               kwargs: Mapping[str, Any] | None = None) -> str:
+    def generation_prompt_tail(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         """The last ``TAIL_CHARS`` characters of the prompt rendered with the generation prompt.
 
         The reasoning parser needs them: a template that pre-fills ``<think>`` makes the model

@@ -59,8 +59,15 @@ class RayBackend(Backend):
     name = "ray"
     limiter: Limiter
 
-    def __init__(self, config, replicas: list[RayReplica], infos: list[dict[str, Any]], *, max_queue: int = 1024,
-                 release: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        config,
+        replicas: list[RayReplica],
+        infos: list[dict[str, Any]],
+        *,
+        max_queue: int = 1024,
+        release: Callable[[], None] | None = None,
+    ):
         """Route across started ``replicas`` (their ``info()`` answers in ``infos``); ``release``
         (blocking) frees what holds them when the backend closes. ``from_config`` starts them."""
         self.config = config
@@ -73,8 +80,12 @@ class RayBackend(Backend):
         self.description = {k: infos[0].get(k) for k in ("tool_call_parser", "reasoning_parser", "context_window")}
         self.pool = ReplicaPool(replicas, probe=self._probe, interval=config.health_check_interval)
         self.limiter = Limiter(config.replicas * config.max_concurrent_requests, max_queue, name="ray backend")
-        log.info("ray backend: %d replicas of %s on %s", len(replicas), self.model_name,
-                 sorted({str(r.node) for r in replicas}))
+        log.info(
+            "ray backend: %d replicas of %s on %s",
+            len(replicas),
+            self.model_name,
+            sorted({str(r.node) for r in replicas}),
+        )
 
     @classmethod
     def from_config(cls, config, *, max_queue: int = 1024) -> RayBackend:
@@ -96,8 +107,9 @@ class RayBackend(Backend):
         self._closed = True
         await self.pool.close()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*(r.client.shutdown.remote() for r in self.replicas),
-                                                  return_exceptions=True), timeout=10)
+            await asyncio.wait_for(
+                asyncio.gather(*(r.client.shutdown.remote() for r in self.replicas), return_exceptions=True), timeout=10
+            )
         if self._release is not None:
             await asyncio.to_thread(self._release)
 
@@ -106,7 +118,9 @@ class RayBackend(Backend):
     def _update(self, replica: RayReplica, info: dict[str, Any]) -> None:
         if replica.incarnation is not None and info["incarnation"] != replica.incarnation:
             replica.restarts += 1
-            log.warning("replica %s was restarted by Ray (now pid %s on %s)", replica.name, info["pid"], info["node_ip"])
+            log.warning(
+                "replica %s was restarted by Ray (now pid %s on %s)", replica.name, info["pid"], info["node_ip"]
+            )
         replica.incarnation, replica.pid = info["incarnation"], info["pid"]
         replica.node, replica.node_id = info.get("node_ip"), info.get("node_id")
         replica.state = "alive"
@@ -120,7 +134,7 @@ class RayBackend(Backend):
         except ActorDiedError:
             replica.state = "dead"
             raise
-        except (RayActorError, asyncio.TimeoutError):
+        except (TimeoutError, RayActorError):
             replica.state = "restarting"
             raise
         self._update(replica, info)
@@ -135,8 +149,12 @@ class RayBackend(Backend):
     def describe(self) -> dict[str, Any]:
         """``{"backend": "ray", "target", "model", "tool_call_parser", "reasoning_parser", "context_window"}``."""
         where = self.config.ray_address or "a local Ray instance"
-        return {"backend": "ray", "target": f"{len(self.replicas)} replicas on {where}", "model": self.model_name,
-                **self.description}
+        return {
+            "backend": "ray",
+            "target": f"{len(self.replicas)} replicas on {where}",
+            "model": self.model_name,
+            **self.description,
+        }
 
     async def models(self) -> list[str]:
         return [self.model_name]
@@ -150,8 +168,9 @@ class RayBackend(Backend):
         replica.state = "dead" if isinstance(exc, ActorDiedError) else "restarting"
         self.pool.mark_down(replica, failure_reason(exc))
         nxt = self.pool.pick(session_id)
-        log.warning("replica %s failed (%s); session %s retried on %s", replica.name, type(exc).__name__,
-                    session_id, nxt.name)
+        log.warning(
+            "replica %s failed (%s); session %s retried on %s", replica.name, type(exc).__name__, session_id, nxt.name
+        )
         return nxt
 
     async def _call(self, method: str, request: ChatRequest, ctx: RequestContext) -> Any:
@@ -184,7 +203,9 @@ class RayBackend(Backend):
                 if attempt:
                     raise UpstreamConnectionError(
                         f"the call failed on two replicas (last: {replica.name}, {failure_reason(error)}); "
-                        "the cluster may be losing nodes", code="replica_failed")
+                        "the cluster may be losing nodes",
+                        code="replica_failed",
+                    )
                 replica = self._failed(replica, error, ctx.session_id)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -210,7 +231,8 @@ class RayBackend(Backend):
             replica = self.pool.pick(ctx.session_id)
             for attempt in range(2):
                 gen = replica.client.chat_stream.options(num_returns="streaming").remote(
-                    request, ctx.session_id, ctx.request_id)
+                    request, ctx.session_id, ctx.request_id
+                )
                 started = done = False
                 replica.in_flight += 1
                 try:
@@ -226,7 +248,8 @@ class RayBackend(Backend):
                     if started or attempt:
                         raise UpstreamConnectionError(
                             f"replica {replica.name} failed during the stream ({failure_reason(exc)}); retry the call",
-                            code="replica_failed") from None
+                            code="replica_failed",
+                        ) from None
                     error = exc
                 except RayTaskError as exc:
                     done = True
@@ -245,7 +268,8 @@ class RayBackend(Backend):
         for replica in self.replicas:
             with contextlib.suppress(Exception):
                 out[replica.name] = await asyncio.wait_for(
-                    _awaited(replica.client.served_sessions.remote()), self.config.health_check_timeout)
+                    _awaited(replica.client.served_sessions.remote()), self.config.health_check_timeout
+                )
         return out
 
 

@@ -17,22 +17,49 @@ def _ray_flags():
     from gymserve.cli.flags import Flag
 
     ray = frozenset({"ray"})
-    replicas = Flag(("--replicas",), "backend.replicas", {
-        "type": int, "help": "local engine only: serve N replicas of it on Ray (default 1; `gymserve serve --replicas "
-                             "N` is `gymserve launch --replicas N`)"},
-                    kinds=ray)
-    address = Flag(("--ray-address",), "backend.ray_address", {
-        "metavar": "ADDRESS", "help": "Ray cluster to join: 'auto', HOST:6379 or ray://HOST:10001 (default: "
-                                      "RAY_ADDRESS, a cluster started on this machine, else a new local instance); "
-                                      "'local' always starts a new one"}, kinds=ray)
+    replicas = Flag(
+        ("--replicas",),
+        "backend.replicas",
+        {
+            "type": int,
+            "help": "local engine only: serve N replicas of it on Ray (default 1; `gymserve serve --replicas "
+            "N` is `gymserve launch --replicas N`)",
+        },
+        kinds=ray,
+    )
+    address = Flag(
+        ("--ray-address",),
+        "backend.ray_address",
+        {
+            "metavar": "ADDRESS",
+            "help": "Ray cluster to join: 'auto', HOST:6379 or ray://HOST:10001 (default: "
+            "RAY_ADDRESS, a cluster started on this machine, else a new local instance); "
+            "'local' always starts a new one",
+        },
+        kinds=ray,
+    )
     placement = (
-        Flag(("--num-cpus",), "backend.replica_resources.num_cpus", {
-            "type": float, "help": "CPUs reserved per replica; also its torch threads (default 1)"}, kinds=ray),
-        Flag(("--num-gpus",), "backend.replica_resources.num_gpus", {
-            "type": float, "help": "GPUs reserved per replica (default 0)"}, kinds=ray),
-        Flag(("--placement-strategy",), "backend.placement_strategy", {
-            "choices": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-            "help": "how replicas' bundles are placed on nodes (default PACK)"}, kinds=ray),
+        Flag(
+            ("--num-cpus",),
+            "backend.replica_resources.num_cpus",
+            {"type": float, "help": "CPUs reserved per replica; also its torch threads (default 1)"},
+            kinds=ray,
+        ),
+        Flag(
+            ("--num-gpus",),
+            "backend.replica_resources.num_gpus",
+            {"type": float, "help": "GPUs reserved per replica (default 0)"},
+            kinds=ray,
+        ),
+        Flag(
+            ("--placement-strategy",),
+            "backend.placement_strategy",
+            {
+                "choices": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+                "help": "how replicas' bundles are placed on nodes (default PACK)",
+            },
+            kinds=ray,
+        ),
     )
     return replicas, address, placement
 
@@ -57,10 +84,14 @@ def add_launch_parser(subparsers, **kwargs) -> argparse.ArgumentParser:
     from gymserve.cli.flags import add_config_flags, add_flags, add_serving_flags
 
     p = subparsers.add_parser(
-        "launch", help="serve N local-engine replicas on a Ray cluster behind one gymserve front end",
+        "launch",
+        help="serve N local-engine replicas on a Ray cluster behind one gymserve front end",
         description="Start N replicas of a local model as Ray actors (on the cluster at --ray-address, or a "
-                    "local Ray instance) and serve them at one OpenAI-compatible endpoint with session affinity. "
-                    "MODEL (or --model) must be present on every node.", usage="%(prog)s [MODEL] [options]", **kwargs)
+        "local Ray instance) and serve them at one OpenAI-compatible endpoint with session affinity. "
+        "MODEL (or --model) must be present on every node.",
+        usage="%(prog)s [MODEL] [options]",
+        **kwargs,
+    )
     add_config_flags(p)
     replicas, address, placement = _ray_flags()
     add_flags(p, (replicas, address, *placement), "replicas on Ray")
@@ -70,8 +101,9 @@ def add_launch_parser(subparsers, **kwargs) -> argparse.ArgumentParser:
 
 def add_status_parser(subparsers, **kwargs) -> argparse.ArgumentParser:
     """Add ``status`` (print a running server's replica table) to an argparse subparsers object."""
-    p = subparsers.add_parser("status", help="show a running gymserve's replicas: state, load, sessions, restarts",
-                              **kwargs)
+    p = subparsers.add_parser(
+        "status", help="show a running gymserve's replicas: state, load, sessions, restarts", **kwargs
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server (default %(default)s)")
     return p
 
@@ -107,10 +139,20 @@ def format_status(health: dict[str, Any]) -> str:
     rows = [("NAME", "STATE", "IN_FLIGHT", "SESSIONS", "NODE", "RESTARTS")]
     for r in health.get("replicas") or []:
         state = r.get("state") or ("alive" if r.get("healthy", True) else "unhealthy")
-        rows.append((str(r.get("name") or r.get("base_url")), state, str(r.get("in_flight", "-")),
-                     str(r.get("sessions", "-")), str(r.get("node") or "-"), str(r.get("restarts", "-"))))
+        rows.append(
+            (
+                str(r.get("name") or r.get("base_url")),
+                state,
+                str(r.get("in_flight", "-")),
+                str(r.get("sessions", "-")),
+                str(r.get("node") or "-"),
+                str(r.get("restarts", "-")),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [f"status: {health.get('status')}  backend: {health.get('backend', '-')}  model: {health.get('model', '-')}"]
+    lines = [
+        f"status: {health.get('status')}  backend: {health.get('backend', '-')}  model: {health.get('model', '-')}"
+    ]
     if len(rows) > 1:
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     else:
@@ -118,7 +160,9 @@ def format_status(health: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main_status(base_url: str = "http://127.0.0.1:8000/v1", *, api_key: str | None = None, timeout: float = 30.0) -> int:
+def main_status(
+    base_url: str = "http://127.0.0.1:8000/v1", *, api_key: str | None = None, timeout: float = 30.0
+) -> int:
     """Print the server's replica table (``GET /health``, which needs no API key; ``api_key`` is for a
     proxy in front that does). Exit code: 0 all replicas up, 1 degraded or down, 2 unreachable."""
     import httpx
@@ -129,8 +173,10 @@ def main_status(base_url: str = "http://127.0.0.1:8000/v1", *, api_key: str | No
         resp = httpx.get(f"{root}/health", headers=headers, timeout=timeout)
         health = resp.json()
     except (httpx.HTTPError, ValueError) as exc:
-        print(f"gymserve: cannot read {root}/health ({type(exc).__name__}: {exc}); is the server running?",
-              file=sys.stderr)
+        print(
+            f"gymserve: cannot read {root}/health ({type(exc).__name__}: {exc}); is the server running?",
+            file=sys.stderr,
+        )
         return 2
     if resp.status_code not in (200, 503) or "status" not in health:
         print(f"gymserve: {root}/health answered {resp.status_code}: {resp.text[:300]}", file=sys.stderr)

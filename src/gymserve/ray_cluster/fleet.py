@@ -41,9 +41,18 @@ class RayReplica(Replica):
 
     def row(self) -> dict[str, Any]:
         """This replica's line in ``/health``."""
-        row = {"name": self.name, "state": self.state, "healthy": self.healthy, "in_flight": self.in_flight,
-               "sessions": self.sessions, "node": self.node, "node_id": self.node_id, "pid": self.pid,
-               "restarts": self.restarts, "served": self.served}
+        row = {
+            "name": self.name,
+            "state": self.state,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "sessions": self.sessions,
+            "node": self.node,
+            "node_id": self.node_id,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "served": self.served,
+        }
         if self.last_error:
             row["last_error"] = self.last_error
         return row
@@ -53,8 +62,10 @@ def import_ray():
     try:
         import ray
     except ImportError as exc:
-        raise ImportError('the ray backend needs Ray: pip install "gymserve[ray]" (or pip install ray) '
-                          "on the front end and on every node of the cluster") from exc
+        raise ImportError(
+            'the ray backend needs Ray: pip install "gymserve[ray]" (or pip install ray) '
+            "on the front end and on every node of the cluster"
+        ) from exc
     return ray
 
 
@@ -65,8 +76,12 @@ def connect_ray(config, **init_kwargs: Any) -> bool:
     ray = import_ray()
     if ray.is_initialized():
         return False
-    kwargs: dict[str, Any] = {"namespace": config.namespace, "include_dashboard": False, "log_to_driver": True,
-                              **init_kwargs}
+    kwargs: dict[str, Any] = {
+        "namespace": config.namespace,
+        "include_dashboard": False,
+        "log_to_driver": True,
+        **init_kwargs,
+    }
     address = config.ray_address
     if address in (None, "local") and _no_running_cluster(address):
         if config.object_store_memory:
@@ -117,7 +132,8 @@ def _no_running_cluster(address: str | None) -> bool:
     try:
         from ray._private.services import canonicalize_bootstrap_address
 
-        return canonicalize_bootstrap_address(None) is None
+        # Ray annotates addr as str, but its docstring and code take None (read RAY_ADDRESS/the last cluster).
+        return canonicalize_bootstrap_address(None) is None  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - private API; when unsure, let Ray pick its own address
         return False
 
@@ -160,14 +176,21 @@ class ReplicaFleet:
                     f"the Ray cluster cannot hold {cfg.replicas} replicas of {bundle} each "
                     f"({cfg.placement_strategy}) within {cfg.startup_timeout:.0f} s; it has "
                     f"{_brief(ray.available_resources())} free of {_brief(ray.cluster_resources())}. Lower backend.replicas or "
-                    "backend.replica_resources, or add nodes", code="insufficient_resources") from None
+                    "backend.replica_resources, or add nodes",
+                    code="insufficient_resources",
+                ) from None
         actor_cls = ray.remote(EngineReplica)
         run = uuid.uuid4().hex[:8]
         local = cfg.local.model_dump(mode="json")
         for i in range(cfg.replicas):
             options: dict[str, Any] = {
-                "name": f"gymserve-{run}-replica-{i}", "namespace": cfg.namespace, "max_restarts": -1, "max_task_retries": 0,
-                "num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "max_concurrency": 10_000,
+                "name": f"gymserve-{run}-replica-{i}",
+                "namespace": cfg.namespace,
+                "max_restarts": -1,
+                "max_task_retries": 0,
+                "num_cpus": res.num_cpus,
+                "num_gpus": res.num_gpus,
+                "max_concurrency": 10_000,
             }
             if res.memory:
                 options["memory"] = res.memory
@@ -177,17 +200,22 @@ class ReplicaFleet:
                 options["runtime_env"] = dict(cfg.runtime_env)
             if self._pg is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=i)
+                    placement_group=self._pg, placement_group_bundle_index=i
+                )
             handle = actor_cls.options(**options).remote(f"replica-{i}", local, res.num_cpus or 1.0)
             self.replicas.append(RayReplica(base_url=f"replica-{i}", client=handle, index=i))
         refs = [r.client.info.remote() for r in self.replicas]
         try:
             infos = ray.get(refs, timeout=max(1.0, deadline - time.monotonic()))
         except ray.exceptions.GetTimeoutError:
-            raise UpstreamError(f"the replicas did not load the model within {cfg.startup_timeout:.0f} s "
-                                "(backend.startup_timeout)", code="replica_start_timeout") from None
+            raise UpstreamError(
+                f"the replicas did not load the model within {cfg.startup_timeout:.0f} s (backend.startup_timeout)",
+                code="replica_start_timeout",
+            ) from None
         except ray.exceptions.RayError as exc:
-            raise UpstreamError(f"a replica failed to start: {failure_reason(exc)}", code="replica_start_failed") from None
+            raise UpstreamError(
+                f"a replica failed to start: {failure_reason(exc)}", code="replica_start_failed"
+            ) from None
         return infos
 
     def teardown(self) -> None:

@@ -91,8 +91,15 @@ class EngineReplica:
 
     async def info(self) -> dict[str, Any]:
         """Who and where this replica is, and its load (see module docstring)."""
-        return {"name": self.name, "incarnation": self.incarnation, "pid": os.getpid(), **self._where,
-                "in_flight": self.in_flight, "served": self.served, **self.backend.describe()}
+        return {
+            "name": self.name,
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+            **self._where,
+            "in_flight": self.in_flight,
+            "served": self.served,
+            **self.backend.describe(),
+        }
 
     async def health(self) -> dict[str, Any]:
         """Same as ``info``; answering at all is the health signal (the event loop is alive)."""
@@ -112,19 +119,22 @@ class EngineReplica:
 
     # ---- model calls --------------------------------------------------------------------------
 
-    async def chat(self, request: dict[str, Any], session_id: str | None = None,
-                   request_id: str | None = None) -> dict[str, Any]:
+    async def chat(
+        self, request: dict[str, Any], session_id: str | None = None, request_id: str | None = None
+    ) -> dict[str, Any]:
         """One Chat Completions call on the local backend; a GymserveError comes back as a payload."""
         return await self._answer(request, session_id, request_id, whole=False)
 
-    async def chat_chunks(self, request: dict[str, Any], session_id: str | None = None,
-                          request_id: str | None = None) -> list[dict[str, Any]] | dict[str, Any]:
+    async def chat_chunks(
+        self, request: dict[str, Any], session_id: str | None = None, request_id: str | None = None
+    ) -> list[dict[str, Any]] | dict[str, Any]:
         """The chunks of one whole generation (``LocalBackend.answer``), for the Responses path; a
         GymserveError comes back as a payload."""
         return await self._answer(request, session_id, request_id, whole=True)
 
-    async def _answer(self, request: dict[str, Any], session_id: str | None, request_id: str | None, *,
-                      whole: bool) -> Any:
+    async def _answer(
+        self, request: dict[str, Any], session_id: str | None, request_id: str | None, *, whole: bool
+    ) -> Any:
         from gymserve.backends.base import RequestContext
         from gymserve.errors import GymserveError
 
@@ -139,8 +149,9 @@ class EngineReplica:
         self._count(session_id)
         return answer.chunks if whole else answer.as_completion()
 
-    async def chat_stream(self, request: dict[str, Any], session_id: str | None = None,
-                          request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def chat_stream(
+        self, request: dict[str, Any], session_id: str | None = None, request_id: str | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         """Chat chunks of one streamed call; an error becomes a final payload item.
 
         Ray cancels this generator (``CancelledError`` at an ``await``) when the caller cancels the

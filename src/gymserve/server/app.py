@@ -46,8 +46,12 @@ SESSION_COOKIE = "session_id"
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status,
-                    media_type="application/json", headers=headers)
+    return Response(
+        orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 async def _body(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -57,8 +61,7 @@ async def _body(request: Request, max_bytes: int) -> dict[str, Any]:
     except orjson.JSONDecodeError as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
-        raise InvalidRequestError(f"request body must be a JSON object, got {type(data).__name__}",
-                                  code="invalid_json")
+        raise InvalidRequestError(f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     return data
 
 
@@ -104,15 +107,20 @@ def _sse(events: AsyncIterator[dict[str, Any]], *, responses: bool) -> Streaming
             yield _error_event(exc.to_dict()["error"], responses=responses, seq=seq)
         except Exception as exc:  # noqa: BLE001 - a bug mid-stream still ends the stream cleanly
             log.exception("unhandled error while streaming")
-            err = {"message": f"internal error in gymserve ({type(exc).__name__}) while streaming; "
-                   "this is a bug, please report it with the server log", "type": "server_error",
-                   "code": None, "param": None}
+            err = {
+                "message": f"internal error in gymserve ({type(exc).__name__}) while streaming; "
+                "this is a bug, please report it with the server log",
+                "type": "server_error",
+                "code": None,
+                "param": None,
+            }
             yield _error_event(err, responses=responses, seq=seq)
         if not responses:
             yield b"data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 def _error_event(error: dict[str, Any], *, responses: bool, seq: int) -> bytes:
@@ -126,19 +134,35 @@ def _error_event(error: dict[str, Any], *, responses: bool, seq: int) -> bytes:
     chunk would reach the client as a chat chunk without choices).
     """
     if responses:
-        payload: dict[str, Any] = {"type": "error", "sequence_number": seq + 1, "code": error.get("code"),
-                                   "message": error.get("message"), "param": error.get("param"),
-                                   "error": {"type": error.get("type") or "server_error", "code": error.get("code"),
-                                             "message": error.get("message"), "param": error.get("param")}}
+        payload: dict[str, Any] = {
+            "type": "error",
+            "sequence_number": seq + 1,
+            "code": error.get("code"),
+            "message": error.get("message"),
+            "param": error.get("param"),
+            "error": {
+                "type": error.get("type") or "server_error",
+                "code": error.get("code"),
+                "message": error.get("message"),
+                "param": error.get("param"),
+            },
+        }
     else:
         payload = {"error": error}
     return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
-def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_key: str | None = None,
-               served_models: list[str] | None = None, capture_path: str | None = None,
-               secrets: tuple[str, ...] = (), admin_api_key: str | None = None,
-               control_allowed: bool = True) -> FastAPI:
+def create_app(
+    backend: Backend,
+    *,
+    max_body_bytes: int = 16 << 20,
+    server_api_key: str | None = None,
+    served_models: list[str] | None = None,
+    capture_path: str | None = None,
+    secrets: tuple[str, ...] = (),
+    admin_api_key: str | None = None,
+    control_allowed: bool = True,
+) -> FastAPI:
     """Build the FastAPI app over ``backend``. The caller owns the backend's lifetime and calls
     ``close_app`` when the server has stopped (it flushes the capture file).
 
@@ -147,8 +171,11 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
     control routes instead of ``server_api_key``; ``control_allowed`` False answers them 403
     (``server.control.control_allowed`` decides it from the bind address).
     """
-    app = FastAPI(title="gymserve", version=__version__,
-                  description="Token-exact Responses API and Chat Completions server for RL of LLM agents.")
+    app = FastAPI(
+        title="gymserve",
+        version=__version__,
+        description="Token-exact Responses API and Chat Completions server for RL of LLM agents.",
+    )
     app.state.backend = backend
     app.state.draining = False
     app.state.metrics = metrics = Metrics(backend)
@@ -156,36 +183,61 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
 
     @app.exception_handler(ShuttingDownError)
     async def _draining(request: Request, exc: ShuttingDownError):
-        return error_response(503, exc.message, type_=exc.error_type, code=exc.code,
-                              headers={"Retry-After": "1", "Connection": "close"})
+        return error_response(
+            503, exc.message, type_=exc.error_type, code=exc.code, headers={"Retry-After": "1", "Connection": "close"}
+        )
 
     install_openapi(app)
     all_secrets = tuple(s for s in (*backend.secrets, server_api_key, admin_api_key, *secrets) if s)
     install_log_redaction(all_secrets)
-    app.state.capture = capture = (CaptureWriter(capture_path, secrets=all_secrets, on_drop=metrics.capture_dropped.inc)
-                                   if capture_path else None)
+    app.state.capture = capture = (
+        CaptureWriter(capture_path, secrets=all_secrets, on_drop=metrics.capture_dropped.inc) if capture_path else None
+    )
     if server_api_key or admin_api_key:
         from gymserve.server.auth import install_api_key_check
 
-        install_api_key_check(app, server_api_key, on_failure=metrics.auth_failures.inc, admin_key=admin_api_key,
-                              admin_paths=CONTROL_PATHS | LORA_PATHS)
+        install_api_key_check(
+            app,
+            server_api_key,
+            on_failure=metrics.auth_failures.inc,
+            admin_key=admin_api_key,
+            admin_paths=CONTROL_PATHS | LORA_PATHS,
+        )
     install_control(app, backend, allowed=control_allowed, registry=metrics.registry)
     install_lora(app, backend, allowed=control_allowed)
     backend_name = backend.name
     default_replica = "local" if backend_name == "local" else "-"
 
-    def record(route: str, ctx: RequestContext | None, body: Any, t0: float, status: int, *,
-               result: Any = None, error: dict[str, Any] | None = None, error_type: str | None = None,
-               stream: bool = False) -> None:
+    def record(
+        route: str,
+        ctx: RequestContext | None,
+        body: Any,
+        t0: float,
+        status: int,
+        *,
+        result: Any = None,
+        error: dict[str, Any] | None = None,
+        error_type: str | None = None,
+        stream: bool = False,
+    ) -> None:
         seconds = time.perf_counter() - t0
         replica = (ctx.extra.get("replica") if ctx is not None else None) or default_replica
-        metrics.observe(route, backend_name, replica, status, seconds,
-                        usage_tokens(result) if status == 200 else (0, 0), error_type)
+        metrics.observe(
+            route, backend_name, replica, status, seconds, usage_tokens(result) if status == 200 else (0, 0), error_type
+        )
         if capture is not None:
-            capture.record(route=route, request_id=ctx.request_id if ctx else None,
-                           session=ctx.session_id if ctx else None, backend=backend_name, replica=replica,
-                           status=status, latency_s=round(seconds, 6), stream=stream, request=body,
-                           **({"error": error} if error is not None else {"response": result}))
+            capture.record(
+                route=route,
+                request_id=ctx.request_id if ctx else None,
+                session=ctx.session_id if ctx else None,
+                backend=backend_name,
+                replica=replica,
+                status=status,
+                latency_s=round(seconds, 6),
+                stream=stream,
+                request=body,
+                **({"error": error} if error is not None else {"response": result}),
+            )
 
     async def serve(route: str, request: Request, call, call_stream, responses: bool) -> Response:
         """One model call: parse, call the backend, record metrics and capture; errors propagate
@@ -215,8 +267,12 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
             gauge.dec()
             record(route, ctx, body, t0, 200, result=result)
             return _json(result)
-        return _sse(_observed(events, lambda *a, **k: (gauge.dec(), record(route, ctx, body, t0, *a, **k)),
-                              keep=capture is not None, responses=responses), responses=responses)
+
+        def done(*a: Any, **k: Any) -> None:
+            gauge.dec()
+            record(route, ctx, body, t0, *a, **k)
+
+        return _sse(_observed(events, done, keep=capture is not None, responses=responses), responses=responses)
 
     async def chat_completions(request: Request):
         return await serve("/v1/chat/completions", request, backend.chat, backend.chat_stream, False)
@@ -233,8 +289,12 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
     async def models():
         names = served_models or await backend.models()
         now = int(time.time())
-        return _json({"object": "list", "data": [
-            {"id": n, "object": "model", "created": now, "owned_by": "gymserve"} for n in names]})
+        return _json(
+            {
+                "object": "list",
+                "data": [{"id": n, "object": "model", "created": now, "owned_by": "gymserve"} for n in names],
+            }
+        )
 
     @app.get("/", summary="Server status")
     async def root_status():
@@ -245,10 +305,23 @@ def create_app(backend: Backend, *, max_body_bytes: int = 16 << 20, server_api_k
         except Exception as exc:  # noqa: BLE001 - an upstream that cannot list models must not fail the status
             log.info("GET /: the backend could not list its models: %s", getattr(exc, "message", exc))
             names = []
-        return _json({"name": "gymserve", "version": __version__, "backend": backend_name,
-                      "model": names[0] if names else None, "models": list(names),
-                      "links": {"health": "/health", "models": "/v1/models", "docs": "/docs", "openapi": "/openapi.json",
-                                "responses": "/v1/responses", "chat_completions": "/v1/chat/completions"}})
+        return _json(
+            {
+                "name": "gymserve",
+                "version": __version__,
+                "backend": backend_name,
+                "model": names[0] if names else None,
+                "models": list(names),
+                "links": {
+                    "health": "/health",
+                    "models": "/v1/models",
+                    "docs": "/docs",
+                    "openapi": "/openapi.json",
+                    "responses": "/v1/responses",
+                    "chat_completions": "/v1/chat/completions",
+                },
+            }
+        )
 
     @app.get("/health")
     async def health():
@@ -272,8 +345,9 @@ def close_app(app: FastAPI) -> None:
         capture.close()
 
 
-async def _observed(events: AsyncIterator[dict[str, Any]], done, *, keep: bool,
-                    responses: bool) -> AsyncIterator[dict[str, Any]]:
+async def _observed(
+    events: AsyncIterator[dict[str, Any]], done, *, keep: bool, responses: bool
+) -> AsyncIterator[dict[str, Any]]:
     """Pass stream events through; when the stream ends, ``done(status, result=..., ...)`` records
     it: the final Response (Responses API) or the chunks (chat, kept only for capture)."""
     status, etype, err = 200, None, None
@@ -321,4 +395,3 @@ async def _first_then_rest(events: AsyncIterator[dict[str, Any]]) -> AsyncIterat
             yield ev
 
     return rest()
-

@@ -18,14 +18,20 @@ import orjson
 
 OPEN_PATHS = frozenset({"/health"})
 
+
 def _refusal(message: str) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": "authentication_error", "param": None,
-                                   "code": "invalid_api_key"}})
+    return orjson.dumps(
+        {"error": {"message": message, "type": "authentication_error", "param": None, "code": "invalid_api_key"}}
+    )
 
 
-_BODY = _refusal("missing or wrong API key: send 'Authorization: Bearer <key>' (the server was started with an API key)")
-_ADMIN_BODY = _refusal("missing or wrong admin API key: control routes (pause, weight updates) need "
-                       "'Authorization: Bearer <key>' with server.admin_api_key (the server API key when no admin key is set)")
+_BODY = _refusal(
+    "missing or wrong API key: send 'Authorization: Bearer <key>' (the server was started with an API key)"
+)
+_ADMIN_BODY = _refusal(
+    "missing or wrong admin API key: control routes (pause, weight updates) need "
+    "'Authorization: Bearer <key>' with server.admin_api_key (the server API key when no admin key is set)"
+)
 
 
 def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -49,8 +55,15 @@ class ApiKeyMiddleware:
     ``key`` None leaves the non-control routes open; ``admin_key`` guards ``admin_paths`` (default:
     ``key`` guards them too)."""
 
-    def __init__(self, app, key: str | None, on_failure=None, *, admin_key: str | None = None,
-                 admin_paths: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        app,
+        key: str | None,
+        on_failure=None,
+        *,
+        admin_key: str | None = None,
+        admin_paths: frozenset[str] = frozenset(),
+    ):
         self.app = app
         self.expected = key.encode() if key else None
         self.admin = admin_key.encode() if admin_key else self.expected
@@ -67,13 +80,22 @@ class ApiKeyMiddleware:
         if self.on_failure is not None:
             self.on_failure()
         body = _ADMIN_BODY if admin else _BODY
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
-def install_api_key_check(app, key: str | None, on_failure=None, *, admin_key: str | None = None,
-                          admin_paths: frozenset[str] = frozenset()) -> None:
+def install_api_key_check(
+    app, key: str | None, on_failure=None, *, admin_key: str | None = None, admin_paths: frozenset[str] = frozenset()
+) -> None:
     """Require ``key`` on every route but ``/health`` and ``admin_key`` (else ``key``) on ``admin_paths``."""
     app.add_middleware(ApiKeyMiddleware, key=key, on_failure=on_failure, admin_key=admin_key, admin_paths=admin_paths)

@@ -30,8 +30,16 @@ _STOP = object()
 
 # Third-party loggers that print request URLs or options (httpx at INFO: "HTTP Request: POST <url>",
 # the openai SDK at DEBUG): a key in a base URL's query or an echoed credential would reach the log.
-_CLIENT_LOGGERS = ("httpx", "httpx2", "httpcore.http11", "httpcore.connection", "httpcore2.http11",
-                   "httpcore2.connection", "openai._base_client", "openai")
+_CLIENT_LOGGERS = (
+    "httpx",
+    "httpx2",
+    "httpcore.http11",
+    "httpcore.connection",
+    "httpcore2.http11",
+    "httpcore2.connection",
+    "openai._base_client",
+    "openai",
+)
 # A key-like query parameter in a logged URL (``?api_key=...``, ``&sig=...``), masked even when
 # the value is not a configured secret.
 _URL_SECRET = re.compile(r"([?&][^=&\s]*(?:key|token|secret|sig|password)[^=&\s]*=)[^&\s\"']+", re.I)
@@ -70,8 +78,7 @@ def install_log_redaction(secrets: tuple[str, ...] = ()) -> None:
 class CaptureWriter:
     """Appends redacted JSON lines to ``path`` from a background thread."""
 
-    def __init__(self, path: str, *, secrets: tuple[str, ...] = (), max_pending: int = 100_000,
-                 on_drop=None):
+    def __init__(self, path: str, *, secrets: tuple[str, ...] = (), max_pending: int = 100_000, on_drop=None):
         self.path = path
         self.secrets = tuple(s for s in secrets if s)
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
@@ -88,8 +95,11 @@ class CaptureWriter:
         try:
             line = orjson.dumps(fields, default=str, option=orjson.OPT_SERIALIZE_NUMPY)
         except TypeError as exc:  # an unserializable value: keep the call, note the problem
-            line = orjson.dumps({k: v for k, v in fields.items() if k not in ("request", "response")}
-                                | {"capture_error": f"not serializable: {exc}"}, default=str)
+            line = orjson.dumps(
+                {k: v for k, v in fields.items() if k not in ("request", "response")}
+                | {"capture_error": f"not serializable: {exc}"},
+                default=str,
+            )
         text = redact(line.decode(), self.secrets)
         try:
             self._queue.put_nowait(text.encode() + b"\n")

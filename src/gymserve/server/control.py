@@ -236,8 +236,7 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
         status = backend.control_status()
         if not status:
             raise NotSupportedError(
-                f"the {backend.name} backend has no weights of its own, so no "
-                "weight version; ask the upstream server",
+                f"the {backend.name} backend has no weights of its own, so no weight version; ask the upstream server",
                 code="control_not_supported",
             )
         return dict(status[0]) if len(status) == 1 else {"replicas": status}

@@ -25,9 +25,12 @@ import asyncio
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gymserve.server.run import BackgroundServer
+
+if TYPE_CHECKING:
+    from gymserve.engine.base import PauseMode
 
 
 @dataclass
@@ -101,7 +104,7 @@ class PolicyServer:
         return self._run(self.backend.unload_lora_adapter(lora_name, weight_version=weight_version), timeout)
 
     def pause_generation(
-        self, mode: str = "abort", *, timeout: float | None = None, wait_timeout: float | None = 600
+        self, mode: PauseMode = "abort", *, timeout: float | None = None, wait_timeout: float | None = 600
     ) -> None:
         """Pause in ``mode`` (``abort``, vLLM's default, | ``wait`` | ``keep``) for at most ``timeout``
         seconds; returns once the pause has taken effect (``wait``: the calls in flight have finished)."""

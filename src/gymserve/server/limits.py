@@ -21,8 +21,9 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         try:
             n = int(declared)
         except ValueError:
-            raise InvalidRequestError(f"Content-Length {declared[:40]!r} is not a number",
-                                      code="invalid_content_length") from None
+            raise InvalidRequestError(
+                f"Content-Length {declared[:40]!r} is not a number", code="invalid_content_length"
+            ) from None
         if n > max_bytes:
             raise RequestTooLargeError(n, max_bytes)
     chunks: list[bytes] = []
@@ -34,5 +35,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
                 raise RequestTooLargeError(f"more than {max_bytes}", max_bytes)
             chunks.append(chunk)
     except ClientDisconnect:
-        raise InvalidRequestError("the client disconnected while sending the body", code="client_disconnected") from None
+        raise InvalidRequestError(
+            "the client disconnected while sending the body", code="client_disconnected"
+        ) from None
     return b"".join(chunks)

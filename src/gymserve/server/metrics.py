@@ -42,10 +42,14 @@ class _QueueCollector:
 
     def collect(self):
         limiter = self.limiter_of()
-        waiting = GaugeMetricFamily("gymserve_backend_queued_requests",
-                                    "Requests waiting for a backend slot (bounded by server.max_queue)", labels=["backend"])
-        running = GaugeMetricFamily("gymserve_backend_running_requests",
-                                    "Requests holding a backend slot", labels=["backend"])
+        waiting = GaugeMetricFamily(
+            "gymserve_backend_queued_requests",
+            "Requests waiting for a backend slot (bounded by server.max_queue)",
+            labels=["backend"],
+        )
+        running = GaugeMetricFamily(
+            "gymserve_backend_running_requests", "Requests holding a backend slot", labels=["backend"]
+        )
         if limiter is not None:
             waiting.add_metric([self.backend_name], getattr(limiter, "waiting", 0))
             running.add_metric([self.backend_name], getattr(limiter, "running", 0))
@@ -62,19 +66,35 @@ class Metrics:
     def __init__(self, backend: Any = None):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("gymserve_requests", "Model calls answered, by route, backend, replica and HTTP status",
-                                ["route", "backend", "replica", "status"], registry=r)
-        self.errors = Counter("gymserve_request_errors", "Model calls that failed, by error type",
-                              ["route", "backend", "replica", "type"], registry=r)
-        self.latency = Histogram("gymserve_request_latency_seconds", "Model call latency (whole stream for streams)",
-                                 ["route", "backend", "replica"], buckets=LATENCY_BUCKETS, registry=r)
-        self.tokens = Counter("gymserve_tokens", "Tokens in (prompt) and out (generated)",
-                              ["direction", "backend", "replica"], registry=r)
+        self.requests = Counter(
+            "gymserve_requests",
+            "Model calls answered, by route, backend, replica and HTTP status",
+            ["route", "backend", "replica", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "gymserve_request_errors",
+            "Model calls that failed, by error type",
+            ["route", "backend", "replica", "type"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "gymserve_request_latency_seconds",
+            "Model call latency (whole stream for streams)",
+            ["route", "backend", "replica"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "gymserve_tokens", "Tokens in (prompt) and out (generated)", ["direction", "backend", "replica"], registry=r
+        )
         self.in_flight = Gauge("gymserve_requests_in_flight", "Model calls being served", ["route"], registry=r)
-        self.auth_failures = Counter("gymserve_auth_failures", "Requests refused for a missing or wrong API key",
-                                     registry=r)
-        self.capture_dropped = Counter("gymserve_capture_dropped", "Capture records dropped (writer queue full)",
-                                       registry=r)
+        self.auth_failures = Counter(
+            "gymserve_auth_failures", "Requests refused for a missing or wrong API key", registry=r
+        )
+        self.capture_dropped = Counter(
+            "gymserve_capture_dropped", "Capture records dropped (writer queue full)", registry=r
+        )
         self._children: dict[tuple, tuple] = {}
         self._errors: dict[tuple, Any] = {}
         self._in_flight: dict[str, Any] = {}
@@ -85,10 +105,12 @@ class Metrics:
         key = (route, backend, replica, status)
         got = self._children.get(key)
         if got is None:
-            got = (self.requests.labels(route, backend, replica, str(status)),
-                   self.latency.labels(route, backend, replica),
-                   self.tokens.labels("in", backend, replica),
-                   self.tokens.labels("out", backend, replica))
+            got = (
+                self.requests.labels(route, backend, replica, str(status)),
+                self.latency.labels(route, backend, replica),
+                self.tokens.labels("in", backend, replica),
+                self.tokens.labels("out", backend, replica),
+            )
             self._children[key] = got
         return got
 
@@ -98,8 +120,16 @@ class Metrics:
             g = self._in_flight[route] = self.in_flight.labels(route)
         return g
 
-    def observe(self, route: str, backend: str, replica: str, status: int, seconds: float,
-                tokens: tuple[int, int] = (0, 0), error_type: str | None = None) -> None:
+    def observe(
+        self,
+        route: str,
+        backend: str,
+        replica: str,
+        status: int,
+        seconds: float,
+        tokens: tuple[int, int] = (0, 0),
+        error_type: str | None = None,
+    ) -> None:
         req, lat, tin, tout = self._child(route, backend, replica, status)
         req.inc()
         lat.observe(seconds)

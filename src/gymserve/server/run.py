@@ -47,10 +47,15 @@ def build_app(config, backend):
     from gymserve.server.control import control_allowed
 
     keys = _server_key(config), _server_key(config, "admin_api_key")
-    return create_app(backend, max_body_bytes=config.server.max_body_bytes, server_api_key=keys[0],
-                      capture_path=config.server.capture_path, admin_api_key=keys[1],
-                      control_allowed=control_allowed(config.server.host, *keys),
-                      served_models=getattr(config, "served_model_names", None) or None)
+    return create_app(
+        backend,
+        max_body_bytes=config.server.max_body_bytes,
+        server_api_key=keys[0],
+        capture_path=config.server.capture_path,
+        admin_api_key=keys[1],
+        control_allowed=control_allowed(config.server.host, *keys),
+        served_models=getattr(config, "served_model_names", None) or None,
+    )
 
 
 class BindError(OSError):
@@ -64,15 +69,21 @@ class BindError(OSError):
         self.host, self.port = host, port
         where = f"{host}:{port}"
         if cause.errno == errno.EADDRINUSE:
-            message = (f"cannot listen on {where}: port {port} is already in use by another process (find it with "
-                       f"`ss -ltnp 'sport = :{port}'` or `lsof -i :{port}`); stop it, or pass another --port "
-                       f"(server.port in the config; --port 0 picks a free one)")
+            message = (
+                f"cannot listen on {where}: port {port} is already in use by another process (find it with "
+                f"`ss -ltnp 'sport = :{port}'` or `lsof -i :{port}`); stop it, or pass another --port "
+                f"(server.port in the config; --port 0 picks a free one)"
+            )
         elif cause.errno == errno.EACCES:
-            message = (f"cannot listen on {where}: permission denied (ports below 1024 need root); pass "
-                       f"--port 1024 or higher (server.port in the config)")
+            message = (
+                f"cannot listen on {where}: permission denied (ports below 1024 need root); pass "
+                f"--port 1024 or higher (server.port in the config)"
+            )
         elif isinstance(cause, socket.gaierror) or cause.errno == errno.EADDRNOTAVAIL:
-            message = (f"cannot listen on {where}: {host!r} is not an address of this machine "
-                       f"({cause.strerror or cause}); pass --host 127.0.0.1 (loopback) or 0.0.0.0 (every interface)")
+            message = (
+                f"cannot listen on {where}: {host!r} is not an address of this machine "
+                f"({cause.strerror or cause}); pass --host 127.0.0.1 (loopback) or 0.0.0.0 (every interface)"
+            )
         else:
             message = f"cannot listen on {where}: {cause.strerror or cause}; check --host and --port"
         super().__init__(cause.errno, message)
@@ -172,19 +183,32 @@ class GymserveServer(uvicorn.Server):
         state = getattr(app, "state", None)
         if state is not None and not getattr(state, "draining", False):
             state.draining = True
-            log.info("shutting down: refusing new requests, waiting up to %g s for in-flight ones",
-                     self.config.timeout_graceful_shutdown)
+            log.info(
+                "shutting down: refusing new requests, waiting up to %g s for in-flight ones",
+                self.config.timeout_graceful_shutdown,
+            )
 
 
 def _uvicorn_config(app, host: str, port: int, shutdown_timeout: float = 30.0) -> uvicorn.Config:
     # No proxy-header rewriting: nothing reads the client address, and it costs a layer per request.
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=shutdown_timeout, lifespan="off", proxy_headers=False)
+    # uvicorn annotates timeout_graceful_shutdown as int but only hands it to asyncio.wait_for,
+    # which takes any float; truncating would turn 0.5 s into no grace at all.
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=shutdown_timeout,  # type: ignore[arg-type]
+        lifespan="off",
+        proxy_headers=False,
+    )
 
 
 def _server_for(config, app) -> GymserveServer:
-    return GymserveServer(_uvicorn_config(app, config.server.host, config.server.port,
-                                          getattr(config.server, "shutdown_timeout", 30.0)))
+    return GymserveServer(
+        _uvicorn_config(app, config.server.host, config.server.port, getattr(config.server, "shutdown_timeout", 30.0))
+    )
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -194,8 +218,10 @@ def _warn_exposed(config) -> None:
     """Warn (log and stderr) when binding beyond loopback without a server API key (the control
     routes are then closed: ``server.control.control_allowed``)."""
     if config.server.host not in _LOOPBACK and not _server_key(config):
-        msg = (f"binding {config.server.host} without a server API key: anyone who can reach this address can use "
-               "the model; set server.api_key (or --server-api-key-env NAME)")
+        msg = (
+            f"binding {config.server.host} without a server API key: anyone who can reach this address can use "
+            "the model; set server.api_key (or --server-api-key-env NAME)"
+        )
         if not _server_key(config, "admin_api_key"):
             msg += "; the control routes (/pause, /update_weights, ...) answer 403 until a key is set"
         log.warning(msg)
@@ -217,15 +243,13 @@ async def _listed_models(config, backend) -> list[str]:
         return []
 
 
-async def serve_async(config, backend=None, *,
-                      on_started: Callable[[str, list[str]], None] | None = None) -> None:
+async def serve_async(config, backend=None, *, on_started: Callable[[str, list[str]], None] | None = None) -> None:
     """Check ``server.host:port`` is free, build the backend (unless given), serve until
     SIGINT/SIGTERM, then close the backend. ``on_started(base_url, models)`` runs once the port
     accepts connections (``base_url``: ``http://HOST:PORT/v1``, the real port when 0 was asked for;
     ``models``: the names ``/v1/models`` lists, possibly empty). Raises ``BindError`` before any
     model loads when the port cannot be bound."""
     from gymserve.backends import build_backend
-
     from gymserve.server.app import close_app
 
     check_port(config.server.host, config.server.port)
@@ -234,9 +258,12 @@ async def serve_async(config, backend=None, *,
     info = backend.describe()
     if info.get("tool_call_parser"):
         # `auto` must say what it chose (and why), as `vllm serve` users expect to see.
-        print(f"gymserve: tool-call parser {info['tool_call_parser']} "
-              f"({info.get('tool_call_parser_reason') or 'configured'}); reasoning parser "
-              f"{info.get('reasoning_parser') or 'none'}", file=sys.stderr)
+        print(
+            f"gymserve: tool-call parser {info['tool_call_parser']} "
+            f"({info.get('tool_call_parser_reason') or 'configured'}); reasoning parser "
+            f"{info.get('reasoning_parser') or 'none'}",
+            file=sys.stderr,
+        )
     app = build_app(config, backend)
     server = _server_for(config, app)
     if on_started is not None:
@@ -338,6 +365,8 @@ def start_background_server(config, backend_factory=None, *, startup_timeout: fl
     if bg._error:
         raise bg._error[0]
     if not bg.base_url:
-        raise RuntimeError(f"gymserve stopped during start-up on {config.server.host}:{config.server.port} "
-                           "before it served a request (see the log above)")
+        raise RuntimeError(
+            f"gymserve stopped during start-up on {config.server.host}:{config.server.port} "
+            "before it served a request (see the log above)"
+        )
     return bg

@@ -20,7 +20,10 @@ def _schemas() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
 
     components: dict[str, Any] = {}
     out = []
-    for prefix, typed in (("Chat", CompletionCreateParams), ("Responses", ResponseCreateParams)):
+    # Both are Unions of TypedDicts: typing special forms, which mypy will not take as a TypeAdapter's
+    # type[T], so the pair is typed Any (the adapters are TypeAdapter[Any] either way).
+    params: tuple[tuple[str, Any], ...] = (("Chat", CompletionCreateParams), ("Responses", ResponseCreateParams))
+    for prefix, typed in params:
         schema = TypeAdapter(typed).json_schema(ref_template=f"#/components/schemas/{prefix}{{model}}")
         for name, sub in schema.pop("$defs", {}).items():
             components[prefix + name] = sub
@@ -49,18 +52,40 @@ def install_openapi(app) -> None:
         doc = original()
         chat, responses, components = _schemas()
         doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
-        error = {"description": "OpenAI error object", "content": {"application/json": {"schema": {
-            "type": "object", "properties": {"error": {"type": "object"}}, "required": ["error"]}}}}
-        for path, schema, summary in (("/v1/chat/completions", chat, "Create a chat completion"),
-                                      ("/v1/responses", responses, "Create a model response")):
-            doc["paths"][path] = {"post": {
-                "summary": summary, "operationId": summary.lower().replace(" ", "_"),
-                "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-                "responses": {"200": {"description": "the completion / response (JSON, or server-sent events "
-                                                     "when stream is true)",
-                                      "content": {"application/json": {"schema": {"type": "object"}},
-                                                  "text/event-stream": {"schema": {"type": "string"}}}},
-                              "400": error, "401": error, "413": error, "429": error, "502": error}}}
+        error = {
+            "description": "OpenAI error object",
+            "content": {
+                "application/json": {
+                    "schema": {"type": "object", "properties": {"error": {"type": "object"}}, "required": ["error"]}
+                }
+            },
+        }
+        for path, schema, summary in (
+            ("/v1/chat/completions", chat, "Create a chat completion"),
+            ("/v1/responses", responses, "Create a model response"),
+        ):
+            doc["paths"][path] = {
+                "post": {
+                    "summary": summary,
+                    "operationId": summary.lower().replace(" ", "_"),
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                    "responses": {
+                        "200": {
+                            "description": "the completion / response (JSON, or server-sent events "
+                            "when stream is true)",
+                            "content": {
+                                "application/json": {"schema": {"type": "object"}},
+                                "text/event-stream": {"schema": {"type": "string"}},
+                            },
+                        },
+                        "400": error,
+                        "401": error,
+                        "413": error,
+                        "429": error,
+                        "502": error,
+                    },
+                }
+            }
         app.openapi_schema = doc
         return doc
 

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import uuid
 
-_FORMATS = {"chatcmpl": ("chatcmpl-", 32), "call": ("call_", 24), "resp": ("resp_", 32), "msg": ("msg_", 32),
-            "rs": ("rs_", 32), "fc": ("fc_", 32)}
+_FORMATS = {
+    "chatcmpl": ("chatcmpl-", 32),
+    "call": ("call_", 24),
+    "resp": ("resp_", 32),
+    "msg": ("msg_", 32),
+    "rs": ("rs_", 32),
+    "fc": ("fc_", 32),
+}
 
 
 def new_id(kind: str) -> str:

@@ -32,6 +32,7 @@ def think_block(reasoning: str) -> str:
 
 # -- think blocks in a message's content ------------------------------------------------------
 
+
 def split_think(content: str, *, final: bool = True) -> list[tuple[str, str]]:
     """Split assistant content into ordered ``("reasoning" | "text", text)`` segments.
 
@@ -72,6 +73,7 @@ def split_think(content: str, *, final: bool = True) -> list[tuple[str, str]]:
 
 
 # -- a generation's reasoning span ------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Span:

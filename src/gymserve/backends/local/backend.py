@@ -18,8 +18,8 @@ from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.local.control import LocalControl
-from gymserve.backends.local.output import CallOutput
 from gymserve.backends.local.lora import LocalLora
+from gymserve.backends.local.output import CallOutput
 from gymserve.backends.local.request import LocalCall, echo_pinned_sampling, prepare_call
 from gymserve.backends.local.stream import stream_chunks
 from gymserve.backends.pool import Limiter
@@ -55,14 +55,17 @@ class LocalBackend(LocalLora, LocalControl, Backend):
         if config.chat_template:
             with open(config.chat_template, encoding="utf-8") as f:
                 chat_template = f.read()
-        self.template = ChatTemplate(tokenizer, chat_template=chat_template,
-                                     default_kwargs=dict(config.chat_template_kwargs or {}))
+        self.template = ChatTemplate(
+            tokenizer, chat_template=chat_template, default_kwargs=dict(config.chat_template_kwargs or {})
+        )
         self.tool_parser, self.tool_parser_reason = tool_call_parser_for(
-            config.tool_parser or "auto", model_type=engine.model_type, model_name=engine.model_name,
-            chat_template=chat_template or getattr(tokenizer, "chat_template", None))
+            config.tool_parser or "auto",
+            model_type=engine.model_type,
+            model_name=engine.model_name,
+            chat_template=chat_template or getattr(tokenizer, "chat_template", None),
+        )
         self.reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
-        self.stop_token_ids = tuple(dict.fromkeys(
-            [*engine.eos_token_ids, *(config.sampling.stop_token_ids or [])]))
+        self.stop_token_ids = tuple(dict.fromkeys([*engine.eos_token_ids, *(config.sampling.stop_token_ids or [])]))
 
     @classmethod
     def from_config(cls, config, *, max_queue: int = 1024) -> LocalBackend:
@@ -81,11 +84,14 @@ class LocalBackend(LocalLora, LocalControl, Backend):
     def describe(self) -> dict[str, Any]:
         """What ``/health`` and the start-up banner say about this backend."""
         return {
-            "backend": "local", "target": f"local model {self.config.model}", "model": self.model_name,
+            "backend": "local",
+            "target": f"local model {self.config.model}",
+            "model": self.model_name,
             "tool_call_parser": getattr(self.tool_parser, "name", None),
             "tool_call_parser_reason": self.tool_parser_reason,
             "reasoning_parser": getattr(self.reasoning_parser, "name", None),
-            "context_window": self.engine.context_window, "eos_token_ids": list(self.engine.eos_token_ids),
+            "context_window": self.engine.context_window,
+            "eos_token_ids": list(self.engine.eos_token_ids),
         }
 
     def fill_responses_defaults(self, request):
@@ -104,12 +110,24 @@ class LocalBackend(LocalLora, LocalControl, Backend):
         """The engine call for ``request`` (``request.prepare_call``: 400s for what is refused) and
         the object that turns its tokens into chunks."""
         self.check_model(request.get("model"))
-        call = prepare_call(request, template=self.template, engine=self.engine,
-                            sampling_config=self.config.sampling, stop_token_ids=self.stop_token_ids)
-        return call, CallOutput(call, tokenizer=self.tokenizer, model=self.served_model_name(), chunk_id=new_id("chatcmpl"),
-                                tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
-                                reasoning_field=self.config.reasoning_field, stop_token_ids=self.stop_token_ids,
-                                engine=self.engine)
+        call = prepare_call(
+            request,
+            template=self.template,
+            engine=self.engine,
+            sampling_config=self.config.sampling,
+            stop_token_ids=self.stop_token_ids,
+        )
+        return call, CallOutput(
+            call,
+            tokenizer=self.tokenizer,
+            model=self.served_model_name(),
+            chunk_id=new_id("chatcmpl"),
+            tool_parser=self.tool_parser,
+            reasoning_parser=self.reasoning_parser,
+            reasoning_field=self.config.reasoning_field,
+            stop_token_ids=self.stop_token_ids,
+            engine=self.engine,
+        )
 
     async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
         """The chunks of one finished generation, as ``chat_stream`` would have sent them (usage

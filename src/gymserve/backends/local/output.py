@@ -40,16 +40,30 @@ class CallOutput:
     version when a generation reports none per token.
     """
 
-    def __init__(self, call: LocalCall, *, tokenizer: Any, model: str, chunk_id: str,
-                 tool_parser: ToolCallParser | None, reasoning_parser: ReasoningParser | None,
-                 reasoning_field: str, stop_token_ids: tuple[int, ...], engine: Any = None):
+    def __init__(
+        self,
+        call: LocalCall,
+        *,
+        tokenizer: Any,
+        model: str,
+        chunk_id: str,
+        tool_parser: ToolCallParser | None,
+        reasoning_parser: ReasoningParser | None,
+        reasoning_field: str,
+        stop_token_ids: tuple[int, ...],
+        engine: Any = None,
+    ):
         self.call = call
         self.tokenizer = tokenizer
         self.engine = engine
         self.stop_token_ids = stop_token_ids
         self._head = {"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-        self._parser = ChatDeltas(StreamingParser(tool_parser if call.parse_tools else None, reasoning_parser,
-                                                  call.prompt.text_tail, call.tools), (reasoning_field,))
+        self._parser = ChatDeltas(
+            StreamingParser(
+                tool_parser if call.parse_tools else None, reasoning_parser, call.prompt.text_tail, call.tools
+            ),
+            (reasoning_field,),
+        )
 
     # ---- chunks ----------------------------------------------------------------------------
 
@@ -67,8 +81,13 @@ class CallOutput:
     def kept(self, gen: Generation) -> Generation:
         """``gen`` without its final stop/EOS token and that token's log-prob (see module docstring)."""
         if gen.finish_reason == "stop" and gen.token_ids and gen.token_ids[-1] in self.stop_token_ids:
-            return Generation(gen.token_ids[:-1], gen.log_probs[:-1], gen.finish_reason, gen.top_logprobs[:-1],
-                              gen.weight_version_spans)
+            return Generation(
+                gen.token_ids[:-1],
+                gen.log_probs[:-1],
+                gen.finish_reason,
+                gen.top_logprobs[:-1],
+                gen.weight_version_spans,
+            )
         return gen
 
     def end(self, gen: Generation, tail_text: str, *, include_usage: bool) -> list[dict[str, Any]]:
@@ -77,17 +96,31 @@ class CallOutput:
         and, with ``include_usage``, the usage chunk (``choices: []``)."""
         kept = self.kept(gen)
         out = self.text(tail_text) + [self._chunk(d) for d in self._parser.finish(gen.finish_reason)]
-        final = self._chunk({"prompt_token_ids": self.call.prompt.token_ids, "generation_token_ids": kept.token_ids,
-                             "generation_log_probs": kept.log_probs,
-                             **version_fields(gen, len(kept.token_ids), self.engine)},
-                            self._finish_reason(gen.finish_reason))
+        final = self._chunk(
+            {
+                "prompt_token_ids": self.call.prompt.token_ids,
+                "generation_token_ids": kept.token_ids,
+                "generation_log_probs": kept.log_probs,
+                **version_fields(gen, len(kept.token_ids), self.engine),
+            },
+            self._finish_reason(gen.finish_reason),
+        )
         if self.call.logprobs:
             final["choices"][0]["logprobs"] = self._logprobs(kept)
         out.append(final)
         if include_usage:
             prompt, completion = len(self.call.prompt.token_ids), len(gen.token_ids)
-            out.append({**self._head, "choices": [], "usage": {
-                "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
+            out.append(
+                {
+                    **self._head,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": prompt,
+                        "completion_tokens": completion,
+                        "total_tokens": prompt + completion,
+                    },
+                }
+            )
         return out
 
     def whole(self, gen: Generation) -> list[dict[str, Any]]:
@@ -115,7 +148,9 @@ class CallOutput:
         for i, (tid, lp) in enumerate(zip(kept.token_ids, kept.log_probs)):
             token = self._token(tid)
             alternatives = kept.top_logprobs[i] if i < len(kept.top_logprobs) else []
-            top = [{"token": self._token(a), "logprob": alp, "bytes": list(self._token(a).encode())}
-                   for a, alp in alternatives]
+            top = [
+                {"token": self._token(a), "logprob": alp, "bytes": list(self._token(a).encode())}
+                for a, alp in alternatives
+            ]
             content.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": top})
         return {"content": content, "refusal": None}

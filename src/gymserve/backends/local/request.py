@@ -73,7 +73,8 @@ def pinned_sampling(request: ChatRequest, cfg) -> dict[str, Any]:
             f"{key}={sent} differs from the server's pinned {key}={want}: sampling params are fixed by the "
             f"server config so rollouts stay on-policy. Omit {key}, send {want}, or set "
             "sampling.on_mismatch: override in the server config.",
-            param=key, code="sampling_param_pinned",
+            param=key,
+            code="sampling_param_pinned",
         )
     return eff
 
@@ -95,13 +96,17 @@ def _check_supported(request: ChatRequest) -> None:
     if stop:
         raise InvalidRequestError(
             "stop strings are not supported by the token-exact local backend (a string can end inside a "
-            "token); configure sampling.stop_token_ids instead", param="stop")
+            "token); configure sampling.stop_token_ids instead",
+            param="stop",
+        )
     for key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
         value = request.get(key)
         if value is not None and value != (1 if key == "repetition_penalty" else 0):
             raise InvalidRequestError(
                 f"{key}={value!r} is not applied by the local engine (it would change the sampling "
-                "distribution the trainer assumes); omit it", param=key)
+                "distribution the trainer assumes); omit it",
+                param=key,
+            )
     if request.get("logit_bias"):
         raise InvalidRequestError("logit_bias is not applied by the local engine; omit it", param="logit_bias")
     fmt = request.get("response_format")
@@ -109,15 +114,19 @@ def _check_supported(request: ChatRequest) -> None:
         raise InvalidRequestError(
             f"response_format type {fmt.get('type')!r} (structured output) is not supported by the local "
             "transformers engine; use a chat backend such as vLLM with guided decoding",
-            param="response_format")
+            param="response_format",
+        )
     choice = request.get("tool_choice")
     if isinstance(choice, dict) or choice == "required":
         raise InvalidRequestError(
             "tool_choice 'required' or a named function cannot be enforced by the local engine (no guided "
-            "decoding); use 'auto' or 'none'", param="tool_choice")
+            "decoding); use 'auto' or 'none'",
+            param="tool_choice",
+        )
     if choice not in (None, "auto", "none") and not isinstance(choice, dict):
-        raise InvalidRequestError(f"tool_choice must be 'auto', 'none', 'required' or an object, got {choice!r}",
-                                  param="tool_choice")
+        raise InvalidRequestError(
+            f"tool_choice must be 'auto', 'none', 'required' or an object, got {choice!r}", param="tool_choice"
+        )
 
 
 def _max_tokens(request: ChatRequest, prompt_len: int, context_window: int) -> int:
@@ -135,8 +144,9 @@ def _max_tokens(request: ChatRequest, prompt_len: int, context_window: int) -> i
     return room if asked is None else min(asked, room)
 
 
-def prepare_call(request: ChatRequest, *, template, engine: Engine, sampling_config,
-                 stop_token_ids: tuple[int, ...]) -> LocalCall:
+def prepare_call(
+    request: ChatRequest, *, template, engine: Engine, sampling_config, stop_token_ids: tuple[int, ...]
+) -> LocalCall:
     """Validate ``request`` and build the engine call; raises ``InvalidRequestError`` (400) on bad input."""
     from gymserve.prompting import build_prompt
 
@@ -147,8 +157,14 @@ def prepare_call(request: ChatRequest, *, template, engine: Engine, sampling_con
     kwargs = request.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
-    prompt = build_prompt(template, request["messages"], tools=tools, chat_template_kwargs=kwargs,
-                          eos_token_ids=engine.eos_token_ids, vocab_size=engine.vocab_size)
+    prompt = build_prompt(
+        template,
+        request["messages"],
+        tools=tools,
+        chat_template_kwargs=kwargs,
+        eos_token_ids=engine.eos_token_ids,
+        vocab_size=engine.vocab_size,
+    )
     eff = pinned_sampling(request, sampling_config)
     top_n = request.get("top_logprobs") or 0
     if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= 20:
@@ -156,16 +172,24 @@ def prepare_call(request: ChatRequest, *, template, engine: Engine, sampling_con
     logprobs = bool(request.get("logprobs"))
     stream_options = request.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
-        raise InvalidRequestError("stream_options must be an object such as {\"include_usage\": true}",
-                                  param="stream_options")
+        raise InvalidRequestError(
+            'stream_options must be an object such as {"include_usage": true}', param="stream_options"
+        )
     sampling = SamplingParams(
         max_tokens=_max_tokens(request, len(prompt.token_ids), engine.context_window),
         temperature=float(eff["temperature"]) if eff["temperature"] is not None else 1.0,
         top_p=float(eff["top_p"]) if eff["top_p"] is not None else 1.0,
-        top_k=eff["top_k"], seed=eff["seed"], stop_token_ids=stop_token_ids,
+        top_k=eff["top_k"],
+        seed=eff["seed"],
+        stop_token_ids=stop_token_ids,
         top_logprobs=top_n if logprobs else 0,
     )
-    return LocalCall(prompt=prompt, sampling=sampling, tools=tools,
-                     parse_tools=bool(tools) and request.get("tool_choice") != "none",
-                     logprobs=logprobs, tokens_as_ids=bool(request.get("return_tokens_as_token_ids")),
-                     include_usage=bool((stream_options or {}).get("include_usage")))
+    return LocalCall(
+        prompt=prompt,
+        sampling=sampling,
+        tools=tools,
+        parse_tools=bool(tools) and request.get("tool_choice") != "none",
+        logprobs=logprobs,
+        tokens_as_ids=bool(request.get("return_tokens_as_token_ids")),
+        include_usage=bool((stream_options or {}).get("include_usage")),
+    )

@@ -74,6 +74,6 @@ async def stream_chunks(engine: Engine, output: CallOutput) -> AsyncGenerator[di
     finally:
         await stream.aclose()
     gen = Generation(ids, lps, finish, tops, spans)
-    tail = detok.push(output.kept(gen).token_ids[len(detok.ids):], final=True)
+    tail = detok.push(output.kept(gen).token_ids[len(detok.ids) :], final=True)
     for chunk in output.end(gen, tail, include_usage=call.include_usage):
         yield chunk

@@ -23,7 +23,10 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 @runtime_checkable
@@ -59,7 +62,7 @@ class BackgroundApp:
         self.app = app
         self.port = port
         self.startup_timeout = startup_timeout
-        self._server = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -75,15 +78,17 @@ class BackgroundApp:
         sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on")
-        self._server = uvicorn.Server(config)
-        # uvicorn installs signal handlers only in the main thread; in ours it must not.
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        server = self._server = uvicorn.Server(config)
+        # uvicorn installs signal handlers only in the main thread; in ours it must not. Uvicorn
+        # before 0.29 had this hook; later ones (the typed ones) skip signals off the main thread
+        # themselves and have no such attribute, so the assignment is then a harmless no-op.
+        server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
         self._thread = threading.Thread(
-            target=lambda: asyncio.run(self._server.serve(sockets=[sock])), name="gymserve-bg-app", daemon=True
+            target=lambda: asyncio.run(server.serve(sockets=[sock])), name="gymserve-bg-app", daemon=True
         )
         self._thread.start()
         deadline = time.monotonic() + self.startup_timeout
-        while not self._server.started:
+        while not server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"background app on {self.url} did not start")
             time.sleep(0.01)

@@ -132,9 +132,7 @@ def user_text(task: dict[str, Any]) -> str:
     if isinstance(inp, str):
         return inp
     return "\n".join(
-        _text_of_content(it.get("content"))
-        for it in inp
-        if isinstance(it, dict) and it.get("role") == "user"
+        _text_of_content(it.get("content")) for it in inp if isinstance(it, dict) and it.get("role") == "user"
     )
 
 
