@@ -10,7 +10,8 @@ The cause of a failure is its class; ``code`` is only what the client reads, nev
     │   ├── ContextLengthExceededError 400 context_length_exceeded (local engine or upstream alike)
     │   ├── SpliceError                400 splice_failed
     │   ├── RequestTooLargeError       413 request_too_large
-    │   └── WeightUpdateError          400 invalid_weights        (nothing changed; the old weights serve)
+    │   ├── WeightUpdateError          400 invalid_weights        (nothing changed; the old weights serve)
+    │   └── NotFoundError              404 invalid_request_error   (e.g. a LoRA adapter not loaded)
     ├── NotSupportedError              501 not_supported_error     (e.g. weight updates on a remote backend)
     ├── ConflictError                  409 conflict_error          (e.g. a wait-pause past its deadline)
     ├── PermissionDeniedError          403 permission_error        (control routes closed on this bind)
