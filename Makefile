@@ -17,17 +17,24 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_TRY_LOCAL := $(if $(filter file,$(origin TORCH_INDEX)),--try-local,)
 CONSTRAINTS := $(VENV)/torch-constraints.txt
 
-.PHONY: install test test-fast lint format demo docs bench
+.PHONY: install _install test test-fast lint format demo docs bench
 
 install: $(VENV)/.installed
 
+# `make demo` and `make test` started side by side both need the venv: the install runs under a lock
+# (flock), and whoever gets it second finds the venv up to date and installs nothing.
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) scripts/install_torch.py --torch "$(TORCH)" --index "$(TORCH_INDEX)" $(TORCH_TRY_LOCAL) --constraints $(CONSTRAINTS)
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[local,test,docs,lint]"
-	$(PY) scripts/install_torch.py --check --constraints $(CONSTRAINTS)
-	touch $@
+	flock $(VENV).lock $(MAKE) --no-print-directory _install
+
+_install:
+	@if [ -f $(VENV)/.installed ] && [ $(VENV)/.installed -nt pyproject.toml ]; then \
+	  echo "$(VENV) was installed by another make meanwhile"; exit 0; fi; set -e; \
+	python3 -m venv $(VENV); \
+	$(PY) -m pip install -q --upgrade pip; \
+	$(PY) scripts/install_torch.py --torch "$(TORCH)" --index "$(TORCH_INDEX)" $(TORCH_TRY_LOCAL) --constraints $(CONSTRAINTS); \
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[local,test,docs,lint]"; \
+	$(PY) scripts/install_torch.py --check --constraints $(CONSTRAINTS); \
+	touch $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -77,8 +77,19 @@ def _next_turn(messages, msg, text) -> list[dict]:
 
 def _served(cluster) -> dict[str, dict[str, int]]:
     """``{replica: {session: calls}}`` as each replica process itself counts them."""
-    refs = {r.name: r.client.served_sessions.remote() for r in cluster.backend.replicas}
-    return {name: ray.get(ref, timeout=WAIT) for name, ref in refs.items()}
+    out: dict[str, dict[str, int]] = {}
+    for r in cluster.backend.replicas:
+        deadline = time.monotonic() + WAIT
+        while True:
+            try:
+                out[r.name] = ray.get(r.client.served_sessions.remote(), timeout=WAIT)
+                break
+            except ray.exceptions.ActorUnavailableError:
+                # A replica that was just killed is restarting: ask again once Ray has it back.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    return out
 
 
 def _health(http) -> dict:
