@@ -10,7 +10,7 @@ from helpers.spec import CASES_PATH, SPEC_PATH, load_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 CASE_ID = re.compile(r"\b(?:RC|CR|RP|TP|TE|CL|AZ|ST)-\d{2}\b")
-# A path outside the checkout: ../shared (beside a CI clone only) or an absolute /xxx/shared.
+# A path outside the checkout: the sibling folder named shared (beside a CI clone only), an absolute path to one, or /work/.
 OUTSIDE = re.compile(r"\.\./shared|[\"']/[A-Za-z0-9_.-]+/shared|/work/")
 
 

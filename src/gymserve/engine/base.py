@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
 """``abort``: ended by ``pause_generation(mode="abort")``, keeping the tokens sampled so far (vLLM's
@@ -161,9 +161,20 @@ class NoControl:
 
 class RunBasedEngine(NoControl):
     """Shared plumbing for engines with one code path ``_run(prompt_ids, sampling, stream=...)``
-    yielding ``TokenDelta``s (the vLLM and TensorRT-LLM adapters)."""
+    yielding ``TokenDelta``s (the vLLM and TensorRT-LLM adapters), built as
+    ``cls(model_dir, model_name=, context_window=, engine_args=)``."""
 
     _closed = False
+
+    @classmethod
+    def from_config(cls, config: Any, resolved: Any) -> Self:
+        """The engine for a ``LocalBackendConfig`` (its ``engine_args``) and a ``ResolvedModel``."""
+        return cls(  # type: ignore[call-arg]  # the adapters' constructors take these keywords
+            resolved.path,
+            model_name=resolved.name,
+            context_window=config.context_window,
+            engine_args=dict(config.engine_args or {}),
+        )
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
         """Generate to completion; see ``Engine.generate``."""

@@ -123,16 +123,6 @@ class TRTLLMEngine(RunBasedEngine):
 
     engine_name = "trtllm"  # in "not supported yet by the trtllm engine" (weight updates, pause)
 
-    @classmethod
-    def from_config(cls, config, resolved) -> TRTLLMEngine:
-        """The engine for a ``LocalBackendConfig`` (its ``engine_args``) and a ``ResolvedModel``."""
-        return cls(
-            resolved.path,
-            model_name=resolved.name,
-            context_window=config.context_window,
-            engine_args=dict(config.engine_args or {}),
-        )
-
     def __init__(
         self,
         model_dir: str | Path,

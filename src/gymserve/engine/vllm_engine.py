@@ -108,16 +108,6 @@ class VLLMEngine(RunBasedEngine):
 
     engine_name = "vllm"  # in "not supported yet by the vllm engine" (weight updates, pause)
 
-    @classmethod
-    def from_config(cls, config, resolved) -> VLLMEngine:
-        """The engine for a ``LocalBackendConfig`` (its ``engine_args``) and a ``ResolvedModel``."""
-        return cls(
-            resolved.path,
-            model_name=resolved.name,
-            context_window=config.context_window,
-            engine_args=dict(config.engine_args or {}),
-        )
-
     def __init__(
         self,
         model_dir: str | Path,
