@@ -80,24 +80,33 @@ class ReplicaPool(Generic[R]):
         self._task: asyncio.Task | None = None
         self._first_round = asyncio.Event()  # set when every replica has been probed once
 
-    def _next_healthy(self) -> R:
-        healthy = [r for r in self.replicas if r.healthy] or self.replicas
+    def _next_healthy(self, candidates: list[R] | None = None) -> R:
+        candidates = self.replicas if candidates is None else candidates
+        healthy = [r for r in candidates if r.healthy] or candidates
         return healthy[next(self._rr) % len(healthy)]
 
-    def pick(self, session_id: str | None = None) -> R:
+    def pick(self, session_id: str | None = None, accept: Callable[[R], bool] | None = None) -> R:
         """The replica for this request: the session's own if healthy, else a round-robin choice
-        (recorded for the session)."""
+        (recorded for the session). ``accept``: only replicas it returns True for may serve (the
+        Ray backend passes "is on the call's weight version"); ``LookupError`` when none does."""
         self.start()
+        candidates = self.replicas if accept is None else [r for r in self.replicas if accept(r)]
+        if not candidates:
+            raise LookupError("no replica is acceptable for this call")
         if session_id is None:
-            return self._next_healthy()
+            return self._next_healthy(candidates)
         replica = self._sessions.get(session_id)
-        if replica is not None and (replica.healthy or not any(r.healthy for r in self.replicas)):
+        if (
+            replica is not None
+            and replica in candidates
+            and (replica.healthy or not any(r.healthy for r in candidates))
+        ):
             self._sessions.move_to_end(session_id)
             return replica
         if replica is not None:
             replica.sessions -= 1
-            log.info("session %s moves off unhealthy replica %s", session_id, replica.base_url)
-        replica = self._next_healthy()
+            log.info("session %s moves off replica %s (unhealthy or not acceptable)", session_id, replica.base_url)
+        replica = self._next_healthy(candidates)
         self._sessions[session_id] = replica
         replica.sessions += 1
         if len(self._sessions) > self._max_sessions:

@@ -23,10 +23,12 @@ that sampled it, given the whole context (what teacher forcing on that version c
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +69,52 @@ def check_version(version: Any, param: str = "weight_version") -> WeightVersion:
             param=param,
         )
     return version
+
+
+class UndoLog:
+    """The values weight updates overwrote, kept so that they can be put back: how a fleet of
+    replicas updates all or none (``ray_cluster.control``: an update that fails on one replica is
+    undone on the others). ``restore()`` copies every kept value back into the served tensor it
+    came from; a tensor overwritten twice keeps its first (oldest) value. Costs a copy of every
+    tensor updated (the whole model for a full update) while the log lives."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[Any, Any]] = []
+        self._seen: set[tuple] = set()
+
+    def keep(self, plan: list[tuple[Any, Any]]) -> None:
+        """Copy the served tensors of ``plan`` (``engine.weights.load_update``'s) before they change."""
+        for served, _new in plan:
+            key = (served.data_ptr(), tuple(served.shape), served.stride())  # tied tensors share one entry
+            if key not in self._seen:
+                self._seen.add(key)
+                self.pairs.append((served, served.detach().clone()))
+
+    def restore(self) -> None:
+        """Copy the kept values back (on the worker thread, between two decode steps)."""
+        from gymserve.engine.weights import apply_plan
+
+        apply_plan(self.pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+
+_UNDO: contextvars.ContextVar[UndoLog | None] = contextvars.ContextVar("gymserve_weight_undo", default=None)
+
+
+@contextlib.contextmanager
+def recording_undo() -> Iterator[UndoLog]:
+    """Within the block, every weight update of an engine awaited from this task (``update_weights``,
+    LoRA loads and unloads, which update weights) keeps the values it overwrites in the yielded
+    ``UndoLog``. A context variable rather than an argument, so the LoRA operations, which call
+    ``update_weights`` themselves, keep theirs too without a parameter on every method."""
+    log_ = UndoLog()
+    token = _UNDO.set(log_)
+    try:
+        yield log_
+    finally:
+        _UNDO.reset(token)
 
 
 @dataclass
@@ -250,14 +298,30 @@ class WorkerControl:
         from gymserve.engine.weights import apply_plan, load_update
 
         version = None if weight_version is None else check_version(weight_version)
+        undo = _UNDO.get()
         if self._update_lock is None:
             self._update_lock = asyncio.Lock()
         async with self._update_lock:  # one update at a time: each validates against the weights it replaces
             t0 = time.perf_counter()
             plan = await asyncio.to_thread(load_update, self.model, tensors, path=path)
-            new = await self._send(Command("weights", apply=lambda: apply_plan(plan), version=version))
+
+            def apply() -> None:
+                if undo is not None:
+                    undo.keep(plan)
+                apply_plan(plan)
+
+            new = await self._send(Command("weights", apply=apply, version=version))
             self._control.last_update_seconds = time.perf_counter() - t0
         return new
+
+    async def restore_weights(self, undo: UndoLog, weight_version: WeightVersion) -> WeightVersion:
+        """Put back the values ``undo`` kept (``recording_undo``) and name them ``weight_version``
+        (the version they had), atomically between two decode steps; returns that version."""
+        version = check_version(weight_version)
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        async with self._update_lock:
+            return await self._send(Command("weights", apply=undo.restore, version=version))
 
     async def update_weight_version(self, new_version: WeightVersion) -> None:
         """Name the weights ``new_version`` after the caller changed ``self.model`` itself (paused,

@@ -343,6 +343,18 @@ class LoraEngine:
             }
         ]
 
+    def lora_snapshot(self) -> tuple[Any, Any, dict[str, Any]]:
+        """Which adapter is merged now, its version and the base values it replaced: what
+        ``restore_lora_snapshot`` puts back when a fleet-wide update is undone (``engine.control.UndoLog``
+        puts back the weights themselves)."""
+        s = self._lora
+        return s.adapter, s.version, dict(s.base)
+
+    def restore_lora_snapshot(self, snapshot: tuple[Any, Any, dict[str, Any]]) -> None:
+        """Make ``snapshot`` (``lora_snapshot``'s) the adapter state again."""
+        s = self._lora
+        s.adapter, s.version, s.base = snapshot[0], snapshot[1], dict(snapshot[2])
+
     def control_status(self) -> dict[str, Any]:
         """The control status (``engine.control``) plus ``lora_adapter``: the merged adapter's name."""
         status = super().control_status()  # type: ignore[misc]

@@ -13,11 +13,13 @@ https://docs.ray.io/en/latest/ray-core/fault_tolerance/actors.html):
   front end decides. Calls made while a replica is restarting are queued by Ray until it is back.
 - gymserve: a new session is assigned round-robin among healthy replicas and sticks to its replica
   (``ReplicaPool``); a failed call marks the replica down, re-assigns the session, and is retried
-  ONCE on the session's new replica. The request carries the whole conversation with its token
-  fields, so the new replica re-prefills the exact same prompt token IDs (the prefix splice) —
-  the retried call's training fields are as correct as the first try's would have been; only the
-  KV cache is rebuilt. A background probe (``health()`` with a timeout) marks replicas up again
-  and counts restarts (a new ``incarnation`` answering under the same name).
+  ONCE on the session's new replica — one on the weight version the call started on (``control``:
+  a call is never answered by other weights than the ones it started on). The request carries the
+  whole conversation with its token fields, so the new replica re-prefills the exact same prompt
+  token IDs (the prefix splice) — the retried call's training fields are as correct as the first
+  try's would have been; only the KV cache is rebuilt. A background probe (``health()`` with a
+  timeout) marks replicas up again and counts restarts (a new ``incarnation`` answering under the
+  same name).
 - Streaming goes through a Ray streaming generator; a replica that dies before the first chunk is
   failed over like a plain call, one that dies mid-stream ends the stream with an error event
   (chunks already sent cannot be taken back).
@@ -41,19 +43,22 @@ from gymserve.backends.pool import Limiter, ReplicaPool
 from gymserve.backends.responses_over_chat import ChatAnswer
 from gymserve.errors import EngineError, UpstreamConnectionError
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponsesRequest
+from gymserve.ray_cluster.control import FleetControl
 from gymserve.ray_cluster.fleet import RayReplica, ReplicaFleet, failure_reason, import_ray
 from gymserve.ray_cluster.replica import raise_remote_error
 
 log = logging.getLogger("gymserve.ray")
 
 
-class RayBackend(Backend):
+class RayBackend(FleetControl, Backend):
     """N replicas of one model on a Ray cluster; see the module docstring.
 
     ``config``: a ``gymserve.config.RayBackendConfig``. ``max_queue``: requests allowed to wait
     beyond ``replicas * max_concurrent_requests`` in flight (429 beyond that). The Responses API
     runs through ``responses_over_chat`` on the replicas' chunks (``answer``), with the pinned
     sampling params echoed, so a Response is the one a single local backend gives for the same tokens.
+    The control plane (pause, all-or-none weight changes, one version per call) is
+    ``control.FleetControl``'s.
     """
 
     name = "ray"
@@ -80,6 +85,7 @@ class RayBackend(Backend):
         self.description = {k: infos[0].get(k) for k in ("tool_call_parser", "reasoning_parser", "context_window")}
         self.pool = ReplicaPool(replicas, probe=self._probe, interval=config.health_check_interval)
         self.limiter = Limiter(config.replicas * config.max_concurrent_requests, max_queue, name="ray backend")
+        self._init_control(infos, max_queue)
         log.info(
             "ray backend: %d replicas of %s on %s",
             len(replicas),
@@ -105,6 +111,9 @@ class RayBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        self.gate.close()
+        for task in list(self._syncing.values()):
+            task.cancel()
         await self.pool.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(
@@ -124,6 +133,8 @@ class RayBackend(Backend):
         replica.incarnation, replica.pid = info["incarnation"], info["pid"]
         replica.node, replica.node_id = info.get("node_ip"), info.get("node_id")
         replica.state = "alive"
+        if hasattr(self, "gate"):  # after start-up; __init__ tracks versions once the fleet's is known
+            self._track(replica, info)
 
     async def _probe(self, replica: RayReplica) -> None:
         """``ReplicaPool`` probe: raises when the replica cannot answer within the timeout."""
@@ -161,13 +172,26 @@ class RayBackend(Backend):
 
     # ---- calls --------------------------------------------------------------------------------
 
-    def _failed(self, replica: RayReplica, exc: BaseException, session_id: str | None) -> RayReplica:
-        """Mark ``replica`` down after ``exc`` and return where the session goes next."""
+    def _pick(self, session_id: str | None, version: Any) -> RayReplica:
+        """The session's replica among those on ``version`` (the call's start version)."""
+        try:
+            return self.pool.pick(session_id, accept=self.serves(version))
+        except LookupError:
+            raise self.no_replica_error(version) from None
+
+    def _failed(self, replica: RayReplica, exc: BaseException, session_id: str | None, version: Any) -> RayReplica:
+        """Mark ``replica`` down after ``exc`` and return where the session goes next: a replica on
+        ``version``, the version the call started on (``control``), else ``version_unavailable``."""
         from ray.exceptions import ActorDiedError
 
         replica.state = "dead" if isinstance(exc, ActorDiedError) else "restarting"
         self.pool.mark_down(replica, failure_reason(exc))
-        nxt = self.pool.pick(session_id)
+        try:
+            nxt = self.pool.pick(session_id, accept=self.serves(version))
+        except LookupError:
+            raise self.no_replica_error(
+                version, failed=f"replica {replica.name} failed ({type(exc).__name__})"
+            ) from None
         log.warning(
             "replica %s failed (%s); session %s retried on %s", replica.name, type(exc).__name__, session_id, nxt.name
         )
@@ -180,8 +204,9 @@ class RayBackend(Backend):
 
         if request.get("stream"):
             request = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
-        async with self.limiter.slot():
-            replica = self.pool.pick(ctx.session_id)
+        async with self.gate.call(), self.limiter.slot():
+            version = self.fleet_version  # the version this call starts on (control module docstring)
+            replica = self._pick(ctx.session_id, version)
             for attempt in range(2):
                 replica.in_flight += 1
                 ref = getattr(replica.client, method).remote(request, ctx.session_id, ctx.request_id)
@@ -206,7 +231,7 @@ class RayBackend(Backend):
                         "the cluster may be losing nodes",
                         code="replica_failed",
                     )
-                replica = self._failed(replica, error, ctx.session_id)
+                replica = self._failed(replica, error, ctx.session_id, version)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
@@ -227,8 +252,9 @@ class RayBackend(Backend):
         from ray.exceptions import RayActorError, RayTaskError
 
         ray = import_ray()
-        async with self.limiter.slot():
-            replica = self.pool.pick(ctx.session_id)
+        async with self.gate.call(), self.limiter.slot():
+            version = self.fleet_version
+            replica = self._pick(ctx.session_id, version)
             for attempt in range(2):
                 gen = replica.client.chat_stream.options(num_returns="streaming").remote(
                     request, ctx.session_id, ctx.request_id
@@ -259,7 +285,7 @@ class RayBackend(Backend):
                     if not done:  # client went away or a request error: stop the replica's generator
                         with contextlib.suppress(Exception):
                             ray.cancel(gen)
-                replica = self._failed(replica, error, ctx.session_id)
+                replica = self._failed(replica, error, ctx.session_id, version)
 
     async def served_sessions(self) -> dict[str, dict[str, int]]:
         """``{replica name: {session_id: calls}}`` as each live replica process reports it (tests,

@@ -24,6 +24,7 @@ class RayReplica(Replica):
     """A pool ``Replica`` whose ``client`` is a Ray actor handle; ``base_url`` holds its name.
 
     ``state``: ``starting`` | ``alive`` | ``restarting`` (unreachable, Ray restarting it) | ``dead``.
+    ``weight_version`` … ``lora_adapter``: its control status as last reported (``control``).
     """
 
     index: int = 0
@@ -34,6 +35,10 @@ class RayReplica(Replica):
     incarnation: str | None = None
     restarts: int = 0
     served: int = 0
+    weight_version: Any = None
+    weight_updates: int = 0
+    paused: str | None = None
+    lora_adapter: str | None = None
 
     @property
     def name(self) -> str:
@@ -52,6 +57,8 @@ class RayReplica(Replica):
             "pid": self.pid,
             "restarts": self.restarts,
             "served": self.served,
+            "weight_version": self.weight_version,
+            "paused": self.paused,
         }
         if self.last_error:
             row["last_error"] = self.last_error

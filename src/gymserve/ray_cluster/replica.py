@@ -14,8 +14,11 @@ Wire shapes (plain dicts, the same as the HTTP API's, so nothing Ray-specific le
   ``num_returns="streaming"`` (Ray streaming generators,
   https://docs.ray.io/en/latest/ray-core/ray-generator.html);
 - ``info()`` / ``health()``: ``{"name", "incarnation", "pid", "node_id", "node_ip", "in_flight",
-  "served", "model", ...LocalBackend.describe()}`` (``incarnation`` is new in every process, so a
-  restart shows as a changed value under the same name);
+  "served", "model", ...LocalBackend.describe(), "control": the engine's control_status()}``
+  (``incarnation`` is new in every process, so a restart shows as a changed value under the same
+  name; ``control`` carries the weight version the replica serves);
+- the control plane (``pause_generation``, ``apply`` / ``commit`` / ``rollback`` of a weight
+  change, ``export_weights`` / ``import_weights``): ``replica_control.ReplicaControl``;
 - ``served_sessions() -> {session_id: calls}``: which sessions this process served (bounded LRU).
 
 Errors: a ``GymserveError`` raised by the local backend (bad request, context length, ...) is
@@ -32,6 +35,8 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
+
+from gymserve.ray_cluster.replica_control import ReplicaControl
 
 ERROR_KEY = "__gymserve_error__"
 _MAX_TRACKED_SESSIONS = 10_000
@@ -50,7 +55,7 @@ def raise_remote_error(result: Any) -> Any:
     return result
 
 
-class EngineReplica:
+class EngineReplica(ReplicaControl):
     """The actor body (wrapped with ``ray.remote`` by ``RayBackend``; usable without Ray in tests).
 
     ``name``: the replica's stable name (``replica-0``...), kept across restarts.
@@ -90,7 +95,7 @@ class EngineReplica:
     # ---- introspection ------------------------------------------------------------------------
 
     async def info(self) -> dict[str, Any]:
-        """Who and where this replica is, and its load (see module docstring)."""
+        """Who and where this replica is, its load and its control status (see module docstring)."""
         return {
             "name": self.name,
             "incarnation": self.incarnation,
@@ -99,6 +104,7 @@ class EngineReplica:
             "in_flight": self.in_flight,
             "served": self.served,
             **self.backend.describe(),
+            "control": self.backend.engine.control_status(),
         }
 
     async def health(self) -> dict[str, Any]:
