@@ -248,6 +248,24 @@ class ChatBackendConfig(_RemoteBackendConfig):
         ge=0,
         description="seconds between probes of each replica (GET {base}/models; the first at start-up); 0 disables",
     )
+    upstream_control: Literal["none", "vllm", "sglang"] = Field(
+        "none",
+        description="the control API the servers at base_urls speak: gymserve's POST /pause, /resume, "
+        "/update_weights, /update_weight_version and LoRA routes are forwarded to vLLM's (vllm: "
+        "VLLM_SERVER_DEV_MODE=1) or SGLang's endpoints; none: the gateway pauses at its door only",
+    )
+    control_api_key: SecretStr | None = Field(
+        None, description="key for the servers' control endpoints (SGLang's --admin-api-key); default: api_key"
+    )
+    control_timeout: float = Field(
+        600.0, gt=0, description="seconds a forwarded control call may take (a weight update from disk is slow)"
+    )
+    pause_timeout: float = Field(
+        300.0,
+        gt=0,
+        description="seconds a pause at the gateway (POST /pause) lasts at most when it names no timeout; then "
+        "calls are let through again and the log says so",
+    )
 
     @field_validator("base_urls", mode="before")
     @classmethod

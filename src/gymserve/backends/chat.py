@@ -6,11 +6,16 @@ facts: ``base_urls`` are the replicas (probed every ``health_check_interval`` s 
 several); the key travels as ``Authorization: Bearer`` and, when none is configured, the
 placeholder ``EMPTY`` (vLLM's docs' value) rather than the SDK's ``OPENAI_API_KEY``, which belongs
 to another service; plain POSTs go through the lean aiohttp client (``http``), streams and GETs
-through the official SDK; ``/v1/responses`` is converted to Chat Completions.
+through the official SDK; ``/v1/responses`` is converted to Chat Completions. As a training
+gateway it pauses the rollouts' calls at its door and forwards weight updates to the servers'
+own control endpoints (``chat_control``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from gymserve.backends.chat_control import ChatControl
 from gymserve.backends.remote import RemoteBackend
 from gymserve.backends.upstream import PLACEHOLDER_KEY, Transport, Upstream, secret_value
 
@@ -39,8 +44,22 @@ class ChatUpstream(Upstream):
         return Transport(AsyncOpenAI(base_url=base, api_key=key, **self._sdk_options()), lean)
 
 
-class ChatBackend(RemoteBackend):
-    """``RemoteBackend`` over a ``ChatUpstream``."""
+class ChatBackend(ChatControl, RemoteBackend):
+    """``RemoteBackend`` over a ``ChatUpstream``, with the training gateway's control plane
+    (``chat_control``: pause at the door, forwarding to the servers' control endpoints)."""
 
     name = "chat"
     upstream_type = ChatUpstream
+
+    def __init__(self, upstream: Upstream, *, max_queue: int = 1024):
+        super().__init__(upstream, max_queue=max_queue)
+        self._init_control(upstream.config, max_queue)
+
+    async def health(self) -> dict[str, Any]:
+        """The replicas' health (``RemoteBackend.health``), after reading their weight versions."""
+        await self.refresh_versions()
+        return await super().health()
+
+    async def close(self) -> None:
+        await self._close_control()
+        await super().close()

@@ -30,12 +30,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.caller import UpstreamCaller, replica_label
 from gymserve.backends.chat_wire import checked_chunk, completion_to_chunks, normalize_tool_call_arguments
+from gymserve.engine.pause_gate import Call, CallAborted, PauseGate
 from gymserve.backends.pool import Limiter
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
 from gymserve.backends.responses_over_chat import ChatAnswer, overflow_events
@@ -65,6 +67,7 @@ class RemoteBackend(Backend):
 
     upstream_type: type[Upstream]
     limiter: Limiter
+    gate: PauseGate | None = None  # set by a backend that pauses at its door (chat_control)
 
     def __init__(self, upstream: Upstream, *, max_queue: int = 1024):
         self.upstream = upstream
@@ -118,11 +121,21 @@ class RemoteBackend(Backend):
             body.setdefault("top_logprobs", 0)
         return self.upstream.chat_body(body)
 
+    def _admitted(self) -> contextlib.AbstractAsyncContextManager[Call | None]:
+        """Through the pause gate when there is one (held while paused; see ``pause_gate``)."""
+        return self.gate.call() if self.gate is not None else contextlib.nullcontext()
+
     async def _chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
-        """The upstream completion, post-processed; raises ``ContextLengthExceededError`` on overflow."""
+        """The upstream completion, post-processed; raises ``ContextLengthExceededError`` on
+        overflow. A call an ``abort`` pause ends before the upstream answered gives an empty
+        ``finish_reason: "abort"`` completion (nothing was streamed to keep)."""
         body = self._chat_body(request)
-        async with self.limiter.slot():
-            completion, replica = await self.caller.call("chat", body, ctx)
+        async with self._admitted() as call, self.limiter.slot():
+            work = self.caller.call("chat", body, ctx)
+            try:
+                completion, replica = await (call.race(work) if call is not None else work)
+            except CallAborted:
+                return aborted_completion(self.config.served_model_name or body.get("model") or "")
             choices = completion.get("choices")
             if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
                 raise UpstreamError(
@@ -167,31 +180,49 @@ class RemoteBackend(Backend):
         body = {**plain_body, "stream": True}
         if request.get("stream_options"):
             body["stream_options"] = request["stream_options"]
-        async with self.limiter.slot():
+        async with self._admitted() as call, self.limiter.slot():
             try:
-                stream, replica = await self.caller.call("chat", body, ctx, stream=True)
+                work = self.caller.call("chat", body, ctx, stream=True)
+                stream, replica = await (call.race(work) if call is not None else work)
             except ContextLengthExceededError:
                 for chunk in completion_to_chunks(
                     context_exceeded_chat_completion(request, request.get("model") or "")
                 ):
                     yield chunk
                 return
+            except CallAborted:
+                for chunk in completion_to_chunks(aborted_completion(self.config.served_model_name or body.get("model") or "")):
+                    yield chunk
+                return
             got_chunk = False
+            last: dict[str, Any] = {}
             try:
                 call_index: dict[tuple[int, str], int] = {}  # (choice, call id) -> index, for servers that omit it
-                async for chunk in stream:
+                async for chunk in call.until_aborted(stream) if call is not None else stream:
                     got_chunk = True
                     chunk = checked_chunk(chunk, redact_url(self.caller.url(replica, "chat")), call_index)
                     if self.config.served_model_name:
                         chunk["model"] = self.config.served_model_name
                     if tokens is not None:
                         tokens.take(chunk)
+                    last = chunk
                     for piece in parsed.process(chunk) if parsed is not None else [chunk]:
                         if tokens is not None and tokens.is_finish(piece):
                             await attach_token_info(
                                 self.caller, tokens.completion(piece), request, plain_body, replica, ctx
                             )
                         yield piece
+                if call is not None and call.aborted.is_set() and not (tokens is not None and tokens.finished):
+                    # An abort pause ended the stream: what was streamed stays, and the call ends
+                    # like an aborted call on the local engine (finish_reason "abort", training fields).
+                    piece = abort_chunk(last, self.config.served_model_name or body.get("model") or "")
+                    if tokens is not None:
+                        done = tokens.completion(piece)
+                        done["choices"][0].setdefault("token_ids", [])
+                        done["choices"][0].setdefault("logprobs", {"content": []})
+                        await attach_token_info(self.caller, done, request, plain_body, replica, ctx)
+                    yield piece
+                    return
                 if not got_chunk:
                     where = redact_url(self.caller.url(replica, "chat"))
                     raise UpstreamBadResponseError(
@@ -291,3 +322,34 @@ class RemoteBackend(Backend):
             finally:
                 with contextlib.suppress(Exception):
                     await stream.close()
+
+
+def aborted_completion(model: str) -> ChatCompletionDict:
+    """The answer to a call an ``abort`` pause ended before anything came back: no content,
+    ``finish_reason: "abort"`` (vLLM's value for an aborted request), zero usage."""
+    from gymserve.wire.ids import new_id
+
+    return {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "abort", "logprobs": None}
+        ],
+        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+    }
+
+
+def abort_chunk(last: dict[str, Any], model: str) -> dict[str, Any]:
+    """The chunk that ends a stream an ``abort`` pause cut: ``finish_reason: "abort"``, an empty
+    delta, the stream's ``id`` and ``created``."""
+    from gymserve.wire.ids import new_id
+
+    return {
+        "id": last.get("id") or new_id("chatcmpl"),
+        "object": "chat.completion.chunk",
+        "created": last.get("created") or int(time.time()),
+        "model": last.get("model") or model,
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "abort", "logprobs": None}],
+    }

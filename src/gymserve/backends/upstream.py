@@ -99,7 +99,7 @@ class Upstream(ABC):
     @property
     def secrets(self) -> tuple[str, ...]:
         """The configured credentials, for redaction."""
-        values = (secret_value(getattr(self.config, f, None)) for f in ("api_key", "azure_ad_token"))
+        values = (secret_value(getattr(self.config, f, None)) for f in ("api_key", "azure_ad_token", "control_api_key"))
         return tuple(v for v in values if v)
 
     @property

@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from gymserve.backends.pause_gate import PauseGate
+from gymserve.engine.pause_gate import PauseGate
 from gymserve.engine.base import PauseMode, WeightVersion
 from gymserve.engine.control import check_mode, check_timeout, check_version
 from gymserve.errors import GymserveError, UpstreamConnectionError, UpstreamError

@@ -114,9 +114,7 @@ class ReplicaControl:
     async def export_weights(self) -> dict[str, Any]:
         """``{"tensors": state dict (CPU), "weight_version", "lora": the LoRA adapter state}``."""
         engine = self._engine
-        state = await asyncio.to_thread(
-            lambda: {k: v.detach().cpu().clone() for k, v in engine.model.state_dict().items()}
-        )
+        state = await asyncio.to_thread(_copy_state, engine.model)
         lora = engine.lora_snapshot() if hasattr(engine, "lora_snapshot") else None
         return {"tensors": state, "weight_version": engine.weight_version, "lora": lora}
 
@@ -138,6 +136,18 @@ class ReplicaControl:
         if state.get("lora") is not None and hasattr(engine, "restore_lora_snapshot"):
             engine.restore_lora_snapshot(state["lora"])
         return {"weight_version": version}
+
+
+def _copy_state(model: Any) -> dict[str, Any]:
+    """A CPU copy of ``model.state_dict()`` in which tied tensors stay one tensor (one copy to ship)."""
+    copies: dict[tuple, Any] = {}
+    out = {}
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape), t.stride())
+        if key not in copies:
+            copies[key] = t.detach().cpu().clone()
+        out[name] = copies[key]
+    return out
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:

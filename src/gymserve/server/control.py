@@ -130,7 +130,8 @@ class _ControlCollector:
         )
         for s in self.backend.control_status():
             replica = str(s.get("replica", "-"))
-            version.add_metric([name, replica, str(s["weight_version"])], 1)
+            if s.get("weight_version") is not None:  # a gateway before it has read its servers' versions
+                version.add_metric([name, replica, str(s["weight_version"])], 1)
             updates.add_metric([name, replica], s.get("weight_updates", 0))
             paused.add_metric([name, replica], 1 if s.get("paused") else 0)
             if s.get("last_update_seconds") is not None:

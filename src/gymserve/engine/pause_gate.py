@@ -1,9 +1,10 @@
-"""Pause and resume applied by a front end to the calls passing through it.
+"""Pause and resume applied at a door: to the calls passing through it, not inside a decode loop.
 
-The local engine pauses inside its decode loop (``engine.control``). A front end in front of
-servers it does not run — the chat backend before a trainer's own vLLM/SGLang servers, the Ray
-backend before its replicas — pauses at its door instead: a ``PauseGate`` holds new calls while
-paused and knows the calls in flight, so each pause mode (vLLM's names) means what it can mean there:
+The transformers engine pauses inside its decode loop (``engine.control``). Whatever cannot — the
+chat backend before a trainer's own vLLM/SGLang servers, the Ray backend before its replicas, the
+TensorRT-LLM adapter before an ``LLM`` without a pause of its own — pauses at its door instead: a
+``PauseGate`` holds new calls while paused and knows the calls in flight, so each pause mode
+(vLLM's names) means what it can mean there:
 
 ========  ==========================================  ===============================================
 mode      calls in flight                             new calls
@@ -39,7 +40,7 @@ from typing import Any, TypeVar
 from gymserve.engine.base import PauseMode
 from gymserve.errors import ConflictError, OverloadedError
 
-log = logging.getLogger("gymserve.backends.pause")
+log = logging.getLogger("gymserve.pause")
 
 T = TypeVar("T")
 
