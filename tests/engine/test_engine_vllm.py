@@ -8,6 +8,17 @@ misspelt keyword fails here as it would there), ``vllm.sampling_params.RequestOu
 request_id)`` as an async generator of ``RequestOutput``, ``abort``, ``shutdown``), and
 ``vllm.outputs.RequestOutput`` / ``CompletionOutput`` / ``vllm.logprobs.Logprob``. Its scheduler
 mimics ``vllm.v1.core.sched.utils.check_stop``: the EOS or stop token stays in ``token_ids``.
+
+The control plane follows ``AsyncLLM``'s RL API (``vllm/v1/engine/async_llm.py``):
+``pause_generation(*, mode="abort", wait_for_inflight_requests=None, clear_cache=True)`` (abort ends
+the requests in flight with ``finish_reason "abort"``, wait lets them finish, keep freezes them),
+``resume_generation()``, ``is_paused()``, ``start_weight_update()``,
+``update_weights(request: WeightTransferUpdateRequest)`` with the disk backend's checks
+(``DiskWeightTransferUpdateInfo``: an absolute directory holding ``*.safetensors``; one checkpoint
+per session), ``finish_weight_update(weight_version: str | None)``,
+``update_weight_version(new_version: str)``, ``get_weight_version()``,
+``add_lora(lora_request: LoRARequest) -> bool``, ``remove_lora(lora_id: int) -> bool``, and
+``vllm.lora.request.LoRARequest`` with its fields (``lora_int_id >= 1``).
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import asyncio
 import dataclasses
 import enum
 import json
+import os
 import sys
 import types
 from dataclasses import dataclass
@@ -24,7 +36,7 @@ from typing import Any, TypedDict
 import pytest
 
 from gymserve.engine.base import SamplingParams
-from gymserve.errors import EngineError
+from gymserve.errors import EngineError, InvalidRequestError, WeightUpdateError
 
 EOS = 151645
 EOS2 = 151643
@@ -152,10 +164,18 @@ class FakeAsyncLLM:
         self.engine_args = engine_args
         self.model_config = types.SimpleNamespace(max_model_len=engine_args.max_model_len or 32768)
         self.calls: list[tuple[Any, VSamplingParams, str]] = []
+        self.lora_requests: list[Any] = []
         self.aborted: list[str] = []
         self.finished_ids: list[str] = []
         self.shut_down = False
         self.step_delay = 0.0
+        self.paused: str | None = None
+        self.running = 0
+        self.session = False
+        self.loaded: dict | None = None
+        self.weight_version: str | None = None
+        self.loras: dict[int, Any] = {}
+        self.control_calls: list[tuple] = []
         FakeAsyncLLM.instances.append(self)
 
     @classmethod
@@ -179,6 +199,10 @@ class FakeAsyncLLM:
     ):
         assert isinstance(prompt, dict) and "prompt_token_ids" in prompt
         self.calls.append((prompt, sampling_params, request_id))
+        self.lora_requests.append(lora_request)
+        while self.paused is not None:  # new requests wait while paused
+            await asyncio.sleep(0.001)
+        self.running += 1
         p = sampling_params
         prompt_ids = list(prompt["prompt_token_ids"])
         gen: list[int] = []
@@ -187,6 +211,7 @@ class FakeAsyncLLM:
         try:
             while True:
                 await asyncio.sleep(self.step_delay)
+                await self._gate(request_id)
                 if request_id in self.aborted:
                     finish = "abort"
                 else:
@@ -218,12 +243,112 @@ class FakeAsyncLLM:
         except (asyncio.CancelledError, GeneratorExit):
             await self.abort(request_id, internal=True)  # what vLLM's generate() does
             raise
+        finally:
+            self.running -= 1
 
     async def abort(self, request_id, internal: bool = False) -> None:
         self.aborted.append(request_id)
 
     def shutdown(self, timeout=None) -> None:
         self.shut_down = True
+
+    # ---- the RL API --------------------------------------------------------------------------
+
+    async def _gate(self, request_id: str) -> None:
+        """Between two steps: a keep pause freezes the request, an abort pause ends it."""
+        while self.paused == "keep":
+            await asyncio.sleep(0.001)
+        if self.paused == "abort":
+            self.aborted.append(request_id)
+
+    async def pause_generation(self, *, mode="abort", wait_for_inflight_requests=None, clear_cache: bool = True):
+        assert mode in ("abort", "wait", "keep")
+        self.control_calls.append(("pause_generation", mode))
+        self.paused = mode
+        if mode == "wait":
+            while self.running:
+                await asyncio.sleep(0.001)
+
+    async def resume_generation(self) -> None:
+        self.control_calls.append(("resume_generation",))
+        self.paused = None
+
+    async def is_paused(self) -> bool:
+        return self.paused is not None
+
+    async def start_weight_update(self) -> None:
+        if self.session:
+            raise RuntimeError("A shared-disk weight update is already active")
+        self.session, self.loaded = True, None
+        self.control_calls.append(("start_weight_update",))
+
+    async def update_weights(self, request) -> None:
+        assert type(request).__name__ == "WeightTransferUpdateRequest"
+        path = request.update_info.get("path")
+        self.control_calls.append(("update_weights", dict(request.update_info)))
+        try:
+            if not self.session:
+                raise RuntimeError("start_weight_update must be called before loading a checkpoint")
+            if not isinstance(path, str) or not os.path.isabs(path):
+                raise ValueError("`path` must be an absolute local directory")
+            if not os.path.isdir(path) or not any(p.endswith(".safetensors") for p in os.listdir(path)):
+                raise ValueError(f"Shared-disk checkpoint directory contains no safetensors files: {path}")
+        except Exception:
+            self.session = False
+            raise
+        from safetensors.torch import load_file
+
+        self.loaded = load_file(os.path.join(path, "model.safetensors"))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.control_calls.append(("finish_weight_update", weight_version))
+        if not self.session or self.loaded is None:
+            self.session = False
+            raise RuntimeError("No checkpoint was loaded during the shared-disk update session")
+        self.session = False
+        if weight_version is not None:
+            assert isinstance(weight_version, str)
+            self.weight_version = weight_version
+
+    async def update_weight_version(self, new_version: str) -> None:
+        assert isinstance(new_version, str)
+        self.weight_version = new_version
+
+    async def get_weight_version(self) -> str:
+        return self.weight_version
+
+    async def add_lora(self, lora_request) -> bool:
+        assert type(lora_request).__name__ == "LoRARequest"
+        self.control_calls.append(("add_lora", lora_request))
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self.control_calls.append(("remove_lora", lora_id))
+        return self.loras.pop(lora_id, None) is not None
+
+
+@dataclass
+class LoRARequest:
+    """vllm.lora.request.LoRARequest's fields."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+    tensorizer_config_dict: dict | None = None
+    load_inplace: bool = False
+
+    def __post_init__(self):
+        if self.lora_int_id < 1:
+            raise ValueError(f"id must be > 0, got {self.lora_int_id}")
+
+
+@dataclass
+class WeightTransferUpdateRequest:
+    """vllm.distributed.weight_transfer.base.WeightTransferUpdateRequest."""
+
+    update_info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _module(name: str, **attrs) -> types.ModuleType:
@@ -253,6 +378,13 @@ def install_fake_vllm(monkeypatch, *, engine_args_cls=AsyncEngineArgs, with_outp
         "vllm.v1.engine.async_llm": _module("vllm.v1.engine.async_llm", AsyncLLM=FakeAsyncLLM),
         "vllm.outputs": _module("vllm.outputs", RequestOutput=RequestOutput, CompletionOutput=CompletionOutput),
         "vllm.logprobs": _module("vllm.logprobs", Logprob=Logprob),
+        "vllm.lora": _module("vllm.lora"),
+        "vllm.lora.request": _module("vllm.lora.request", LoRARequest=LoRARequest),
+        "vllm.distributed": _module("vllm.distributed"),
+        "vllm.distributed.weight_transfer": _module("vllm.distributed.weight_transfer"),
+        "vllm.distributed.weight_transfer.base": _module(
+            "vllm.distributed.weight_transfer.base", WeightTransferUpdateRequest=WeightTransferUpdateRequest
+        ),
     }
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
@@ -479,7 +611,10 @@ def test_top_logprobs_ranked_and_sampled_kept(engine):
             assert tops[0] == (tok, pytest.approx(lp))
 
 
-def test_abort_finish_reason_is_an_engine_error(engine):
+def test_abort_finish_reason_is_an_aborted_answer_keeping_its_tokens(engine):
+    """vLLM ends an aborted request with finish_reason "abort" (a pause, gymserve's or the trainer's
+    own on its AsyncLLM): an aborted answer with the tokens sampled before it."""
+
     async def run():
         stream = engine.stream([1], _sp())
         first = await stream.__anext__()
@@ -487,8 +622,8 @@ def test_abort_finish_reason_is_an_engine_error(engine):
         rest = [d async for d in stream]
         return first, rest
 
-    with pytest.raises(EngineError, match="abort"):
-        asyncio.run(run())
+    first, rest = asyncio.run(run())
+    assert first.token_ids == [11] and rest[-1].finish_reason == "abort" and rest[-1].token_ids == []
 
 
 def test_missing_sampled_logprob_is_an_engine_error():
@@ -703,3 +838,147 @@ def test_fake_sampling_params_mirror_vllm_field_names():
 
     names = {f.name for f in dataclasses.fields(VSamplingParams)}
     assert set(vllm_sampling_kwargs(_sp())) <= names
+
+
+# ---- control plane: AsyncLLM's RL API -------------------------------------------------------
+
+
+def test_pause_modes_map_onto_async_llm_and_a_pause_ends_at_its_deadline(engine, caplog):
+    import logging
+
+    fake = FakeAsyncLLM.instances[-1]
+    fake.step_delay = 0.005
+    FakeAsyncLLM.script = [11] * 200
+
+    async def run():
+        stream = engine.stream([1], _sp(max_tokens=200))
+        first = await stream.__anext__()
+        await engine.pause_generation("abort", timeout=30)
+        rest = [d async for d in stream]
+        assert await engine.is_paused() and engine.control_status()["paused"] == "abort"
+        await engine.resume_generation()
+        await engine.pause_generation("keep")
+        assert engine.control_status()["pause_seconds_left"] == pytest.approx(300, abs=1)  # pause_timeout
+        await engine.resume_generation()
+        with caplog.at_level(logging.WARNING, "gymserve.engine"):
+            await engine.pause_generation("wait", timeout=0.05)
+            await asyncio.sleep(0.3)
+        assert not await engine.is_paused()
+        return first, rest
+
+    first, rest = asyncio.run(run())
+    assert rest[-1].finish_reason == "abort" and 1 + sum(len(d.token_ids) for d in rest) < 200
+    assert [c for c in fake.control_calls if c[0] in ("pause_generation", "resume_generation")] == [
+        ("pause_generation", "abort"),
+        ("resume_generation",),
+        ("pause_generation", "keep"),
+        ("resume_generation",),
+        ("pause_generation", "wait"),
+        ("resume_generation",),
+    ]
+    assert "reached its deadline of 0.05 s without resume_generation; resuming by itself" in caplog.text
+    with pytest.raises(InvalidRequestError):
+        asyncio.run(engine.pause_generation("sleep"))
+
+
+def test_update_weights_runs_the_disk_weight_transfer_and_versions_every_token(engine, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    fake = FakeAsyncLLM.instances[-1]
+    save_file({"lm_head.weight": torch.ones(2, 2)}, str(tmp_path / "model.safetensors"))
+    assert asyncio.run(engine.update_weights(path=tmp_path, weight_version="step-1")) == "step-1"
+    assert fake.control_calls == [
+        ("start_weight_update",),
+        ("update_weights", {"path": str(tmp_path)}),
+        ("finish_weight_update", "step-1"),
+    ]
+    assert fake.weight_version == "step-1" and engine.weight_version == "step-1"
+    gen = asyncio.run(engine.generate([1], _sp()))
+    assert gen.weight_version_spans == [{"version": "step-1", "start": 0, "end": len(gen.token_ids)}]
+
+    # In-process tensors go through a temporary safetensors directory (the engine core is another process).
+    fake.control_calls.clear()
+    new = {"lm_head.weight": torch.full((2, 2), 3.0)}
+    assert asyncio.run(engine.update_weights(new)) == 2  # the count of changes
+    path = fake.control_calls[1][1]["path"]
+    assert os.path.isabs(path) and not os.path.exists(path)  # removed after the update
+    assert torch.equal(fake.loaded["lm_head.weight"], new["lm_head.weight"]) and fake.weight_version == "2"
+
+    # vLLM's ValueError for a path the disk transfer refuses: 400 with its words; the next update works.
+    with pytest.raises(WeightUpdateError, match="absolute local directory"):
+        asyncio.run(engine.update_weights(path="relative/dir"))
+    assert engine.weight_version == 2 and not fake.session
+    assert asyncio.run(engine.update_weights(path=tmp_path)) == 3
+    asyncio.run(engine.update_weight_version("renamed"))
+    assert fake.weight_version == "renamed" and engine.control_status()["weight_version"] == "renamed"
+    with pytest.raises(WeightUpdateError, match="exactly one"):
+        asyncio.run(engine.update_weights())
+
+
+def test_lora_adapter_goes_with_every_generation_one_at_a_time(engine, tmp_path):
+    from gymserve.errors import ConflictError, NotFoundError, NotSupportedError
+
+    fake = FakeAsyncLLM.instances[-1]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text('{"r": 4, "peft_type": "LORA"}')
+    assert asyncio.run(engine.load_lora_adapter("policy", str(tmp_path / "a"))) == 1
+    added = fake.control_calls[-1][1]
+    assert (added.lora_name, added.lora_int_id, added.lora_path, added.load_inplace) == (
+        "policy",
+        1,
+        str(tmp_path / "a"),
+        False,
+    )
+    asyncio.run(engine.generate([1], _sp()))
+    assert fake.lora_requests[-1] is added
+    assert engine.lora_adapters() == [{"name": "policy", "source": str(tmp_path / "a"), "weight_version": 1}]
+    with pytest.raises(ConflictError):
+        asyncio.run(engine.load_lora_adapter("other", str(tmp_path / "b")))
+    # A swap in place under the same name keeps the id and asks vLLM to reload it in place.
+    asyncio.run(engine.load_lora_adapter("policy", str(tmp_path / "b"), load_inplace=True))
+    assert fake.control_calls[-1][1].lora_int_id == 1 and fake.control_calls[-1][1].load_inplace is True
+    # Under another name: a new id, and the old adapter is removed.
+    asyncio.run(engine.load_lora_adapter("other", str(tmp_path / "a"), load_inplace=True))
+    assert fake.control_calls[-2][1].lora_int_id == 2 and fake.control_calls[-1] == ("remove_lora", 1)
+    with pytest.raises(NotFoundError):
+        asyncio.run(engine.unload_lora_adapter("policy"))
+    assert asyncio.run(engine.unload_lora_adapter("other")) == 5
+    assert fake.control_calls[-1] == ("remove_lora", 2) and engine.lora_adapters() == []
+    asyncio.run(engine.generate([1], _sp()))
+    assert fake.lora_requests[-1] is None
+    with pytest.raises(WeightUpdateError, match="adapter_config.json"):
+        asyncio.run(engine.load_lora_adapter("x", str(tmp_path)))
+    with pytest.raises(NotSupportedError, match="from a directory"):
+        asyncio.run(engine.load_lora_adapter("x", tensors={}, config=object()))
+
+
+def test_a_vllm_without_the_rl_api_answers_501(monkeypatch, model_dir):
+    from gymserve.engine.vllm_engine import VLLMEngine
+    from gymserve.errors import NotSupportedError
+
+    class OldAsyncLLM(FakeAsyncLLM):
+        start_weight_update = None  # type: ignore[assignment]
+
+        async def pause_generation(self, wait_for_inflight_requests: bool = False, clear_cache: bool = True):
+            self.control_calls.append(("pause_generation", wait_for_inflight_requests))
+            self.paused = "wait" if wait_for_inflight_requests else "abort"
+
+    install_fake_vllm(monkeypatch)
+    monkeypatch.setattr(sys.modules["vllm.v1.engine.async_llm"], "AsyncLLM", OldAsyncLLM)
+    eng = VLLMEngine(model_dir)
+    try:
+        with pytest.raises(NotSupportedError, match="start_weight_update"):
+            asyncio.run(eng.update_weights(path="/x"))
+        with pytest.raises(NotSupportedError, match="no keep mode"):
+            asyncio.run(eng.pause_generation("keep"))
+
+        async def pause_and_resume():
+            await eng.pause_generation("wait", timeout=30)
+            await eng.resume_generation()
+
+        asyncio.run(pause_and_resume())
+        assert eng.engine.control_calls[-2:] == [("pause_generation", True), ("resume_generation",)]
+    finally:
+        asyncio.run(eng.close())

@@ -169,12 +169,14 @@ class RunBasedEngine(NoControl):
     @classmethod
     def from_config(cls, config: Any, resolved: Any) -> Self:
         """The engine for a ``LocalBackendConfig`` (its ``engine_args``) and a ``ResolvedModel``."""
-        return cls(  # type: ignore[call-arg]  # the adapters' constructors take these keywords
+        engine = cls(  # type: ignore[call-arg]  # the adapters' constructors take these keywords
             resolved.path,
             model_name=resolved.name,
             context_window=config.context_window,
             engine_args=dict(config.engine_args or {}),
         )
+        engine.pause_timeout = float(getattr(config, "pause_timeout", 300.0))  # type: ignore[attr-defined]
+        return engine
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
         """Generate to completion; see ``Engine.generate``."""

@@ -23,11 +23,15 @@ RAW_LOGPROBS = "raw_logprobs"
 temperature/top-k/top-p: the log-probs gymserve's contract promises (``engine.base.Generation``)."""
 
 
-def map_finish_reason(reason: Any, engine: str) -> FinishReason:
-    """``"stop"`` / ``"length"`` as they are; anything else (abort, cancelled, timeout) is an error."""
+def map_finish_reason(reason: Any, engine: str, aborts: tuple[str, ...] = ()) -> FinishReason:
+    """``"stop"`` / ``"length"`` as they are; a reason in ``aborts`` (the library's word for a
+    request it aborted: vLLM's ``"abort"``, TensorRT-LLM's ``"cancelled"``) is ``"abort"`` — an
+    aborted answer that keeps its tokens; anything else (a timeout, an unknown reason) is an error."""
     reason = str(reason) if reason is not None else None
     if reason in ("stop", "length"):
         return reason
+    if reason in aborts:
+        return "abort"
     raise EngineError(f"{engine} ended the generation with finish reason {reason!r} (aborted or failed)")
 
 
@@ -101,13 +105,19 @@ Amend = Callable[[Any, list, list, list, "FinishReason | None"], tuple[list, lis
 
 
 async def output_deltas(
-    outputs: AsyncIterator[Any], engine: str, top_n: int, *, cumulative: bool, amend: Amend | None = None
+    outputs: AsyncIterator[Any],
+    engine: str,
+    top_n: int,
+    *,
+    cumulative: bool,
+    amend: Amend | None = None,
+    aborts: tuple[str, ...] = (),
 ) -> AsyncGenerator[TokenDelta, None]:
     """``TokenDelta``s from an engine's stream of request outputs in vLLM's shape (``out.finished``;
     ``out.outputs[0]`` with ``token_ids``, ``logprobs``, ``finish_reason``), which TensorRT-LLM's
     LLM API shares. ``cumulative``: each output repeats the earlier tokens, so only the new ones are
     kept. ``amend(completion_output, ids, log_probs, tops, finish)`` returns the three lists fixed up
-    the way one engine needs. Ends with the finished output; raises ``EngineError`` naming
+    the way one engine needs; ``aborts``: see ``map_finish_reason``. Ends with the finished output; raises ``EngineError`` naming
     ``engine`` when the stream ends without one or the engine raises.
     """
     seen = 0
@@ -118,7 +128,7 @@ async def output_deltas(
             if cumulative:
                 ids, lps, tops = ids[seen:], lps[seen:], tops[seen:]
                 seen += len(ids)
-            finish = map_finish_reason(comp.finish_reason, engine) if out.finished else None
+            finish = map_finish_reason(comp.finish_reason, engine, aborts) if out.finished else None
             if amend is not None:
                 ids, lps, tops = amend(comp, ids, lps, tops, finish)
             if ids or finish:

@@ -18,11 +18,30 @@ The mapping (see ``docs/model-servers/vllm-engine.md`` for the parity argument):
 - Output: ``CompletionOutput.token_ids`` include the EOS or stop token that ended the generation
   (vLLM's ``check_stop`` leaves it in place; only stop *strings* are cut, and gymserve sends none),
   with its log-prob, as the ``Generation`` contract wants. ``finish_reason`` ``"stop"``/``"length"``
-  map to themselves; ``"abort"`` (or anything else) is an ``EngineError``.
+  map to themselves; ``"abort"`` (a pause with mode ``abort``, from gymserve or from a trainer that
+  paused its ``AsyncLLM`` itself) is an aborted answer that keeps its tokens; anything else is an
+  ``EngineError``. Each token carries the weight version serving when it arrived.
 - Streaming asks for ``RequestOutputKind.DELTA`` (new tokens only); ``generate`` asks for
   ``FINAL_ONLY``. Versions without ``output_kind`` stream cumulative outputs and are diffed here.
 - Leaving a stream early (client disconnect) closes vLLM's generator and calls
   ``engine.abort(request_id)``, which frees the sequence's KV blocks.
+
+The control plane maps onto ``AsyncLLM``'s own RL API (``vllm/v1/engine/async_llm.py``):
+
+- ``pause_generation(mode)`` → ``AsyncLLM.pause_generation(mode=...)`` (abort / wait / keep; a
+  vLLM before ``mode`` has ``wait_for_inflight_requests`` and no keep); ``resume_generation`` and
+  ``is_paused`` → its own. vLLM has no pause deadline: the adapter resumes by itself when it passes.
+- ``update_weights(path=DIR)`` → ``start_weight_update()``, ``update_weights(WeightTransferUpdateRequest(
+  update_info={"path": DIR}))``, ``finish_weight_update(weight_version=str(v))`` — the ``disk``
+  weight transfer (``engine_args: {weight_transfer_config: {backend: disk}}``), which loads a complete
+  safetensors checkpoint; in-process ``tensors`` are written to a temporary safetensors directory
+  first (the engine core runs in another process). vLLM validates the checkpoint; its ``ValueError``
+  is a 400 ``invalid_weights``.
+- ``update_weight_version(v)`` → ``AsyncLLM.update_weight_version(str(v))``.
+- LoRA: ``add_lora(LoRARequest(lora_name, lora_int_id, lora_path, load_inplace))`` /
+  ``remove_lora(lora_int_id)`` (``--enable-lora``: ``engine_args: {enable_lora: true,
+  max_lora_rank: R}``), and every generation passes the loaded adapter's ``lora_request``: one
+  adapter at a time serves as the policy (``library_control``).
 
 The engine object and the two vLLM modules are imported when a ``VLLMEngine`` is constructed, so
 gymserve installs and imports without vLLM; a missing vLLM raises ``ImportError`` naming
@@ -31,8 +50,12 @@ gymserve installs and imports without vLLM; a missing vLLM raises ``ImportError`
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
+import os
+import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 from contextlib import aclosing
@@ -40,9 +63,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gymserve.engine.base import RunBasedEngine, SamplingParams
+from gymserve.engine.base import PauseMode, RunBasedEngine, SamplingParams, WeightVersion
+from gymserve.engine.control import check_mode, check_timeout, check_version
+from gymserve.engine.library_control import LibraryControl, LoadedLora, library_error
 from gymserve.engine.model_meta import read_model_meta
 from gymserve.engine.request_output import RAW_LOGPROBS, accepts, output_deltas
+from gymserve.errors import NotSupportedError, WeightUpdateError
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +91,22 @@ def import_vllm() -> SimpleNamespace:
         from vllm.sampling_params import RequestOutputKind
     except ImportError:
         RequestOutputKind = None
+    try:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+    except ImportError:  # a vLLM before the weight transfer API: update_weights answers 501
+        WeightTransferUpdateRequest = None
+    try:
+        from vllm.lora.request import LoRARequest
+    except ImportError:
+        LoRARequest = None
     return SimpleNamespace(
         SamplingParams=VSamplingParams,
         AsyncEngineArgs=AsyncEngineArgs,
         TokensPrompt=TokensPrompt,
         AsyncLLM=AsyncLLM,
         RequestOutputKind=RequestOutputKind,
+        WeightTransferUpdateRequest=WeightTransferUpdateRequest,
+        LoRARequest=LoRARequest,
     )
 
 
@@ -96,7 +132,7 @@ def vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
     }
 
 
-class VLLMEngine(RunBasedEngine):
+class VLLMEngine(LibraryControl, RunBasedEngine):
     """The ``Engine`` over vLLM's ``AsyncLLM`` in this process.
 
     ``model_dir``: a Hugging Face model directory. ``context_window``: passed as ``max_model_len``
@@ -106,7 +142,7 @@ class VLLMEngine(RunBasedEngine):
     ``raw_logprobs`` is refused.
     """
 
-    engine_name = "vllm"  # in "not supported yet by the vllm engine" (weight updates, pause)
+    engine_name = "vllm"
 
     def __init__(
         self,
@@ -151,6 +187,7 @@ class VLLMEngine(RunBasedEngine):
             or 4096
         )
         self._closed = False
+        self._init_control()
 
     def sampling_params(self, sampling: SamplingParams, *, stream: bool):
         """The ``vllm.SamplingParams`` of one request (DELTA outputs when streaming, else FINAL_ONLY)."""
@@ -166,15 +203,17 @@ class VLLMEngine(RunBasedEngine):
         delta_mode = stream and self._v.RequestOutputKind is not None
         request_id = f"gymserve-{uuid.uuid4().hex}"
         prompt = self._v.TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
-        outputs = self.engine.generate(prompt, params, request_id)
+        lora = {"lora_request": self._lora.request} if self._lora is not None else {}
+        outputs = self.engine.generate(prompt, params, request_id, **lora)
         finished = False
         try:
             # Cumulative or final-only outputs unless vLLM sends deltas.
             async with aclosing(
-                output_deltas(outputs, "vLLM", sampling.top_logprobs, cumulative=not delta_mode)
+                output_deltas(outputs, "vLLM", sampling.top_logprobs, cumulative=not delta_mode, aborts=("abort",))
             ) as deltas:
                 async for delta in deltas:
                     finished = delta.finish_reason is not None
+                    delta.weight_version = self.weight_version
                     yield delta
         finally:
             aclose = getattr(outputs, "aclose", None)
@@ -196,3 +235,119 @@ class VLLMEngine(RunBasedEngine):
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+    # ---- control plane (see the module docstring) ------------------------------------------------
+
+    def _needs(self, what: str, method: str) -> Any:
+        fn = getattr(self.engine, method, None)
+        if fn is None:
+            raise NotSupportedError(
+                f"{what} needs AsyncLLM.{method}, which this vLLM lacks; upgrade vLLM (its RL API: pause_generation, "
+                "start_weight_update / update_weights / finish_weight_update)",
+                code="control_not_supported",
+            )
+        return fn
+
+    async def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
+        """``AsyncLLM.pause_generation`` in ``mode``; resumes by itself after ``timeout`` s."""
+        mode = check_mode(mode)
+        timeout = None if timeout is None else check_timeout(timeout)
+        pause = self._needs("pause_generation", "pause_generation")
+        if accepts(pause, "mode"):
+            await pause(mode=mode)
+        elif mode == "keep":
+            raise NotSupportedError(
+                "this vLLM's pause_generation has no keep mode (it has wait_for_inflight_requests only); "
+                "pause with mode=abort or mode=wait, or upgrade vLLM",
+                code="control_not_supported",
+            )
+        else:
+            await pause(wait_for_inflight_requests=mode == "wait")
+        self._paused_for(mode, timeout)
+
+    async def resume_generation(self) -> None:
+        await self._needs("resume_generation", "resume_generation")()
+        self._resumed()
+
+    async def is_paused(self) -> bool:
+        fn = getattr(self.engine, "is_paused", None)
+        return bool(await fn()) if fn is not None else self._paused is not None
+
+    async def update_weights(
+        self, tensors: Any = None, *, path: str | os.PathLike | None = None, weight_version: WeightVersion | None = None
+    ) -> WeightVersion:
+        """New weights through vLLM's disk weight transfer; returns the new version (see the module
+        docstring). Raises ``WeightUpdateError`` (400) with vLLM's words for a checkpoint it refuses."""
+        if (tensors is None) == (path is None):
+            raise WeightUpdateError("give exactly one of tensors (a state dict) and path (a safetensors directory)")
+        start = self._needs("update_weights", "start_weight_update")
+        version = self._next_version(weight_version)
+        request_cls = self._v.WeightTransferUpdateRequest
+        async with self._lock():
+            t0 = time.perf_counter()
+            with tempfile.TemporaryDirectory(prefix="gymserve-vllm-update-") as tmp:
+                if tensors is not None:
+                    await asyncio.to_thread(_save_safetensors, tensors, Path(tmp))
+                where = os.path.abspath(os.fspath(path if path is not None else tmp))
+                try:
+                    await start()
+                    await self.engine.update_weights(request_cls(update_info={"path": where}))
+                    await self.engine.finish_weight_update(weight_version=str(version))
+                except Exception as exc:
+                    raise library_error(exc, "vLLM", f"the weight update from {where}") from exc
+            return self._changed(version, t0)
+
+    async def update_weight_version(self, new_version: WeightVersion) -> None:
+        version = check_version(new_version, "new_version")
+        await self._needs("update_weight_version", "update_weight_version")(str(version))
+        self._changed(version, time.perf_counter())
+
+    async def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        *,
+        tensors: Any = None,
+        config: Any = None,
+        load_inplace: bool = False,
+        weight_version: WeightVersion | None = None,
+    ) -> WeightVersion:
+        """``AsyncLLM.add_lora`` of the PEFT directory ``lora_path``; it then serves every call."""
+        path = self._check_lora_load(lora_name, lora_path, tensors, load_inplace)
+        version = self._next_version(weight_version)
+        async with self._lock():
+            t0 = time.perf_counter()
+            int_id = self._new_lora_id(lora_name, load_inplace)
+            kwargs: dict[str, Any] = {"lora_name": lora_name, "lora_int_id": int_id, "lora_path": str(path)}
+            if accepts(self._v.LoRARequest, "load_inplace"):
+                kwargs["load_inplace"] = load_inplace
+            request = self._v.LoRARequest(**kwargs)
+            try:
+                added = await self._needs("load_lora_adapter", "add_lora")(request)
+            except Exception as exc:
+                raise library_error(exc, "vLLM", f"loading LoRA adapter {lora_name!r}") from exc
+            if added is False:
+                raise WeightUpdateError(f"vLLM did not load LoRA adapter {lora_name!r} from {path}", param="lora_path")
+            old = self._lora
+            if old is not None and old.int_id != int_id:
+                await self.engine.remove_lora(old.int_id)
+            self._lora = LoadedLora(lora_name, int_id, str(path), request, version)
+            return self._changed(version, t0)
+
+    async def unload_lora_adapter(self, lora_name: str, *, weight_version: WeightVersion | None = None) -> WeightVersion:
+        """``AsyncLLM.remove_lora`` of the adapter serving now; the base model serves again."""
+        current = self._check_lora_unload(lora_name)
+        version = self._next_version(weight_version)
+        async with self._lock():
+            t0 = time.perf_counter()
+            await self._needs("unload_lora_adapter", "remove_lora")(current.int_id)
+            self._lora = None
+            return self._changed(version, t0)
+
+
+def _save_safetensors(tensors: Any, where: Path) -> None:
+    """``tensors`` (a state dict) as ``model.safetensors`` in ``where`` (CPU, contiguous; tied
+    tensors saved once each name, as safetensors wants no shared storage)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, str(where / "model.safetensors"))
