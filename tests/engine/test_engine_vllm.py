@@ -906,7 +906,7 @@ def test_update_weights_runs_the_disk_weight_transfer_and_versions_every_token(e
     assert torch.equal(fake.loaded["lm_head.weight"], new["lm_head.weight"]) and fake.weight_version == "2"
 
     # vLLM's ValueError for a path the disk transfer refuses: 400 with its words; the next update works.
-    with pytest.raises(WeightUpdateError, match="absolute local directory"):
+    with pytest.raises(WeightUpdateError, match="vLLM refused the weight update from .*relative/dir: .*no safetensors"):
         asyncio.run(engine.update_weights(path="relative/dir"))
     assert engine.weight_version == 2 and not fake.session
     assert asyncio.run(engine.update_weights(path=tmp_path)) == 3
@@ -944,7 +944,7 @@ def test_lora_adapter_goes_with_every_generation_one_at_a_time(engine, tmp_path)
     assert fake.control_calls[-2][1].lora_int_id == 2 and fake.control_calls[-1] == ("remove_lora", 1)
     with pytest.raises(NotFoundError):
         asyncio.run(engine.unload_lora_adapter("policy"))
-    assert asyncio.run(engine.unload_lora_adapter("other")) == 5
+    assert asyncio.run(engine.unload_lora_adapter("other")) == 4  # the fourth change
     assert fake.control_calls[-1] == ("remove_lora", 2) and engine.lora_adapters() == []
     asyncio.run(engine.generate([1], _sp()))
     assert fake.lora_requests[-1] is None
