@@ -9,6 +9,12 @@ The double follows TensorRT-LLM's real names and signatures (read from its sourc
 floats or ``{token_id: Logprob(logprob, rank)}``, ``finish_reason`` ``stop``/``length``/``cancelled``,
 ``stop_reason``). Like the real ``_handle_sequence``, a stop-token finish cuts the stop token from
 ``token_ids`` (not from the log-probs) unless ``include_stop_str_in_output`` is set.
+
+For the control plane it follows ``LLM._collective_rpc(method, args=(), kwargs=None,
+non_block=False, unique_reply_rank=None)`` driving ``tensorrt_llm.llmapi.rlhf_utils.WorkerExtension
+.update_weights(ipc_handles)`` (``{device_uuid: [(name, (rebuild_fn, args)), ...]}``, rebuilt with
+``rebuild_fn(*args)``; ``None`` finalizes the reload), ``tensorrt_llm._torch.utils.get_device_uuid``
+and ``tensorrt_llm.executor.request.LoRARequest(lora_name, lora_int_id, lora_path)``.
 """
 
 from __future__ import annotations
@@ -233,6 +239,10 @@ class FakeLLM:
         self.results: list[FakeResult] = []
         self.step_delay = 0.0
         self.shut_down = False
+        self.rpc_calls: list = []
+        self.pending: dict = {}
+        self.reloaded: dict = {}
+        self.lora_requests: list = []
         FakeLLM.instances.append(self)
 
     def generate_async(
@@ -246,12 +256,44 @@ class FakeLLM:
         disaggregated_params=None,
     ):
         assert isinstance(inputs, dict) and list(inputs) == ["prompt_token_ids"]
+        self.lora_requests.append(lora_request)
         res = FakeResult(self, list(inputs["prompt_token_ids"]), sampling_params or TSamplingParams(), streaming)
         self.results.append(res)
         return res
 
     def shutdown(self) -> None:
         self.shut_down = True
+
+    def _collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, non_block: bool = False, unique_reply_rank: int | None = None):
+        """WorkerExtension.update_weights on each (fake) GPU worker of the tensor-parallel group."""
+        assert method == "update_weights" and self.kwargs.get("ray_worker_extension_cls") == "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
+        (handles,) = args
+        self.rpc_calls.append(None if handles is None else sorted(handles))
+        if handles is None:
+            self.reloaded = dict(self.pending)
+            self.pending = {}
+            return [None] * int(self.kwargs.get("tensor_parallel_size", 1))
+        for device in range(int(self.kwargs.get("tensor_parallel_size", 1))):
+            uuid = get_device_uuid(device)
+            if uuid not in handles:
+                raise ValueError(f"Device UUID {uuid} not found in ipc_handles")
+            for name, (func, fargs) in handles[uuid]:
+                self.pending[name] = func(*fargs).clone()
+        return [None] * int(self.kwargs.get("tensor_parallel_size", 1))
+
+
+def get_device_uuid(device_idx: int) -> str:
+    return f"GPU-fake-{device_idx:04d}"
+
+
+@dataclass
+class LoRARequest:
+    """tensorrt_llm.executor.request.LoRARequest's leading fields."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    lora_ckpt_source: str = "hf"
 
 
 @dataclass
@@ -268,6 +310,14 @@ def install_fake_trtllm(monkeypatch, *, sampling_cls=TSamplingParams) -> None:
     mod.llmapi = llmapi
     monkeypatch.setitem(sys.modules, "tensorrt_llm", mod)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
+    torch_utils = types.ModuleType("tensorrt_llm._torch.utils")
+    torch_utils.get_device_uuid = get_device_uuid
+    monkeypatch.setitem(sys.modules, "tensorrt_llm._torch", types.ModuleType("tensorrt_llm._torch"))
+    monkeypatch.setitem(sys.modules, "tensorrt_llm._torch.utils", torch_utils)
+    request = types.ModuleType("tensorrt_llm.executor.request")
+    request.LoRARequest = LoRARequest
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.executor", types.ModuleType("tensorrt_llm.executor"))
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.executor.request", request)
 
 
 @pytest.fixture
@@ -458,15 +508,15 @@ def test_length_finish(engine):
     assert gen.token_ids == [11, 12, 13] and gen.finish_reason == "length"
 
 
-def test_cancelled_by_engine_is_an_engine_error(engine):
+def test_cancelled_request_is_an_aborted_answer_keeping_its_tokens(engine):
     async def run():
         stream = engine.stream([1], _sp())
-        await stream.__anext__()
+        first = await stream.__anext__()
         FakeLLM.instances[-1].results[-1]._aborted = True
-        return [d async for d in stream]
+        return first, [d async for d in stream]
 
-    with pytest.raises(EngineError, match="cancelled"):
-        asyncio.run(run())
+    first, rest = asyncio.run(run())
+    assert first.token_ids == [11] and rest[-1].finish_reason == "abort"
 
 
 # ---- streaming and cancellation -----------------------------------------------------------------
@@ -529,3 +579,98 @@ def test_local_backend_chat_over_trtllm(fake_trtllm, model_dir, tokenizer):
     res = FakeLLM.instances[-1].results[-1]
     assert res.prompt_token_ids == msg["prompt_token_ids"]
     assert res.sampling_params.seed == 3 and res.sampling_params.max_tokens == 4096 - len(msg["prompt_token_ids"])
+
+
+# ---- control plane --------------------------------------------------------------------------------
+
+
+def test_pause_at_the_adapter_door(engine):
+    """abort aborts the requests in flight (aborted answers keeping their tokens), new ones wait for
+    resume; wait returns once they finished; keep is 501."""
+    from gymserve.errors import NotSupportedError
+
+    FakeLLM.instances[-1].step_delay = 0.005
+    _script([11] * 300)
+
+    async def run():
+        stream = engine.stream([1], _sp(max_tokens=300))
+        first = await stream.__anext__()
+        await engine.pause_generation("abort", timeout=30)
+        rest = [d async for d in stream]
+        assert await engine.is_paused() and engine.control_status()["paused"] == "abort"
+        held = asyncio.ensure_future(engine.generate([1], _sp(max_tokens=3)))
+        await asyncio.sleep(0.05)
+        assert not held.done() and len(FakeLLM.instances[-1].results) == 1  # not sent to TensorRT-LLM
+        await engine.resume_generation()
+        done = await held
+        running = asyncio.ensure_future(engine.generate([1], _sp(max_tokens=20)))
+        await asyncio.sleep(0.02)
+        await engine.pause_generation("wait")
+        assert running.done() and (await running).finish_reason == "length"
+        await engine.resume_generation()
+        return first, rest, done
+
+    first, rest, done = asyncio.run(run())
+    assert rest[-1].finish_reason == "abort" and 1 + sum(len(d.token_ids) for d in rest) < 300
+    assert done.finish_reason == "length" and done.token_ids == [11, 11, 11]
+    with pytest.raises(NotSupportedError, match="mode=wait"):
+        asyncio.run(engine.pause_generation("keep"))
+
+
+def test_update_weights_through_the_rl_worker_extension(fake_trtllm, model_dir, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from gymserve.engine.trtllm_engine import TRTLLMEngine
+    from gymserve.errors import NotSupportedError
+
+    plain = TRTLLMEngine(model_dir)
+    with pytest.raises(NotSupportedError, match="ray_worker_extension_cls"):
+        asyncio.run(plain.update_weights({"w": torch.zeros(1)}))
+    asyncio.run(plain.close())
+
+    eng = TRTLLMEngine(
+        model_dir,
+        engine_args={
+            "orchestrator_type": "ray",
+            "ray_worker_extension_cls": "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension",
+            "tensor_parallel_size": 2,
+        },
+    )
+    llm = FakeLLM.instances[-1]
+    try:
+        new = {"model.norm.weight": torch.arange(4.0), "lm_head.weight": torch.ones(2, 3)}
+        assert asyncio.run(eng.update_weights(new, weight_version="step-1")) == "step-1"
+        # One set of handles per GPU of the tensor-parallel group, then the finalizing call.
+        assert llm.rpc_calls == [[get_device_uuid(0), get_device_uuid(1)], None]
+        assert set(llm.reloaded) == set(new) and all(torch.equal(llm.reloaded[k], v) for k, v in new.items())
+        gen = asyncio.run(eng.generate([1], _sp()))
+        assert {s["version"] for s in gen.weight_version_spans} == {"step-1"}
+        save_file({"model.norm.weight": torch.full((4,), 2.0)}, str(tmp_path / "model.safetensors"))
+        assert asyncio.run(eng.update_weights(path=tmp_path)) == 2
+        assert torch.equal(llm.reloaded["model.norm.weight"], torch.full((4,), 2.0))
+        asyncio.run(eng.update_weight_version("named"))
+        assert eng.control_status()["weight_version"] == "named" and eng.control_status()["weight_updates"] == 3
+    finally:
+        asyncio.run(eng.close())
+
+
+def test_lora_request_goes_with_every_generation(engine, tmp_path):
+    from gymserve.errors import ConflictError
+
+    llm = FakeLLM.instances[-1]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text('{"r": 4}')
+    assert asyncio.run(engine.load_lora_adapter("policy", str(tmp_path / "a"))) == 1
+    asyncio.run(engine.generate([1], _sp()))
+    req = llm.lora_requests[-1]
+    assert (req.lora_name, req.lora_int_id, req.lora_path) == ("policy", 1, str(tmp_path / "a"))
+    with pytest.raises(ConflictError):
+        asyncio.run(engine.load_lora_adapter("other", str(tmp_path / "b")))
+    asyncio.run(engine.load_lora_adapter("policy", str(tmp_path / "b"), load_inplace=True))
+    asyncio.run(engine.generate([1], _sp()))
+    assert llm.lora_requests[-1].lora_int_id == 2 and llm.lora_requests[-1].lora_path == str(tmp_path / "b")
+    assert asyncio.run(engine.unload_lora_adapter("policy")) == 3
+    asyncio.run(engine.generate([1], _sp()))
+    assert llm.lora_requests[-1] is None

@@ -19,8 +19,22 @@ The mapping (``docs/model-servers/trtllm-engine.md`` has the parity argument):
   position; both are read. Without ``logprobs_mode`` a version may report log-probs of the processed
   (temperature/top-k/top-p) distribution: the engine warns, and the docs say how to check.
 - ``detokenize=False``; ``finish_reason`` ``"stop"``/``"length"`` map to themselves,
-  ``"cancelled"``/``"timeout"`` are an ``EngineError``. Leaving a stream early calls
-  ``RequestOutput.abort()``.
+  ``"cancelled"`` (``RequestOutput.abort()``: an abort pause) is an aborted answer that keeps its
+  tokens, ``"timeout"`` is an ``EngineError``. Leaving a stream early calls ``RequestOutput.abort()``.
+
+The control plane: TensorRT-LLM's ``LLM`` has no pause of its own, so the adapter pauses at its
+door (``engine.pause_gate``): ``abort`` calls ``RequestOutput.abort()`` on the requests in flight
+(they end as aborted answers with their tokens), ``wait`` returns once they finished, new requests
+wait for resume; ``keep`` (freezing a request mid-generation) has no TensorRT-LLM counterpart: 501.
+Weight updates use TensorRT-LLM's RL worker extension (``tensorrt_llm/llmapi/rlhf_utils.py``, the
+LLM built with ``engine_args: {orchestrator_type: ray, ray_worker_extension_cls:
+tensorrt_llm.llmapi.rlhf_utils.WorkerExtension}``): ``LLM._collective_rpc("update_weights",
+(ipc_handles,))`` with ``{device_uuid: [(name, reduce_tensor(tensor)), ...]}`` for each GPU of the
+tensor-parallel group, then ``("update_weights", (None,))`` to finalize (the extension reloads the
+named tensors, a subset or all, and waits for the requests in flight first). ``path`` is read as
+safetensors (``engine.weights``). LoRA: a ``LoRARequest(lora_name, lora_int_id, lora_path)`` goes
+with every ``generate_async`` (the LLM built with LoRA support), one adapter at a time
+(``library_control``).
 
 ``tensorrt_llm`` is imported when a ``TRTLLMEngine`` is constructed; a missing package raises
 ``ImportError`` naming ``pip install tensorrt_llm``.
@@ -29,18 +43,27 @@ The mapping (``docs/model-servers/trtllm-engine.md`` has the parity argument):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import os
 import secrets
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from contextlib import aclosing
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gymserve.engine.base import RunBasedEngine, SamplingParams
+from gymserve.engine.base import PauseMode, RunBasedEngine, SamplingParams, WeightVersion
+from gymserve.engine.control import check_mode, check_timeout, check_version
+from gymserve.engine.library_control import LibraryControl, LoadedLora, library_error
 from gymserve.engine.model_meta import read_model_meta
+from gymserve.engine.pause_gate import Call, PauseGate
 from gymserve.engine.request_output import RAW_LOGPROBS, accepts, output_deltas
+from gymserve.errors import NotSupportedError, WeightUpdateError
+
+RLHF_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +83,11 @@ def import_trtllm() -> SimpleNamespace:
         from tensorrt_llm.llmapi import KvCacheConfig
     except ImportError:
         KvCacheConfig = None
-    return SimpleNamespace(LLM=LLM, SamplingParams=TSamplingParams, KvCacheConfig=KvCacheConfig)
+    try:
+        from tensorrt_llm.executor.request import LoRARequest
+    except ImportError:
+        LoRARequest = None
+    return SimpleNamespace(LLM=LLM, SamplingParams=TSamplingParams, KvCacheConfig=KvCacheConfig, LoRARequest=LoRARequest)
 
 
 def trtllm_llm_kwargs(
@@ -113,7 +140,7 @@ def trtllm_sampling_kwargs(sampling: SamplingParams, *, end_id: int, seed: int |
     return kwargs
 
 
-class TRTLLMEngine(RunBasedEngine):
+class TRTLLMEngine(LibraryControl, RunBasedEngine):
     """The ``Engine`` over ``tensorrt_llm.LLM`` (PyTorch backend by default) in this process.
 
     ``model_dir``: a Hugging Face model directory (or a built TensorRT engine directory with the
@@ -121,7 +148,7 @@ class TRTLLMEngine(RunBasedEngine):
     names one. ``engine_args``: see ``trtllm_llm_kwargs``.
     """
 
-    engine_name = "trtllm"  # in "not supported yet by the trtllm engine" (weight updates, pause)
+    engine_name = "trtllm"
 
     def __init__(
         self,
@@ -156,6 +183,17 @@ class TRTLLMEngine(RunBasedEngine):
             getattr(llm_args, "max_seq_len", None) or kwargs.get("max_seq_len") or meta.max_position_embeddings or 4096
         )
         self._closed = False
+        self._rlhf = kwargs.get("ray_worker_extension_cls") == RLHF_EXTENSION
+        self._tp = int(kwargs.get("tensor_parallel_size") or 1)
+        self._init_control()
+        self._pause_gate: PauseGate | None = None
+
+    @property
+    def gate(self) -> PauseGate:
+        """The door requests pass (created on first use, once ``pause_timeout`` is set)."""
+        if self._pause_gate is None:
+            self._pause_gate = PauseGate(name="the trtllm engine", default_timeout=self.pause_timeout)
+        return self._pause_gate
 
     def sampling_params(self, sampling: SamplingParams):
         """The ``tensorrt_llm.SamplingParams`` of one request."""
@@ -168,9 +206,20 @@ class TRTLLMEngine(RunBasedEngine):
         self._check_prompt(prompt_ids)
         params = self.sampling_params(sampling)
         stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids)
-        result = self.llm.generate_async(
-            {"prompt_token_ids": [int(t) for t in prompt_ids]}, sampling_params=params, streaming=stream
-        )
+        async with self.gate.call() as call:
+            lora = {"lora_request": self._lora.request} if self._lora is not None else {}
+            result = self.llm.generate_async(
+                {"prompt_token_ids": [int(t) for t in prompt_ids]}, sampling_params=params, streaming=stream, **lora
+            )
+            watcher = asyncio.ensure_future(_abort_on(call, result))
+            try:
+                async with aclosing(self._deltas(result, sampling, stop_ids, stream)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+            finally:
+                watcher.cancel()
+
+    async def _deltas(self, result: Any, sampling: SamplingParams, stop_ids: frozenset, stream: bool):
 
         def readd_stop_token(comp, ids, lps, tops, finish):
             if finish == "stop" and _last(comp.token_ids) not in stop_ids:
@@ -186,10 +235,18 @@ class TRTLLMEngine(RunBasedEngine):
         steps = result if stream else _once(result)
         try:
             async with aclosing(
-                output_deltas(steps, "TensorRT-LLM", sampling.top_logprobs, cumulative=True, amend=readd_stop_token)
+                output_deltas(
+                    steps,
+                    "TensorRT-LLM",
+                    sampling.top_logprobs,
+                    cumulative=True,
+                    amend=readd_stop_token,
+                    aborts=("cancelled",),
+                )
             ) as deltas:
                 async for delta in deltas:
                     finished = delta.finish_reason is not None
+                    delta.weight_version = self.weight_version
                     yield delta
         finally:
             if not finished:
@@ -198,11 +255,136 @@ class TRTLLMEngine(RunBasedEngine):
                 except Exception as exc:  # noqa: BLE001 - the request may already be gone
                     log.debug("TensorRT-LLM abort: %s", exc)
 
+    # ---- control plane (see the module docstring) ------------------------------------------------
+
+    async def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
+        """Pause at the adapter's door: ``abort`` aborts the requests in flight, ``wait`` lets them
+        finish first; ``keep`` is 501 (TensorRT-LLM cannot freeze a request)."""
+        mode = check_mode(mode)
+        timeout = None if timeout is None else check_timeout(timeout)
+        if mode == "keep":
+            raise NotSupportedError(
+                "the trtllm engine cannot keep requests frozen mid-generation (TensorRT-LLM's LLM has no such "
+                "pause); pause with mode=wait (they finish) or mode=abort (they end, keeping their tokens)",
+                code="control_not_supported",
+            )
+        await self.gate.pause(mode, timeout, abort_in_flight=True, drain=mode == "wait")
+
+    async def resume_generation(self) -> None:
+        self.gate.resume()
+
+    async def is_paused(self) -> bool:
+        return self.gate.paused is not None
+
+    def control_status(self) -> dict[str, Any]:
+        gate = self.gate.status()
+        return {**super().control_status(), "paused": gate["paused"], "pause_seconds_left": gate["pause_seconds_left"]}
+
+    async def update_weights(
+        self,
+        tensors: Mapping[str, Any] | None = None,
+        *,
+        path: str | os.PathLike | None = None,
+        weight_version: WeightVersion | None = None,
+    ) -> WeightVersion:
+        """New weights through TensorRT-LLM's RL worker extension (see the module docstring)."""
+        from gymserve.engine.weights import read_safetensors
+
+        if not self._rlhf:
+            raise NotSupportedError(
+                "weight updates on the trtllm engine need TensorRT-LLM's RL worker extension: set engine_args "
+                f"orchestrator_type: ray and ray_worker_extension_cls: {RLHF_EXTENSION}",
+                code="control_not_supported",
+            )
+        if (tensors is None) == (path is None):
+            raise WeightUpdateError("give exactly one of tensors (a state dict) and path (a safetensors directory)")
+        version = self._next_version(weight_version)
+        async with self._lock():
+            t0 = time.perf_counter()
+            if path is not None:
+                tensors = await asyncio.to_thread(read_safetensors, path)
+            assert tensors is not None
+            rpc = self.llm._collective_rpc
+            try:
+                handles, _keep = await asyncio.to_thread(ipc_handles, tensors, range(self._tp))
+                await asyncio.to_thread(rpc, "update_weights", (handles,))
+                await asyncio.to_thread(rpc, "update_weights", (None,))
+            except Exception as exc:
+                raise library_error(exc, "TensorRT-LLM", "the weight update") from exc
+            return self._changed(version, t0)
+
+    async def update_weight_version(self, new_version: WeightVersion) -> None:
+        """Name the weights (TensorRT-LLM keeps no version: the adapter does)."""
+        self._changed(check_version(new_version, "new_version"), time.perf_counter())
+
+    async def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        *,
+        tensors: Any = None,
+        config: Any = None,
+        load_inplace: bool = False,
+        weight_version: WeightVersion | None = None,
+    ) -> WeightVersion:
+        """The PEFT adapter at ``lora_path`` serves every following request (TensorRT-LLM loads it
+        with the first one; the LLM needs LoRA support: ``engine_args.lora_config``)."""
+        path = self._check_lora_load(lora_name, lora_path, tensors, load_inplace)
+        if self._t.LoRARequest is None:
+            raise NotSupportedError("this TensorRT-LLM has no LoRARequest", code="control_not_supported")
+        version = self._next_version(weight_version)
+        async with self._lock():
+            t0 = time.perf_counter()
+            int_id = self._new_lora_id(lora_name, load_inplace=False)  # a new id: TensorRT-LLM caches by id
+            request = self._t.LoRARequest(lora_name, int_id, str(path))
+            self._lora = LoadedLora(lora_name, int_id, str(path), request, version)
+            return self._changed(version, t0)
+
+    async def unload_lora_adapter(self, lora_name: str, *, weight_version: WeightVersion | None = None) -> WeightVersion:
+        self._check_lora_unload(lora_name)
+        version = self._next_version(weight_version)
+        async with self._lock():
+            self._lora = None
+            return self._changed(version, time.perf_counter())
+
     async def close(self) -> None:
         self._closed = True
+        if self._pause_gate is not None:
+            self._pause_gate.close()
         shutdown = getattr(self.llm, "shutdown", None)
         if shutdown is not None:
             await asyncio.to_thread(shutdown)
+
+
+def ipc_handles(tensors: Mapping[str, Any], devices: Any) -> tuple[dict[str, list], list]:
+    """``({device_uuid: [(name, reduce_tensor(tensor)), ...]}, copies)``: what TensorRT-LLM's
+    ``WorkerExtension.update_weights`` rebuilds on each GPU of ``devices`` (the copies must live
+    until it has). ``reduce_tensor`` is PyTorch's (``torch.multiprocessing.reductions``): a CUDA
+    IPC handle for a GPU tensor."""
+    import torch
+    from tensorrt_llm._torch.utils import get_device_uuid
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    handles: dict[str, list] = {}
+    copies = []
+    for device in devices:
+        entries = []
+        for name, tensor in tensors.items():
+            t = tensor.detach()
+            if torch.cuda.is_available():
+                t = t.to(f"cuda:{device}")
+            t = t.contiguous()
+            copies.append(t)
+            entries.append((name, reduce_tensor(t)))
+        handles[get_device_uuid(device)] = entries
+    return handles, copies
+
+
+async def _abort_on(call: Call, result: Any) -> None:
+    """Abort ``result`` (TensorRT-LLM's request) when an abort pause ends ``call``."""
+    await call.aborted.wait()
+    with contextlib.suppress(Exception):
+        result.abort()
 
 
 async def _once(result):
