@@ -85,7 +85,11 @@ def test_keep_pause_holds_new_calls_and_resume_lets_them_all_through(gateway):
     root, client = _root(srv), _client(srv)
     r = httpx.post(root + "/pause", params={"mode": "keep", "timeout": 30})
     assert r.status_code == 200 and r.json()["status"] == "paused"
-    assert httpx.get(root + "/is_paused").json() == {"is_paused": True, "mode": "keep", "seconds_left": pytest.approx(30, abs=2)}
+    assert httpx.get(root + "/is_paused").json() == {
+        "is_paused": True,
+        "mode": "keep",
+        "seconds_left": pytest.approx(30, abs=2),
+    }
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(client.chat.completions.create, model="policy", messages=MSG) for _ in range(6)]
         time.sleep(0.5)
@@ -103,7 +107,10 @@ def test_held_calls_are_bounded_and_a_pause_ends_at_its_deadline(gateway, caplog
     root = _root(srv)
     assert httpx.post(root + "/pause", params={"mode": "abort", "timeout": 1.5}).status_code == 200
     with concurrent.futures.ThreadPoolExecutor(3) as pool, caplog.at_level(logging.WARNING, "gymserve.pause"):
-        held = [pool.submit(httpx.post, root + "/v1/chat/completions", json={"messages": MSG}, timeout=WAIT) for _ in range(2)]
+        held = [
+            pool.submit(httpx.post, root + "/v1/chat/completions", json={"messages": MSG}, timeout=WAIT)
+            for _ in range(2)
+        ]
         _wait(lambda: srv.backend.gate.waiting == 2, "two held calls")
         over = httpx.post(root + "/v1/chat/completions", json={"messages": MSG}, timeout=WAIT)
         assert over.status_code == 429 and over.headers["retry-after"]
@@ -176,8 +183,16 @@ def test_vllm_flavour_forwards_every_operation_exactly(gateway, tmp_path):
     fake.requests.clear()
     r = httpx.post(root + "/update_weights", json={"update_info": {"path": str(tmp_path)}, "weight_version": "step-1"})
     assert r.status_code == 200 and r.json()["weight_version"] == "step-1", r.text
-    assert routes(fake) == [("POST", "/start_weight_update"), ("POST", "/update_weights"), ("POST", "/finish_weight_update")]
-    assert [r.body for r in fake.requests] == [None, {"update_info": {"path": str(tmp_path)}}, {"weight_version": "step-1"}]
+    assert routes(fake) == [
+        ("POST", "/start_weight_update"),
+        ("POST", "/update_weights"),
+        ("POST", "/finish_weight_update"),
+    ]
+    assert [r.body for r in fake.requests] == [
+        None,
+        {"update_info": {"path": str(tmp_path)}},
+        {"weight_version": "step-1"},
+    ]
     assert up.weight_version == "step-1"
     # Versions the gateway counts itself go out as strings (vLLM's type) and read back from /weight_info.
     r = httpx.post(root + "/update_weights", json={"update_info": {"path": str(tmp_path)}})
@@ -229,7 +244,9 @@ def test_a_server_without_the_control_endpoints_gives_501_and_no_pause(gateway):
     root = _root(srv)
     r = httpx.post(root + "/pause", params={"mode": "keep"})
     assert r.status_code == 501 and r.json()["error"]["code"] == "control_not_supported"
-    assert "VLLM_SERVER_DEV_MODE=1" in r.json()["error"]["message"] and f"{fake.url}/pause" in r.json()["error"]["message"]
+    assert (
+        "VLLM_SERVER_DEV_MODE=1" in r.json()["error"]["message"] and f"{fake.url}/pause" in r.json()["error"]["message"]
+    )
     assert httpx.get(root + "/is_paused").json()["is_paused"] is False  # the gateway let go again
     assert httpx.post(root + "/v1/chat/completions", json={"messages": MSG}).status_code == 200
 
@@ -267,7 +284,9 @@ def test_sglang_flavour_forwards_every_operation_exactly(gateway, tmp_path):
     fake.requests.clear()
     r = httpx.post(root + "/update_weights", json={"update_info": {"path": str(tmp_path)}, "weight_version": "s1"})
     assert r.status_code == 200, r.text
-    assert [(x.path, x.body) for x in fake.requests] == [("/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "s1"})]
+    assert [(x.path, x.body) for x in fake.requests] == [
+        ("/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "s1"})
+    ]
     r = httpx.post(root + "/update_weights", json={"update_info": {"path": "/no/such/dir"}})
     assert r.status_code == 400 and "Failed to get weights iterator" in r.json()["error"]["message"]
     assert up.weight_version == "s1"
@@ -282,7 +301,12 @@ def test_sglang_flavour_forwards_every_operation_exactly(gateway, tmp_path):
     r = httpx.post(root + "/v1/load_lora_adapter", json=body)
     assert r.status_code == 400 and "already loaded" in r.json()["error"]["message"]
     # In place: SGLang has no such flag, so the name is unloaded first, then loaded again.
-    assert httpx.post(root + "/v1/load_lora_adapter", json={**body, "lora_path": "/adapters/b", "load_inplace": True}).status_code == 200
+    assert (
+        httpx.post(
+            root + "/v1/load_lora_adapter", json={**body, "lora_path": "/adapters/b", "load_inplace": True}
+        ).status_code
+        == 200
+    )
     assert up.loras == {"policy": "/adapters/b"}
     assert [(x.path, x.body) for x in fake.requests][-2:] == [
         ("/unload_lora_adapter", {"lora_name": "policy"}),
@@ -326,13 +350,28 @@ def test_stream_abort_with_token_ids_keeps_the_training_fields(gateway):
 
         async def events():
             head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "policy"}
-            first = {**head, "prompt_token_ids": [1, 2, 3], "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+            first = {
+                **head,
+                "prompt_token_ids": [1, 2, 3],
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            }
             yield f"data: {json.dumps(first)}\n\n"
             for i in range(1000):
                 await asyncio.sleep(0.01)
                 state["sent"] += 1
                 lp = {"content": [{"token": f"token_id:{100 + i}", "logprob": -0.5, "bytes": None, "top_logprobs": []}]}
-                chunk = {**head, "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "token_ids": [100 + i], "logprobs": lp, "finish_reason": None}]}
+                chunk = {
+                    **head,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"content": f"t{i}"},
+                            "token_ids": [100 + i],
+                            "logprobs": lp,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
                 yield f"data: {json.dumps(chunk)}\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -342,7 +381,9 @@ def test_stream_abort_with_token_ids_keeps_the_training_fields(gateway):
     final: dict = {}
 
     def stream():
-        with httpx.stream("POST", root + "/v1/chat/completions", json={"messages": MSG, "stream": True}, timeout=WAIT) as r:
+        with httpx.stream(
+            "POST", root + "/v1/chat/completions", json={"messages": MSG, "stream": True}, timeout=WAIT
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     chunk = json.loads(line[6:])

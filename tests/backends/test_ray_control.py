@@ -91,7 +91,12 @@ def _chat(http, session, max_tokens=6, **extra):
     r = http.post(
         "/v1/chat/completions",
         headers={"X-Session-ID": session},
-        json={"model": "tiny", "messages": [{"role": "user", "content": f"Hi {session}"}], "max_tokens": max_tokens, **extra},
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": f"Hi {session}"}],
+            "max_tokens": max_tokens,
+            **extra,
+        },
     )
     return r
 
@@ -120,7 +125,9 @@ def _check_answer(http, model, session, version):
     assert max(abs(a - b) for a, b in zip(got, msg["generation_log_probs"])) < 1e-3
 
 
-def test_updates_reach_every_replica_from_disk_tensors_and_the_object_store(http, cluster, base, tiny_model_dir, tmp_path):
+def test_updates_reach_every_replica_from_disk_tensors_and_the_object_store(
+    http, cluster, base, tiny_model_dir, tmp_path
+):
     teacher = load_model(tiny_model_dir)
     assert set(_versions(http).values()) == {0}
     sessions = [f"upd-{i}" for i in range(4)]  # spread over both replicas (round-robin)
@@ -179,7 +186,11 @@ def test_an_update_one_replica_refuses_is_undone_on_the_other(http, cluster, bas
         f"base_model.model.{q}.lora_B.weight": torch.ones(layer[0], 2) * 0.01,
     }
     cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])
-    got = _remote(r0.client.apply.remote("rogue", "load_lora_adapter", tensors, {"lora_name": "rogue", "config": cfg, "weight_version": version}))
+    got = _remote(
+        r0.client.apply.remote(
+            "rogue", "load_lora_adapter", tensors, {"lora_name": "rogue", "config": cfg, "weight_version": version}
+        )
+    )
     assert got == {"weight_version": version}
     _remote(r0.client.commit.remote("rogue"))
     rogue = _served_state(cluster, "replica-0")
@@ -197,7 +208,9 @@ def test_an_update_one_replica_refuses_is_undone_on_the_other(http, cluster, bas
     versions = _versions(http)
     assert versions["replica-0"] == versions["replica-1"] != "refused"
     after1 = _served_state(cluster, "replica-1")
-    assert all(torch.equal(after1[k], before["replica-1"][k]) for k in after1), "replica-1 was not rolled back bit for bit"
+    assert all(torch.equal(after1[k], before["replica-1"][k]) for k in after1), (
+        "replica-1 was not rolled back bit for bit"
+    )
     after0 = _served_state(cluster, "replica-0")
     assert all(torch.equal(after0[k], rogue[k]) for k in after0)
     # Over HTTP the same refusal is a 409 naming the replica, and the answers keep one version.
@@ -205,7 +218,9 @@ def test_an_update_one_replica_refuses_is_undone_on_the_other(http, cluster, bas
     assert r.status_code == 409 and r.json()["error"]["message"].startswith("replica-0: ")
     fleet = versions["replica-0"]
     # Clean up behind the front end again: replica-0 unloads its rogue adapter.
-    _remote(r0.client.apply.remote("clean", "unload_lora_adapter", None, {"lora_name": "rogue", "weight_version": fleet}))
+    _remote(
+        r0.client.apply.remote("clean", "unload_lora_adapter", None, {"lora_name": "rogue", "weight_version": fleet})
+    )
     _remote(r0.client.commit.remote("clean"))
     # A path no replica can read: refused by both, nothing changed, the 400 names the path.
     r = http.post("/update_weights", json={"update_info": {"path": "/nonexistent/dir"}})
@@ -232,7 +247,9 @@ def test_failover_never_lands_on_another_version_and_a_restarted_replica_catches
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(_chat, http, session, 1500)
-        _wait(lambda: _remote(victim.client.info.remote())["in_flight"] == 1, "the long call to be in flight", every=0.02)
+        _wait(
+            lambda: _remote(victim.client.info.remote())["in_flight"] == 1, "the long call to be in flight", every=0.02
+        )
         new = base[NORM] * 1.1
         assert _on_loop(cluster, cluster.backend.update_weights({NORM: new}, weight_version="moved-on")) == "moved-on"
         ray.kill(victim.client, no_restart=False)

@@ -55,12 +55,16 @@ def test_apply_then_rollback_restores_weights_version_and_adapter(tiny_model_dir
             assert all(torch.equal(after[k], before[k]) for k in before)
             assert (await rep.control_status())["weight_version"] == 0
             # A rename only, undone.
-            assert (await rep.apply("t2", "update_weight_version", None, {"new_version": "v9"})) == {"weight_version": "v9"}
+            assert (await rep.apply("t2", "update_weight_version", None, {"new_version": "v9"})) == {
+                "weight_version": "v9"
+            }
             await rep.rollback("t2")
             assert rep.backend.engine.weight_version == 0
             # A LoRA load, committed; then a swap, undone: the first adapter serves again, bit for bit.
             tensors, config = _lora(model, seed=1)
-            await rep.apply("t3", "load_lora_adapter", tensors, {"lora_name": "a", "config": config, "weight_version": 1})
+            await rep.apply(
+                "t3", "load_lora_adapter", tensors, {"lora_name": "a", "config": config, "weight_version": 1}
+            )
             await rep.commit("t3")
             with_a = _state(rep)
             tensors2, config2 = _lora(model, seed=2)
@@ -112,7 +116,9 @@ def test_export_import_copies_weights_version_and_adapter(tiny_model_dir):
             model = a.backend.engine.model
             await a.apply("t1", "update_weights", {NORM: model.state_dict()[NORM] * 2}, {"weight_version": "v1"})
             tensors, config = _lora(model)
-            await a.apply("t2", "load_lora_adapter", tensors, {"lora_name": "a", "config": config, "weight_version": "v2"})
+            await a.apply(
+                "t2", "load_lora_adapter", tensors, {"lora_name": "a", "config": config, "weight_version": "v2"}
+            )
             assert (await b.import_weights(await a.export_weights())) == {"weight_version": "v2"}
             sa, sb = _state(a), _state(b)
             assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -264,9 +264,19 @@ class FakeLLM:
     def shutdown(self) -> None:
         self.shut_down = True
 
-    def _collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, non_block: bool = False, unique_reply_rank: int | None = None):
+    def _collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ):
         """WorkerExtension.update_weights on each (fake) GPU worker of the tensor-parallel group."""
-        assert method == "update_weights" and self.kwargs.get("ray_worker_extension_cls") == "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
+        assert (
+            method == "update_weights"
+            and self.kwargs.get("ray_worker_extension_cls") == "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
+        )
         (handles,) = args
         self.rpc_calls.append(None if handles is None else sorted(handles))
         if handles is None:

@@ -104,7 +104,11 @@ class _FakeInference:
             async def events():
                 async for text, finish in self._tokens():
                     delta = {"content": text} if text else {}
-                    chunk = {**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+                    chunk = {
+                        **head,
+                        "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                    }
                     yield f"data: {json.dumps(chunk)}\n\n"
                 yield "data: [DONE]\n\n"
 
@@ -164,7 +168,15 @@ class FakeVLLM(_FakeInference):
         if route == ("POST", "/pause"):
             mode = r.query.get("mode", "abort")
             if mode not in ("abort", "wait", "keep"):
-                return 422, {"detail": [{"type": "literal_error", "loc": ["query", "mode"], "msg": "Input should be 'abort', 'wait' or 'keep'"}]}
+                return 422, {
+                    "detail": [
+                        {
+                            "type": "literal_error",
+                            "loc": ["query", "mode"],
+                            "msg": "Input should be 'abort', 'wait' or 'keep'",
+                        }
+                    ]
+                }
             self._pause(mode)
             if mode == "wait":
                 while self.in_flight:
@@ -196,7 +208,15 @@ class FakeVLLM(_FakeInference):
                 return PlainTextResponse("Internal Server Error", status_code=500)
             version = body.get("weight_version")
             if version is not None and not isinstance(version, str):
-                return 422, {"detail": [{"type": "string_type", "loc": ["body", "weight_version"], "msg": "Input should be a valid string"}]}
+                return 422, {
+                    "detail": [
+                        {
+                            "type": "string_type",
+                            "loc": ["body", "weight_version"],
+                            "msg": "Input should be a valid string",
+                        }
+                    ]
+                }
             self.session = False
             if version is not None:
                 self.weight_version = version
@@ -204,7 +224,11 @@ class FakeVLLM(_FakeInference):
         if route == ("POST", "/update_weight_version"):
             version = body.get("new_version")
             if not isinstance(version, str):
-                return 422, {"detail": [{"type": "string_type", "loc": ["body", "new_version"], "msg": "Input should be a valid string"}]}
+                return 422, {
+                    "detail": [
+                        {"type": "string_type", "loc": ["body", "new_version"], "msg": "Input should be a valid string"}
+                    ]
+                }
             self.weight_version = version
             return 200, {"success": True, "new_version": version}
         if route == ("GET", "/weight_info"):
@@ -252,7 +276,13 @@ class FakeSGLang(_FakeInference):
         if route == ("POST", "/pause_generation"):
             mode = body.get("mode", "abort")
             if mode not in ("abort", "retract", "in_place"):
-                return 400, {"object": "error", "message": f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].", "type": "Bad Request", "param": None, "code": 400}
+                return 400, {
+                    "object": "error",
+                    "message": f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].",
+                    "type": "Bad Request",
+                    "param": None,
+                    "code": 400,
+                }
             self._pause(mode)
             return 200, {"message": "Generation paused successfully.", "status": "ok"}
         if route == ("POST", "/continue_generation"):
@@ -262,7 +292,11 @@ class FakeSGLang(_FakeInference):
             path = body.get("model_path")
             if not isinstance(path, str) or not os.path.isdir(path):
                 return JSONResponse(
-                    {"success": False, "message": f"Failed to get weights iterator: {path} (repository not found).", "num_paused_requests": 0},
+                    {
+                        "success": False,
+                        "message": f"Failed to get weights iterator: {path} (repository not found).",
+                        "num_paused_requests": 0,
+                    },
                     status_code=400,
                 )
             self.model_path = path
@@ -273,7 +307,11 @@ class FakeSGLang(_FakeInference):
             return 200, {"success": True, "message": message, "num_paused_requests": 0}
         if route == ("POST", "/update_weight_version"):
             self.weight_version = body.get("new_version")
-            return 200, {"success": True, "message": f"Weight version updated to {self.weight_version}", "new_version": self.weight_version}
+            return 200, {
+                "success": True,
+                "message": f"Weight version updated to {self.weight_version}",
+                "new_version": self.weight_version,
+            }
         if route == ("GET", "/model_info"):
             return 200, {
                 "model_path": self.model_path,
@@ -283,12 +321,18 @@ class FakeSGLang(_FakeInference):
                 "weight_version": self.weight_version,
             }
         if route in (("GET", "/get_weight_version"), ("GET", "/weight_version")):
-            return 404, {"detail": "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."}
+            return 404, {
+                "detail": "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."
+            }
         if route == ("POST", "/load_lora_adapter"):
             name, path = body.get("lora_name"), body.get("lora_path")
             if name in self.loras:
                 return JSONResponse(
-                    {"success": False, "error_message": f"The LoRA adapter with name '{name}' is already loaded.", "loaded_adapters": dict(self.loras)},
+                    {
+                        "success": False,
+                        "error_message": f"The LoRA adapter with name '{name}' is already loaded.",
+                        "loaded_adapters": dict(self.loras),
+                    },
                     status_code=400,
                 )
             self.loras[name] = path
@@ -297,7 +341,11 @@ class FakeSGLang(_FakeInference):
             name = body.get("lora_name")
             if name not in self.loras:
                 return JSONResponse(
-                    {"success": False, "error_message": f"LoRA adapter '{name}' is not loaded.", "loaded_adapters": dict(self.loras)},
+                    {
+                        "success": False,
+                        "error_message": f"LoRA adapter '{name}' is not loaded.",
+                        "loaded_adapters": dict(self.loras),
+                    },
                     status_code=400,
                 )
             del self.loras[name]
@@ -308,6 +356,3 @@ class FakeSGLang(_FakeInference):
 def routes(server: Any) -> list[tuple[str, str]]:
     """``(method, path)`` of every request a ``FakeServer`` recorded, except chat and model listing."""
     return [(r.method, r.path) for r in server.requests if r.path not in ("/v1/chat/completions", "/v1/models")]
-
-
-

@@ -35,10 +35,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from gymserve.engine.pause_gate import PauseGate
 from gymserve.backends.upstream_control import UpstreamControl, control_for
 from gymserve.engine.base import PauseMode, WeightVersion
 from gymserve.engine.control import check_mode, check_timeout, check_version
+from gymserve.engine.pause_gate import PauseGate
 from gymserve.errors import ConflictError, GymserveError, NotSupportedError
 from gymserve.redaction import redact_url
 
@@ -152,7 +152,9 @@ class ChatControl:
         await self.upstream_control.load_lora(lora_name, str(lora_path), load_inplace)
         return self._changed(version)
 
-    async def unload_lora_adapter(self, lora_name: str, *, weight_version: WeightVersion | None = None) -> WeightVersion:
+    async def unload_lora_adapter(
+        self, lora_name: str, *, weight_version: WeightVersion | None = None
+    ) -> WeightVersion:
         version = self._next_version(weight_version)
         await self.upstream_control.unload_lora(lora_name)
         return self._changed(version)

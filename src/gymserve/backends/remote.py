@@ -37,13 +37,13 @@ from typing import Any
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.caller import UpstreamCaller, replica_label
 from gymserve.backends.chat_wire import checked_chunk, completion_to_chunks, normalize_tool_call_arguments
-from gymserve.engine.pause_gate import Call, CallAborted, PauseGate
 from gymserve.backends.pool import Limiter
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
 from gymserve.backends.responses_over_chat import ChatAnswer, overflow_events
 from gymserve.backends.token_stream import StreamedTokens, attach_token_info
 from gymserve.backends.upstream import Upstream
 from gymserve.convert import ConvertOptions, context_exceeded_chat_completion, context_exceeded_response
+from gymserve.engine.pause_gate import Call, CallAborted, PauseGate
 from gymserve.errors import (
     ContextLengthExceededError,
     UpstreamBadResponseError,
@@ -191,7 +191,9 @@ class RemoteBackend(Backend):
                     yield chunk
                 return
             except CallAborted:
-                for chunk in completion_to_chunks(aborted_completion(self.config.served_model_name or body.get("model") or "")):
+                for chunk in completion_to_chunks(
+                    aborted_completion(self.config.served_model_name or body.get("model") or "")
+                ):
                     yield chunk
                 return
             got_chunk = False

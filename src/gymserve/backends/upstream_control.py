@@ -192,7 +192,7 @@ class VLLMControl(UpstreamControl):
     flavour = "vllm"
     enable_hint = (
         " (vLLM serves /pause, /resume, /update_weights... with VLLM_SERVER_DEV_MODE=1 and weight updates from "
-        "disk with --weight-transfer-config '{\"backend\": \"disk\"}'; /v1/load_lora_adapter with --enable-lora "
+        'disk with --weight-transfer-config \'{"backend": "disk"}\'; /v1/load_lora_adapter with --enable-lora '
         "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"
     )
 
@@ -222,7 +222,9 @@ class VLLMControl(UpstreamControl):
 
     async def load_lora(self, name: str, path: str, inplace: bool) -> None:
         body = {"lora_name": name, "lora_path": path, "load_inplace": inplace}
-        await self.everywhere("load_lora_adapter", lambda root: self.request("POST", root, "/v1/load_lora_adapter", json=body))
+        await self.everywhere(
+            "load_lora_adapter", lambda root: self.request("POST", root, "/v1/load_lora_adapter", json=body)
+        )
 
     async def unload_lora(self, name: str) -> None:
         await self.everywhere(
@@ -311,5 +313,3 @@ def _message(body: Any) -> str:
                 return str(body[key])
         return str(body)[:500]
     return str(body)[:500] or "no message"
-
-

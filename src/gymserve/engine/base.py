@@ -146,10 +146,21 @@ class NoControl:
     async def update_weight_version(self, new_version: WeightVersion) -> None:
         raise self._unsupported("update_weight_version")
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, **kwargs: Any) -> WeightVersion:
+    async def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        *,
+        tensors: Any = None,
+        config: Any = None,
+        load_inplace: bool = False,
+        weight_version: WeightVersion | None = None,
+    ) -> WeightVersion:
         raise self._unsupported("load_lora_adapter")
 
-    async def unload_lora_adapter(self, lora_name: str, **kwargs: Any) -> WeightVersion:
+    async def unload_lora_adapter(
+        self, lora_name: str, *, weight_version: WeightVersion | None = None
+    ) -> WeightVersion:
         raise self._unsupported("unload_lora_adapter")
 
     def lora_adapters(self) -> list[dict[str, Any]]:

@@ -87,7 +87,9 @@ def import_trtllm() -> SimpleNamespace:
         from tensorrt_llm.executor.request import LoRARequest
     except ImportError:
         LoRARequest = None
-    return SimpleNamespace(LLM=LLM, SamplingParams=TSamplingParams, KvCacheConfig=KvCacheConfig, LoRARequest=LoRARequest)
+    return SimpleNamespace(
+        LLM=LLM, SamplingParams=TSamplingParams, KvCacheConfig=KvCacheConfig, LoRARequest=LoRARequest
+    )
 
 
 def trtllm_llm_kwargs(
@@ -340,7 +342,9 @@ class TRTLLMEngine(LibraryControl, RunBasedEngine):
             self._lora = LoadedLora(lora_name, int_id, str(path), request, version)
             return self._changed(version, t0)
 
-    async def unload_lora_adapter(self, lora_name: str, *, weight_version: WeightVersion | None = None) -> WeightVersion:
+    async def unload_lora_adapter(
+        self, lora_name: str, *, weight_version: WeightVersion | None = None
+    ) -> WeightVersion:
         self._check_lora_unload(lora_name)
         version = self._next_version(weight_version)
         async with self._lock():

@@ -334,7 +334,9 @@ class VLLMEngine(LibraryControl, RunBasedEngine):
             self._lora = LoadedLora(lora_name, int_id, str(path), request, version)
             return self._changed(version, t0)
 
-    async def unload_lora_adapter(self, lora_name: str, *, weight_version: WeightVersion | None = None) -> WeightVersion:
+    async def unload_lora_adapter(
+        self, lora_name: str, *, weight_version: WeightVersion | None = None
+    ) -> WeightVersion:
         """``AsyncLLM.remove_lora`` of the adapter serving now; the base model serves again."""
         current = self._check_lora_unload(lora_name)
         version = self._next_version(weight_version)
@@ -350,4 +352,6 @@ def _save_safetensors(tensors: Any, where: Path) -> None:
     tensors saved once each name, as safetensors wants no shared storage)."""
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, str(where / "model.safetensors"))
+    save_file(
+        {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, str(where / "model.safetensors")
+    )

@@ -43,9 +43,9 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from gymserve.engine.pause_gate import PauseGate
 from gymserve.engine.base import PauseMode, WeightVersion
 from gymserve.engine.control import check_mode, check_timeout, check_version
+from gymserve.engine.pause_gate import PauseGate
 from gymserve.errors import GymserveError, UpstreamConnectionError, UpstreamError
 from gymserve.ray_cluster.fleet import RayReplica, failure_reason, import_ray
 from gymserve.ray_cluster.replica import raise_remote_error
@@ -132,14 +132,23 @@ class FleetControl:
                     None,
                 )
                 if source is None:
-                    log.error("replica %s cannot be brought up to date: no replica serves version %r", replica.name, self.fleet_version)
+                    log.error(
+                        "replica %s cannot be brought up to date: no replica serves version %r",
+                        replica.name,
+                        self.fleet_version,
+                    )
                     return
                 state = source.client.export_weights.remote()
                 result = raise_remote_error(await replica.client.import_weights.remote(state))
                 replica.weight_version = result["weight_version"]
                 if self.gate.paused:  # a replica joining a paused fleet pauses with it
                     await replica.client.pause_generation.remote(self.gate.paused, self.gate.seconds_left() or None)
-                log.info("replica %s now serves weight version %r (copied from %s)", replica.name, replica.weight_version, source.name)
+                log.info(
+                    "replica %s now serves weight version %r (copied from %s)",
+                    replica.name,
+                    replica.weight_version,
+                    source.name,
+                )
         except Exception as exc:  # noqa: BLE001 - the replica stays out of routing; the next probe retries
             log.error("bringing replica %s up to date failed: %s", replica.name, failure_reason(exc))
         finally:
@@ -247,7 +256,9 @@ class FleetControl:
         ref = None if tensors is None else await asyncio.to_thread(import_ray().put, dict(tensors))
         return await self._change("load_lora_adapter", kwargs, weight_version, tensors=ref)
 
-    async def unload_lora_adapter(self, lora_name: str, *, weight_version: WeightVersion | None = None) -> WeightVersion:
+    async def unload_lora_adapter(
+        self, lora_name: str, *, weight_version: WeightVersion | None = None
+    ) -> WeightVersion:
         """Restore the base weights on every replica, all or none."""
         return await self._change("unload_lora_adapter", {"lora_name": lora_name}, weight_version)
 
@@ -268,7 +279,9 @@ class FleetControl:
                 if paused_here:
                     await self.resume_generation()
 
-    async def _apply_everywhere(self, op: str, kwargs: dict[str, Any], version: WeightVersion, tensors: Any) -> WeightVersion:
+    async def _apply_everywhere(
+        self, op: str, kwargs: dict[str, Any], version: WeightVersion, tensors: Any
+    ) -> WeightVersion:
         targets = [r for r in self.replicas if r.state == "alive" and self.serves(self.fleet_version)(r)]
         if not targets:
             raise UpstreamError(

@@ -165,4 +165,3 @@ async def _answer(work: Any, ok: Any) -> Any:
     except GymserveError as exc:
         return error_payload(exc)
     return ok
-
