@@ -131,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ver.add_argument("path", help="rollouts JSONL")
     ver.add_argument("--model", help="model to recompute log-probs with (default: the embedded model)")
+    ver.add_argument(
+        "--weights",
+        action="append",
+        default=[],
+        metavar="VERSION=DIR",
+        help="the weights of one version (a model directory, or a LoRA adapter on --model); repeat per "
+        "version: each token is then checked on the version that sampled it",
+    )
     return parser
 
 
@@ -241,5 +249,5 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "verify-rollouts":
         from gymserve.harness.verify import main_verify
 
-        return main_verify(args.path, model=args.model)
+        return main_verify(args.path, model=args.model, weights=args.weights)
     raise AssertionError(args.command)

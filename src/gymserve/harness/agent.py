@@ -45,6 +45,8 @@ class Turn:
     item, else of the response itself (gymserve puts them there when the output is empty), else
     ``None`` (an endpoint without training fields). ``status``: the response status
     (``completed`` / ``incomplete``). ``latency_s``: wall time of the HTTP call.
+    ``weight_version`` / ``weight_version_spans``: which weights sampled the tokens, from the same
+    place as the token fields (``protocol.VERSION_FIELDS``; None when the server does not say).
     """
 
     index: int
@@ -56,6 +58,8 @@ class Turn:
     generation_log_probs: list[float] | None
     usage: dict[str, Any] | None
     latency_s: float
+    weight_version: Any = None
+    weight_version_spans: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -170,6 +174,7 @@ async def run_agent(
         output = response.get("output") or []
         try:
             info = get_token_info(output[-1]) if output else None
+            source = output[-1] if info is not None else response
             if info is None:
                 # A generation that parsed to no item (e.g. only whitespace) has nowhere else to
                 # carry its tokens: gymserve then puts them on the response itself.
@@ -189,6 +194,8 @@ async def run_agent(
                 generation_log_probs=info["generation_log_probs"] if info else None,
                 usage=response.get("usage"),
                 latency_s=latency,
+                weight_version=source.get("weight_version"),
+                weight_version_spans=source.get("weight_version_spans"),
             )
         )
         run.output.extend(output)

@@ -199,9 +199,11 @@ async def _run(base_url, model_dir, cfg: LoopConfig, api_key, model, out) -> dic
                 rollouts = await collect(client, name, prompts, cfg.group, cfg.max_tokens)
                 rollout_s = time.perf_counter() - t0
                 check_rollouts(rollouts, version)
-                for r in rollouts:
+                for i, r in enumerate(rollouts):
                     r.reward = one_word_reward(r.text, r.finish_reason)
-                    log.write(json.dumps({"step": step, **asdict(r)}) + "\n")
+                    log.write(
+                        json.dumps({"id": f"step-{step}-{i}", "step": step, **asdict(r), "turns": [_turn(r)]}) + "\n"
+                    )
                 first = first or rollouts
                 stats = await asyncio.to_thread(policy.step, rollouts)
                 if stats["tf_max_diff"] > cfg.tolerance:
@@ -262,6 +264,18 @@ async def _run(base_url, model_dir, cfg: LoopConfig, api_key, model, out) -> dic
         flush=True,
     )
     return summary
+
+
+def _turn(r: Rollout) -> dict[str, Any]:
+    """The rollout's one model call in the ``gymserve rollout`` turn shape, so that
+    ``gymserve verify-rollouts --weights VERSION=step-N`` checks it on its version's adapter."""
+    return {
+        "prompt_token_ids": r.prompt_ids,
+        "generation_token_ids": r.gen_ids,
+        "generation_log_probs": r.log_probs,
+        "weight_version": r.weight_version,
+        "weight_version_spans": r.spans,
+    }
 
 
 def _max_diff(policy: LoraPolicy, rollouts: list[Rollout], adapter: bool) -> float:

@@ -22,7 +22,8 @@ order, not input order)::
                                   # generation_token_ids, generation_log_probs) and the agent's
                                   # function_call_output items
      "turns": [{"index", "response_id", "status", "output_types", "prompt_token_ids",
-                "generation_token_ids", "generation_log_probs", "usage", "latency_s"}],
+                "generation_token_ids", "generation_log_probs", "usage", "latency_s",
+                "weight_version", "weight_version_spans"}],
      "final_text", "stop_reason",  # message | max_steps | no_action | context_length | error
      "reward",                     # float in [0, 1]; null when the rollout ended with an error
      "error",                      # null or {"type", "message", "status", "code"}

@@ -6,6 +6,9 @@ read from a rollout's ``"turns"`` list (the ``gymserve rollout`` format, see ``g
 or, when absent, from the output items that carry the training fields. A rollout without token
 fields is not contiguous (reason ``"no token fields"``): it cannot be trained on token-exactly.
 
+**Per version.** A policy being trained answers from many weight versions; with ``--weights
+VERSION=DIR`` each token is checked on its own version's weights instead (``verify_versions``).
+
 **Teacher forcing.** One forward pass of the same model over ``prompt + generation`` in float32;
 ``log_softmax`` of the logits at the position before each generated token gives that token's
 log-prob. It must match the ``generation_log_probs`` the server reported within a tolerance
@@ -148,13 +151,16 @@ def rollout_log_prob_diffs(model: Any, turns: Sequence[TokenInfo], contiguous: b
 
 @dataclass
 class RolloutCheck:
-    """One rollout's verdict; ``max_diff`` is None when log-probs were not recomputed."""
+    """One rollout's verdict; ``max_diff`` is None when log-probs were not recomputed;
+    ``unchecked``: turns whose tokens could not be teacher-forced, each with why
+    (``verify_versions``: no version reported, no weights given for it)."""
 
     id: str
     contiguity: Contiguity
     num_tokens: int = 0
     max_diff: float | None = None
     error: str | None = None
+    unchecked: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -257,6 +263,12 @@ def format_report(report: VerifyReport, *, max_listed: int = 10) -> str:
         )
     else:
         lines.append("log-probs: not recomputed (no model given)")
+    unchecked = [(c.id, why) for c in report.checks for why in c.unchecked]
+    if unchecked:
+        lines.append(f"not checked: {len(unchecked)} turns (their tokens are not in the log-prob verdict):")
+        lines += [f"  {rid}: {why}" for rid, why in unchecked[:max_listed]]
+        if len(unchecked) > max_listed:
+            lines.append(f"  ... and {len(unchecked) - max_listed} more")
     bad = [
         c
         for c in report.checks
@@ -274,22 +286,44 @@ def format_report(report: VerifyReport, *, max_listed: int = 10) -> str:
     return "\n".join(lines)
 
 
-def main_verify(path: str, model: str | None = None, tolerance: float = DEFAULT_TOLERANCE) -> int:
-    """``gymserve verify-rollouts``: exit 0 when every rollout is contiguous and every log-prob is
-    within ``tolerance``; 1 when either fails; 2 when the file or model cannot be read.
-    ``model``: the policy model the rollouts came from (default: the embedded model)."""
+def main_verify(
+    path: str,
+    model: str | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    weights: Sequence[str] = (),
+) -> int:
+    """``gymserve verify-rollouts``: exit 0 when every rollout is contiguous and every checked
+    log-prob is within ``tolerance``; 1 when either fails; 2 when the file, a model or a
+    ``--weights`` spec cannot be read. ``model``: the policy the rollouts came from (default: the
+    embedded model). ``weights``: ``VERSION=DIR`` specs: each token is then checked on the weights of
+    its own version (``verify_versions``; a LoRA adapter DIR applies to ``model``), and turns of
+    versions without weights are listed as not checked."""
     try:
         rollouts = load_rollouts(path)
     except (OSError, ValueError) as exc:
         print(f"gymserve verify-rollouts: {exc}", file=sys.stderr)
         return 2
-    try:
-        print(f"teacher forcing with model {model or 'embedded'} (pass --model for another)", file=sys.stderr)
-        lm = load_model(model)
-    except Exception as exc:  # noqa: BLE001
-        print(f"gymserve verify-rollouts: cannot load model {model or 'embedded'}: {exc}", file=sys.stderr)
-        return 2
-    report = verify_rollouts(rollouts, lm, tolerance=tolerance)
+    if weights:
+        from gymserve.harness.verify_versions import parse_weights, verify_by_version
+
+        try:
+            by_version = parse_weights(weights)
+            print(
+                f"teacher forcing each token on its version's weights: {', '.join(map(repr, by_version))}",
+                file=sys.stderr,
+            )
+            report = verify_by_version(rollouts, by_version, base=model, tolerance=tolerance)
+        except (OSError, ValueError) as exc:
+            print(f"gymserve verify-rollouts: {exc}", file=sys.stderr)
+            return 2
+    else:
+        try:
+            print(f"teacher forcing with model {model or 'embedded'} (pass --model for another)", file=sys.stderr)
+            lm = load_model(model)
+        except Exception as exc:  # noqa: BLE001
+            print(f"gymserve verify-rollouts: cannot load model {model or 'embedded'}: {exc}", file=sys.stderr)
+            return 2
+        report = verify_rollouts(rollouts, lm, tolerance=tolerance)
     print(format_report(report))
     print("PASS" if report.ok else "FAIL")
     return 0 if report.ok else 1
