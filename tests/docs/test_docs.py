@@ -397,6 +397,14 @@ ERROR_MODULES = (
     "engine/lora.py",
     "backends/local/lora.py",
     "server/lora.py",
+    "engine/pause_gate.py",
+    "engine/library_control.py",
+    "engine/vllm_engine.py",
+    "engine/trtllm_engine.py",
+    "backends/chat_control.py",
+    "backends/upstream_control.py",
+    "ray_cluster/control.py",
+    "ray_cluster/replica_control.py",
 )
 HINT_FUNCTIONS = ("_not_found_hint", "_connection_hint")
 
