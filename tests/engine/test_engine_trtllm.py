@@ -235,7 +235,12 @@ class FakeLLM:
 
     def __init__(self, model: str, tokenizer: Any = None, **kwargs: Any):
         self.model, self.kwargs = model, kwargs
-        self.args = types.SimpleNamespace(max_seq_len=kwargs.get("max_seq_len"))
+        self.args = types.SimpleNamespace(
+            max_seq_len=kwargs.get("max_seq_len"),
+            model=model,
+            tensor_parallel_size=kwargs.get("tensor_parallel_size", 1),
+            ray_worker_extension_cls=kwargs.get("ray_worker_extension_cls"),
+        )
         self.results: list[FakeResult] = []
         self.step_delay = 0.0
         self.shut_down = False
@@ -684,3 +689,30 @@ def test_lora_request_goes_with_every_generation(engine, tmp_path):
     assert asyncio.run(engine.unload_lora_adapter("policy")) == 3
     asyncio.run(engine.generate([1], _sp()))
     assert llm.lora_requests[-1] is None
+
+
+def test_serve_policy_around_the_trainers_own_llm(fake_trtllm, model_dir, tokenizer):
+    """A trainer's tensorrt_llm.LLM behind gymserve's HTTP server: abort pauses reach it through the
+    adapter's door, and stop() leaves it running."""
+    import httpx
+    import openai
+
+    from gymserve.server.embed import serve_policy
+
+    llm = FakeLLM(str(model_dir), max_seq_len=4096)
+    srv = serve_policy(llm, tokenizer, backend_config={"tool_parser": "none"}, model_name="policy")
+    try:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60)
+        done = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}])
+        assert done.choices[0].message.model_extra["generation_token_ids"] == [11, 12, 13, 14, 15]
+        root = srv.base_url.removesuffix("/v1")
+        assert httpx.post(root + "/pause", params={"mode": "wait"}).status_code == 200
+        assert httpx.get(root + "/is_paused").json()["is_paused"] is True
+        r = httpx.post(root + "/pause", params={"mode": "keep"})
+        assert r.status_code == 501 and "mode=wait" in r.json()["error"]["message"]
+        assert httpx.post(root + "/resume").status_code == 200
+        r = httpx.post(root + "/update_weights", json={"update_info": {"path": str(model_dir)}})
+        assert r.status_code == 501 and "ray_worker_extension_cls" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+    assert llm.shut_down is False

@@ -162,7 +162,9 @@ class FakeAsyncLLM:
 
     def __init__(self, engine_args):
         self.engine_args = engine_args
-        self.model_config = types.SimpleNamespace(max_model_len=engine_args.max_model_len or 32768)
+        self.model_config = types.SimpleNamespace(
+            max_model_len=engine_args.max_model_len or 32768, model=engine_args.model, logprobs_mode="raw_logprobs"
+        )
         self.calls: list[tuple[Any, VSamplingParams, str]] = []
         self.lora_requests: list[Any] = []
         self.aborted: list[str] = []
@@ -982,3 +984,44 @@ def test_a_vllm_without_the_rl_api_answers_501(monkeypatch, model_dir):
         assert eng.engine.control_calls[-2:] == [("pause_generation", True), ("resume_generation",)]
     finally:
         asyncio.run(eng.close())
+
+
+def test_serve_policy_around_the_trainers_own_async_llm(fake_vllm, model_dir, tokenizer, tmp_path):
+    """A trainer's AsyncLLM behind gymserve's HTTP server (serve_policy): answers carry the
+    version, the control routes drive the trainer's engine, and stop() leaves it running."""
+    import httpx
+    import openai
+    import torch
+    from safetensors.torch import save_file
+
+    from gymserve.server.embed import serve_policy
+
+    llm = FakeAsyncLLM(AsyncEngineArgs(model=str(model_dir), max_model_len=4096))
+    srv = serve_policy(llm, tokenizer, backend_config={"tool_parser": "none"}, model_name="policy")
+    try:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60)
+        root = srv.base_url.removesuffix("/v1")
+
+        def ask():
+            done = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}])
+            return done.choices[0].message.model_extra
+
+        first = ask()
+        assert first["generation_token_ids"] == [11, 12, 13, 14, 15] and first["weight_version"] == 0
+        assert httpx.post(root + "/pause", params={"mode": "keep"}).status_code == 200 and llm.paused == "keep"
+        save_file({"lm_head.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+        r = httpx.post(root + "/update_weights", json={"update_info": {"path": str(tmp_path)}, "weight_version": "s1"})
+        assert r.status_code == 200, r.text
+        assert httpx.post(root + "/resume").status_code == 200 and llm.paused is None
+        assert [c[0] for c in llm.control_calls] == [
+            "pause_generation",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+            "resume_generation",
+        ]
+        assert ask()["weight_version"] == "s1" and llm.weight_version == "s1"
+        assert httpx.get(root + "/weight_info").json()["weight_version"] == "s1"
+    finally:
+        srv.stop()
+    assert llm.shut_down is False  # the trainer's engine, left running

@@ -92,7 +92,7 @@ class ReplicaPool(Generic[R]):
         self.start()
         candidates = self.replicas if accept is None else [r for r in self.replicas if accept(r)]
         if not candidates:
-            raise LookupError("no replica is acceptable for this call")
+            raise LookupError  # internal: the caller says why (e.g. ray_cluster.control.no_replica_error)
         if session_id is None:
             return self._next_healthy(candidates)
         replica = self._sessions.get(session_id)

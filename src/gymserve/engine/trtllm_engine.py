@@ -184,11 +184,34 @@ class TRTLLMEngine(LibraryControl, RunBasedEngine):
         self.context_window = int(
             getattr(llm_args, "max_seq_len", None) or kwargs.get("max_seq_len") or meta.max_position_embeddings or 4096
         )
-        self._closed = False
+        self._closed, self._owned = False, True
         self._rlhf = kwargs.get("ray_worker_extension_cls") == RLHF_EXTENSION
         self._tp = int(kwargs.get("tensor_parallel_size") or 1)
         self._init_control()
         self._pause_gate: PauseGate | None = None
+
+    @classmethod
+    def around(cls, llm: Any, *, model_name: str | None = None) -> TRTLLMEngine:
+        """The adapter over a ``tensorrt_llm.LLM`` the trainer built and keeps (``serve_policy``):
+        its ``args`` give the model directory (EOS IDs, vocabulary), ``max_seq_len``, the tensor
+        parallel size and whether the RL worker extension is loaded; ``close()`` leaves it running."""
+        self = cls.__new__(cls)
+        self._t = import_trtllm()
+        args = getattr(llm, "args", None)
+        self.model_dir = Path(str(getattr(args, "model", "") or "."))
+        self.model_name = model_name or self.model_dir.name
+        meta = read_model_meta(self.model_dir)
+        self.eos_token_ids, self.vocab_size, self.model_type = meta.eos_token_ids, meta.vocab_size, meta.model_type
+        self.end_id = meta.eos_token_ids[0]
+        self.raw_logprobs = accepts(self._t.SamplingParams, "logprobs_mode")
+        self.llm = llm
+        self.context_window = int(getattr(args, "max_seq_len", None) or meta.max_position_embeddings or 4096)
+        self._closed, self._owned = False, False
+        self._rlhf = getattr(args, "ray_worker_extension_cls", None) == RLHF_EXTENSION
+        self._tp = int(getattr(args, "tensor_parallel_size", None) or 1)
+        self._init_control()
+        self._pause_gate = None
+        return self
 
     @property
     def gate(self) -> PauseGate:
@@ -356,7 +379,7 @@ class TRTLLMEngine(LibraryControl, RunBasedEngine):
         if self._pause_gate is not None:
             self._pause_gate.close()
         shutdown = getattr(self.llm, "shutdown", None)
-        if shutdown is not None:
+        if shutdown is not None and self._owned:
             await asyncio.to_thread(shutdown)
 
 

@@ -186,8 +186,33 @@ class VLLMEngine(LibraryControl, RunBasedEngine):
             or meta.max_position_embeddings
             or 4096
         )
-        self._closed = False
+        self._closed, self._owned = False, True
         self._init_control()
+
+    @classmethod
+    def around(cls, async_llm: Any, *, model_name: str | None = None) -> VLLMEngine:
+        """The adapter over an ``AsyncLLM`` the trainer built and keeps (``serve_policy``): its
+        model directory (``model_config.model``) gives the EOS IDs and vocabulary, its
+        ``max_model_len`` the context window; ``close()`` leaves it running. Raises ``ValueError``
+        when it reports other log-probs than raw ones (``logprobs_mode``)."""
+        self = cls.__new__(cls)
+        self._v = import_vllm()
+        model_config = getattr(async_llm, "model_config", None)
+        mode = getattr(model_config, "logprobs_mode", RAW_LOGPROBS)
+        if str(getattr(mode, "value", mode)) != RAW_LOGPROBS:
+            raise ValueError(
+                f"this AsyncLLM reports {mode!r} log-probs; gymserve reports raw log-probs (the policy's "
+                f"distribution before temperature/top-k/top-p): build it with logprobs_mode={RAW_LOGPROBS!r}"
+            )
+        self.model_dir = Path(str(getattr(model_config, "model", "") or "."))
+        self.model_name = model_name or self.model_dir.name
+        meta = read_model_meta(self.model_dir)
+        self.eos_token_ids, self.vocab_size, self.model_type = meta.eos_token_ids, meta.vocab_size, meta.model_type
+        self.engine = async_llm
+        self.context_window = int(getattr(model_config, "max_model_len", None) or meta.max_position_embeddings or 4096)
+        self._closed, self._owned = False, False
+        self._init_control()
+        return self
 
     def sampling_params(self, sampling: SamplingParams, *, stream: bool):
         """The ``vllm.SamplingParams`` of one request (DELTA outputs when streaming, else FINAL_ONLY)."""
@@ -231,9 +256,12 @@ class VLLMEngine(LibraryControl, RunBasedEngine):
             log.debug("vLLM abort of %s: %s", request_id, exc)
 
     async def close(self) -> None:
+        """Refuse new calls; shut vLLM down unless the trainer owns it (``around``)."""
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
+        if shutdown is not None and self._owned:
             shutdown()
 
     # ---- control plane (see the module docstring) ------------------------------------------------

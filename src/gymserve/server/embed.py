@@ -146,8 +146,10 @@ def serve_policy(
     """Start gymserve's HTTP server around ``policy`` in this process; returns a ``PolicyServer``.
 
     ``policy``: a transformers causal LM (``torch.nn.Module`` with a ``config``: served as it is,
-    on the transformers engine), an ``Engine``, a ``Backend``, or a model directory / ``.gguf`` /
-    ``"embedded"`` (loaded like ``backend.model``). ``tokenizer``: the policy's Hugging Face
+    on the transformers engine), a vLLM ``AsyncLLM`` or a TensorRT-LLM ``LLM`` the trainer built
+    (served through ``VLLMEngine.around`` / ``TRTLLMEngine.around``, left running at ``stop()``),
+    an ``Engine``, a ``Backend``, or a model directory / ``.gguf`` / ``"embedded"`` (loaded like
+    ``backend.model``). ``tokenizer``: the policy's Hugging Face
     tokenizer (with its chat template); needed for a model or an engine, loaded from the model's
     ``name_or_path`` when omitted. ``backend_config``: a ``LocalBackendConfig`` or its dict
     (sampling, parsers, ``max_batch_size``, ``pause_timeout``...). ``host``/``port``: the bind
@@ -193,10 +195,25 @@ def _is_engine(obj: Any) -> bool:
 def _engine_for(model: Any, local: Any, model_name: str | None, weight_version: int | str):
     import torch
 
+    if hasattr(model, "generate_async") and hasattr(model, "args"):  # tensorrt_llm.LLM's API
+        from gymserve.engine.trtllm_engine import TRTLLMEngine
+
+        engine: Any = TRTLLMEngine.around(model, model_name=model_name)
+    elif hasattr(model, "generate") and hasattr(model, "abort") and hasattr(model, "model_config"):  # vLLM's AsyncLLM
+        from gymserve.engine.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine.around(model, model_name=model_name)
+    else:
+        engine = None
+    if engine is not None:
+        engine.pause_timeout = local.pause_timeout
+        if weight_version != 0:
+            engine.weight_version = weight_version
+        return engine
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise ValueError(
-            f"serve_policy needs a transformers causal LM, an Engine, a Backend or a model path; got "
-            f"{type(model).__name__}"
+            f"serve_policy needs a transformers causal LM, a vLLM AsyncLLM, a TensorRT-LLM LLM, an Engine, a "
+            f"Backend or a model path; got {type(model).__name__}"
         )
     from gymserve.engine.transformers_engine import TransformersEngine
 
@@ -215,6 +232,7 @@ def _tokenizer_for(engine: Any):
     from transformers import AutoTokenizer
 
     source = getattr(getattr(getattr(engine, "model", None), "config", None), "_name_or_path", None)
+    source = source or (str(engine.model_dir) if getattr(engine, "model_dir", None) else None)
     if not source:
         raise ValueError("serve_policy needs the tokenizer: pass tokenizer=AutoTokenizer.from_pretrained(...)")
     return AutoTokenizer.from_pretrained(source)
