@@ -39,8 +39,9 @@ class Backend(ABC):
     backend has none); ``secrets`` (credentials the server must redact from logs and capture). The
     control plane of a policy being trained (``pause_generation``, ``resume_generation``,
     ``is_paused``, ``update_weights``, ``update_weight_version``, ``control_status``; vLLM's names,
-    served by ``server.control``) answers ``NotSupportedError`` (501) unless the backend owns its
-    weights (``local.control``).
+    served by ``server.control``) answers ``NotSupportedError`` (501) by default; the local backend
+    (``local.control``), the Ray backend (``ray_cluster.control``: every replica, all or none) and
+    the chat backend (``chat_control``: a gateway forwarding to its servers) implement it.
 
     Errors: every method raises ``gymserve.errors.GymserveError`` subclasses only; the server turns
     them into OpenAI error objects with their status.
