@@ -42,7 +42,12 @@ from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
 from gymserve.backends.responses_over_chat import ChatAnswer, overflow_events
 from gymserve.backends.token_stream import StreamedTokens, attach_token_info
 from gymserve.backends.upstream import Upstream
-from gymserve.convert import ConvertOptions, context_exceeded_chat_completion, context_exceeded_response
+from gymserve.convert import (
+    ConvertOptions,
+    aborted_chat_completion,
+    context_exceeded_chat_completion,
+    context_exceeded_response,
+)
 from gymserve.engine.pause_gate import Call, CallAborted, PauseGate
 from gymserve.errors import (
     ContextLengthExceededError,
@@ -135,7 +140,7 @@ class RemoteBackend(Backend):
             try:
                 completion, replica = await (call.race(work) if call is not None else work)
             except CallAborted:
-                return aborted_completion(self.config.served_model_name or body.get("model") or "")
+                return aborted_chat_completion(self.config.served_model_name or body.get("model") or "")
             choices = completion.get("choices")
             if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
                 raise UpstreamError(
@@ -192,7 +197,7 @@ class RemoteBackend(Backend):
                 return
             except CallAborted:
                 for chunk in completion_to_chunks(
-                    aborted_completion(self.config.served_model_name or body.get("model") or "")
+                    aborted_chat_completion(self.config.served_model_name or body.get("model") or "")
                 ):
                     yield chunk
                 return
@@ -324,23 +329,6 @@ class RemoteBackend(Backend):
             finally:
                 with contextlib.suppress(Exception):
                     await stream.close()
-
-
-def aborted_completion(model: str) -> ChatCompletionDict:
-    """The answer to a call an ``abort`` pause ended before anything came back: no content,
-    ``finish_reason: "abort"`` (vLLM's value for an aborted request), zero usage."""
-    from gymserve.wire.ids import new_id
-
-    return {
-        "id": new_id("chatcmpl"),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "abort", "logprobs": None}
-        ],
-        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-    }
 
 
 def abort_chunk(last: dict[str, Any], model: str) -> dict[str, Any]:

@@ -320,17 +320,24 @@ def context_exceeded_response(request: ResponsesRequest) -> ResponseDict:
     """The Response for an upstream context-length overflow (case CL-01): status ``incomplete``,
     ``incomplete_details.reason`` ``max_output_tokens``, empty output, zero usage — so a rollout
     that outgrew the context window ends cleanly instead of crashing or retrying forever."""
-    return chat_to_response(_empty_length_completion(request.get("model") or ""), request)
+    return chat_to_response(_empty_completion(request.get("model") or "", "length"), request)
 
 
 def context_exceeded_chat_completion(request: dict[str, Any], model: str) -> ChatCompletionDict:
     """The ChatCompletion for an upstream context-length overflow (case CL-01): one choice with
     ``finish_reason`` ``length`` and an assistant message with no content and no tool calls.
     ``request`` (the chat request) names the model when ``model`` is empty."""
-    return _empty_length_completion(model or request.get("model") or "")
+    return _empty_completion(model or request.get("model") or "", "length")
 
 
-def _empty_length_completion(model: str) -> ChatCompletionDict:
+def aborted_chat_completion(model: str) -> ChatCompletionDict:
+    """The ChatCompletion of a call that a pause with mode ``abort`` ended before anything came
+    back (the chat backend's gateway): ``finish_reason`` ``abort`` (vLLM's value for an aborted
+    request), no content, zero usage."""
+    return _empty_completion(model, "abort")
+
+
+def _empty_completion(model: str, finish_reason: str) -> ChatCompletionDict:
     return {
         "id": new_id("chatcmpl"),
         "object": "chat.completion",
@@ -339,7 +346,7 @@ def _empty_length_completion(model: str) -> ChatCompletionDict:
         "choices": [
             {
                 "index": 0,
-                "finish_reason": "length",
+                "finish_reason": finish_reason,
                 "logprobs": None,
                 "message": {"role": "assistant", "content": None, "tool_calls": None},
             }

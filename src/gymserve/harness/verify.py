@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,14 +216,13 @@ def load_rollouts(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rollouts
 
 
-def verify_rollouts(
-    rollouts: Sequence[dict[str, Any]], model: Any | None = None, *, tolerance: float = DEFAULT_TOLERANCE
-) -> VerifyReport:
-    """Check contiguity of every rollout and, when ``model`` is given, its log-probs.
-
-    Rollouts whose ``turns`` list is empty (an error before the first model call) are skipped.
-    """
-    report = VerifyReport(tolerance=tolerance, teacher_forced=model is not None)
+def each_rollout(
+    rollouts: Sequence[dict[str, Any]], report: VerifyReport
+) -> Iterator[tuple[dict[str, Any], list[TokenInfo | None], RolloutCheck]]:
+    """``(rollout, its turns' token fields, its RolloutCheck)`` for every rollout with model calls,
+    the check (contiguity done) added to ``report``. Rollouts whose ``turns`` list is empty (an
+    error before the first model call) are skipped; one with inconsistent token fields gets a failed
+    check naming why, and is not yielded."""
     for n, r in enumerate(rollouts):
         rid = str(r.get("id", f"#{n + 1}"))
         if "turns" in r and not r["turns"]:
@@ -234,12 +233,24 @@ def verify_rollouts(
             report.checks.append(RolloutCheck(rid, Contiguity(False, None, str(exc)), error=str(exc)))
             continue
         check = RolloutCheck(rid, check_contiguity(turns))
+        report.checks.append(check)
+        yield r, turns, check
+
+
+def verify_rollouts(
+    rollouts: Sequence[dict[str, Any]], model: Any | None = None, *, tolerance: float = DEFAULT_TOLERANCE
+) -> VerifyReport:
+    """Check contiguity of every rollout and, when ``model`` is given, its log-probs.
+
+    Rollouts whose ``turns`` list is empty (an error before the first model call) are skipped.
+    """
+    report = VerifyReport(tolerance=tolerance, teacher_forced=model is not None)
+    for _r, turns, check in each_rollout(rollouts, report):
         infos = [t for t in turns if t is not None]
         if model is not None and infos and len(infos) == len(turns):  # every turn has token fields
             diffs = rollout_log_prob_diffs(model, infos, check.contiguity.ok)
             check.num_tokens = len(diffs)
             check.max_diff = max(diffs) if diffs else 0.0
-        report.checks.append(check)
     return report
 
 

@@ -26,12 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from gymserve.harness.verify import (
-    Contiguity,
     RolloutCheck,
     VerifyReport,
-    check_contiguity,
+    each_rollout,
     load_model,
-    rollout_turns,
     teacher_forced_log_probs,
 )
 from gymserve.protocol import TokenInfo, get_token_info
@@ -96,17 +94,7 @@ def verify_by_version(
     report = VerifyReport(tolerance=tolerance, teacher_forced=True)
     work: dict[Any, list[tuple[RolloutCheck, TokenInfo, list[int]]]] = {}
     diffs: dict[int, list[float]] = {}
-    for n, r in enumerate(rollouts):
-        rid = str(r.get("id", f"#{n + 1}"))
-        if "turns" in r and not r["turns"]:
-            continue
-        try:
-            turns = rollout_turns(r)
-        except Exception as exc:  # noqa: BLE001 - inconsistent fields are a finding, not a crash
-            report.checks.append(RolloutCheck(rid, Contiguity(False, None, str(exc)), error=str(exc)))
-            continue
-        check = RolloutCheck(rid, check_contiguity(turns))
-        report.checks.append(check)
+    for r, turns, check in each_rollout(rollouts, report):
         for t, (raw, info) in enumerate(zip(_turn_dicts(r), turns)):
             if info is None:
                 continue
