@@ -13,6 +13,9 @@ the transformers engine in this process, each operation ``--reps`` times (median
 - ``LoRA swap, from disk`` / ``in-process``: ``load_lora_adapter(..., load_inplace=True)`` replacing
   one r=16 adapter on q/k/v/o of all 24 layers by another (``engine.lora``: merge, keep base values).
 
+The operations run in interleaved rounds (each once per round, ``--reps`` rounds), so the machine's
+load moves every row alike.
+
 **Rollout throughput under updates** — the tiny random-weight model (2 layers; the embedded model
 decodes ~1-5 tokens/s on this machine, too slow for minutes of steady load, so this measures the
 serving path, not the model): ``--sessions`` concurrent multi-turn sessions (``--turns`` turns of
@@ -67,15 +70,6 @@ def lora_adapter(model: Any, rank: int, seed: int) -> tuple[Any, dict[str, Any]]
     return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(mods)), tensors
 
 
-def _median_seconds(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def update_times(reps: int) -> dict[str, Any]:
     import torch
     from safetensors.torch import save_file
@@ -99,18 +93,11 @@ def update_times(reps: int) -> dict[str, Any]:
                     served[k].copy_(v)
 
         files = safetensors_files(model_dir)
-        rows = {
-            "copy floor": _median_seconds(copy_floor, reps),
-            "full, in-process tensors": _median_seconds(lambda: run(engine.update_weights(state)), reps),
-            "read floor": _median_seconds(lambda: [f.read_bytes() for f in files], reps),
-            "full, from disk": _median_seconds(lambda: run(engine.update_weights(path=model_dir)), reps),
-        }
         adapters = [lora_adapter(engine.model, 16, seed) for seed in (1, 2)]
         tmp = Path(tempfile.mkdtemp(prefix="gymserve-bench-lora-"))
         for i, (cfg, tensors) in enumerate(adapters):
             cfg.save_pretrained(str(tmp / str(i)))
             save_file(tensors, str(tmp / str(i) / "adapter_model.safetensors"))
-        run(engine.load_lora_adapter("policy", str(tmp / "0")))
         turn = iter(range(1, 10_000))
 
         def swap_disk():
@@ -120,10 +107,27 @@ def update_times(reps: int) -> dict[str, Any]:
             cfg, tensors = adapters[next(turn) % 2]
             run(engine.load_lora_adapter("policy", tensors=tensors, config=cfg, load_inplace=True))
 
-        rows["LoRA swap, from disk"] = _median_seconds(swap_disk, reps)
-        rows["LoRA swap, in-process"] = _median_seconds(swap_tensors, reps)
+        ops = {
+            "copy floor": copy_floor,
+            "full, in-process tensors": lambda: run(engine.update_weights(state)),
+            "read floor": lambda: [f.read_bytes() for f in files],
+            "full, from disk": lambda: run(engine.update_weights(path=model_dir)),
+            "LoRA swap, from disk": swap_disk,
+            "LoRA swap, in-process": swap_tensors,
+        }
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        # Interleaved rounds (every operation once per round), so a change of the machine's load
+        # during the run moves every row alike instead of one row.
+        for _ in range(reps):
+            for name, fn in ops.items():
+                if name.startswith("LoRA") and not engine.lora_adapters():
+                    run(engine.load_lora_adapter("policy", str(tmp / "0")))  # the swaps replace a loaded adapter
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+            run(engine.unload_lora_adapter("policy"))  # full updates are refused while an adapter is merged
+        rows = {name: statistics.median(t) for name, t in times.items()}
         lora_params = sum(t.numel() for t in adapters[0][1].values())
-        run(engine.unload_lora_adapter("policy"))
     finally:
         run(engine.close())
         loop.close()
