@@ -97,7 +97,14 @@ def test_without_a_key_the_routes_close_beyond_loopback(upstream, monkeypatch):
 
 
 def test_a_backend_without_weights_of_its_own_answers_501(upstream):
-    cfg = validate_config({"server": {"port": 0}, "backend": {"type": "chat", "base_urls": [upstream.url + "/v1"]}})
+    """The OpenAI backend (a cloud's weights): every control route is 501. (The chat backend has a
+    control plane of its own: a gateway before the trainer's servers, tests/backends/test_chat_control.py.)"""
+    cfg = validate_config(
+        {
+            "server": {"port": 0},
+            "backend": {"type": "openai", "base_url": upstream.url + "/v1", "api_key": "k", "model": "policy"},
+        }
+    )
     with start_background_server(cfg) as srv:
         root = srv.base_url.removesuffix("/v1")
         for method, path, kwargs in CALLS:
@@ -105,7 +112,7 @@ def test_a_backend_without_weights_of_its_own_answers_501(upstream):
             assert r.status_code == 501, (path, r.text)
             err = r.json()["error"]
             assert err["type"] == "not_supported_error" and err["code"] == "control_not_supported"
-            assert "chat backend" in err["message"]
+            assert "openai backend" in err["message"]
         health = httpx.get(root + "/health").json()
         assert "weight_version" not in health and health["status"] == "ok"
         assert "gymserve_weight_version_info{" not in httpx.get(root + "/metrics").text
