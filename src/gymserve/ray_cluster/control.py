@@ -99,7 +99,8 @@ class FleetControl:
         """Record a replica's control status from its ``info()``; start bringing it up to date when
         it is alive on another version than the fleet's (Ray restarted it, or it missed a change)."""
         control = info.get("control")
-        if not isinstance(control, dict):
+        if not isinstance(control, dict) or "weight_version" not in control:
+            replica.weight_version = self.fleet_version  # an engine without versions: it serves the fleet's
             return
         replica.weight_version = control.get("weight_version")
         replica.weight_updates = int(control.get("weight_updates") or 0)

@@ -104,7 +104,8 @@ class EngineReplica(ReplicaControl):
             "in_flight": self.in_flight,
             "served": self.served,
             **self.backend.describe(),
-            "control": self.backend.engine.control_status(),
+            # An engine a trainer supplies may implement generation only: then no control status.
+            "control": getattr(self.backend.engine, "control_status", dict)(),
         }
 
     async def health(self) -> dict[str, Any]:

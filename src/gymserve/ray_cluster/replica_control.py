@@ -45,7 +45,7 @@ class ReplicaControl:
 
     async def control_status(self) -> dict[str, Any]:
         """The engine's ``control_status()`` (``weight_version``, ``weight_updates``, ``paused``...)."""
-        return self.backend.engine.control_status()
+        return getattr(self.backend.engine, "control_status", dict)()
 
     async def pause_generation(self, mode: str, timeout: float | None = None) -> Any:
         """The engine's pause (``engine.control``); ``{"paused": mode}`` or an error payload."""
