@@ -140,7 +140,9 @@ def write_docs(prefer_quick: bool = False) -> Path:
             "in each pause mode, against the same load without updates (the tiny random-weight model: the "
             "embedded one is too slow on this machine for minutes of steady load). Script: "
             "`bench/control.py`; what the modes do: [serving a policy being trained]"
-            "(concepts/training-control.md).",
+            "(concepts/training-control.md). On a shared machine the configurations, measured 30 s apart "
+            "in interleaved rounds, move with its load by up to a third; a ratio above 1 is that noise, and "
+            "the counts (failed, dropped, aborted, tokens thrown away) are what the modes change.",
             prefer_quick,
             plot_image=False,
         ),
