@@ -21,7 +21,7 @@ from typing import Any
 
 from gymserve.engine.base import NoControl, PauseMode, WeightVersion
 from gymserve.engine.control import check_version
-from gymserve.errors import ConflictError, InvalidRequestError, NotFoundError, NotSupportedError, WeightUpdateError
+from gymserve.errors import NotFoundError, NotSupportedError, WeightUpdateError
 
 log = logging.getLogger("gymserve.engine")
 
@@ -103,7 +103,7 @@ class LibraryControl(NoControl):
     def _check_lora_load(self, lora_name: str, lora_path: str | None, tensors: Any, load_inplace: bool) -> Path:
         """Refuse what one-adapter-at-a-time cannot do, as ``engine.lora`` refuses it; the adapter
         directory (its ``adapter_config.json`` must exist)."""
-        from gymserve.engine.lora import ADAPTER_CONFIG, check_lora_name
+        from gymserve.engine.lora import ADAPTER_CONFIG, check_lora_name, refuse_second_adapter
 
         check_lora_name(lora_name)
         if tensors is not None or lora_path is None:
@@ -112,21 +112,14 @@ class LibraryControl(NoControl):
                 "save_pretrained layout); save the adapter and pass lora_path",
                 code="control_not_supported",
             )
-        current = self._lora
-        if current is not None and not load_inplace:
-            if current.name == lora_name:
-                raise InvalidRequestError(
-                    f"The lora adapter '{lora_name}' has already been loaded; load it with load_inplace: true "
-                    "to replace its weights",
-                    param="lora_name",
-                    code="lora_adapter_loaded",
-                )
-            raise ConflictError(
-                f"LoRA adapter {lora_name!r} refused: adapter {current.name!r} serves as the policy and this "
-                "engine serves one adapter at a time. Unload it first (POST /v1/unload_lora_adapter), or load "
-                "with load_inplace: true to swap",
-                code="lora_slot_taken",
-            )
+        refuse_second_adapter(
+            self._lora.name if self._lora else None,
+            lora_name,
+            load_inplace,
+            "serves as the policy and this "
+            "engine serves one adapter at a time. Unload it first (POST /v1/unload_lora_adapter), or load with "
+            "load_inplace: true to swap",
+        )
         path = Path(os.fspath(lora_path))
         if not (path / ADAPTER_CONFIG).is_file():
             raise WeightUpdateError(

@@ -303,6 +303,22 @@ def merge_adapter(
     return LoraAdapter(name=name, source=source, rank=int(config.r), merged=merged, modules=tuple(merged))
 
 
+def refuse_second_adapter(current: str | None, lora_name: str, load_inplace: bool, why: str) -> None:
+    """One adapter at a time: loading ``lora_name`` while ``current`` is loaded, without
+    ``load_inplace``, is refused — 400 ``lora_adapter_loaded`` for the same name (vLLM's answer),
+    else 409 ``lora_slot_taken`` saying ``why`` (how this engine serves its adapter)."""
+    if current is None or load_inplace:
+        return
+    if current == lora_name:
+        raise InvalidRequestError(
+            f"The lora adapter '{lora_name}' has already been loaded; load it with "
+            "load_inplace: true to replace its weights",
+            param="lora_name",
+            code="lora_adapter_loaded",
+        )
+    raise ConflictError(f"LoRA adapter {lora_name!r} refused: adapter {current!r} {why}", code="lora_slot_taken")
+
+
 @dataclass
 class _Slot:
     """The adapter merged now (None: the base weights serve) and the base values it replaced."""
@@ -389,20 +405,14 @@ class LoraEngine:
         s = self._lora
         async with s.lock:
             current = s.adapter
-            if current is not None and not load_inplace:
-                if current.name == lora_name:
-                    raise InvalidRequestError(
-                        f"The lora adapter '{lora_name}' has already been loaded; load it with "
-                        "load_inplace: true to replace its weights",
-                        param="lora_name",
-                        code="lora_adapter_loaded",
-                    )
-                raise ConflictError(
-                    f"LoRA adapter {lora_name!r} refused: adapter {current.name!r} is merged into the weights, and "
-                    "this engine serves one adapter at a time (it merges W + scale·B·A). Unload it first "
-                    "(POST /v1/unload_lora_adapter), or load with load_inplace: true to swap in one update",
-                    code="lora_slot_taken",
-                )
+            refuse_second_adapter(
+                current.name if current else None,
+                lora_name,
+                load_inplace,
+                "is merged into the weights, and this "
+                "engine serves one adapter at a time (it merges W + scale·B·A). Unload it first (POST "
+                "/v1/unload_lora_adapter), or load with load_inplace: true to swap in one update",
+            )
             if lora_path is not None:
                 config, tensors = await asyncio.to_thread(read_adapter, lora_path)
             source = str(lora_path) if lora_path is not None else "tensors"
