@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the weights of one version (a model directory, or a LoRA adapter on --model); repeat per "
         "version: each token is then checked on the version that sampled it",
     )
+    ver.add_argument(
+        "--tolerance", type=float, default=1e-4, help="the largest |log-prob - teacher forcing| that passes"
+    )
     return parser
 
 
@@ -249,5 +252,5 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "verify-rollouts":
         from gymserve.harness.verify import main_verify
 
-        return main_verify(args.path, model=args.model, weights=args.weights)
+        return main_verify(args.path, model=args.model, tolerance=args.tolerance, weights=args.weights)
     raise AssertionError(args.command)
