@@ -113,7 +113,8 @@ class ReplicaPool(Generic[R]):
     replica once when ``start()`` runs inside an event loop, then every ``interval`` seconds;
     ``interval == 0`` disables probing). ``routing``: a ``gymserve.config.RoutingConfig`` (None: its
     defaults): the policy, the rebalance thresholds, the session table's bounds, the breaker and the
-    retry budget. ``clock``: monotonic seconds (tests and the fleet simulation pass their own).
+    retry budget. ``clock``: monotonic seconds; by default the running event loop's clock
+    (``loop_time``), which is what ``asyncio.sleep`` and timeouts count in too.
     Generic in the replica type, so a backend gets its own ``Replica`` subclass back from ``pick``.
 
     ``filters``: predicates every picked replica must pass, for whoever needs to take replicas out
@@ -129,7 +130,7 @@ class ReplicaPool(Generic[R]):
         probe: Callable[[R], Awaitable[Any]] | None = None,
         interval: float = 10.0,
         routing: Any = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ):
         if not replicas:
             raise ValueError("a replica pool needs at least one replica")
@@ -141,7 +142,7 @@ class ReplicaPool(Generic[R]):
         self.routing = routing
         self._probe = probe
         self._interval = interval
-        self._clock = clock
+        self._clock = clock = clock or loop_time
         for r in replicas:
             r.breaker = CircuitBreaker(routing.breaker_failures, routing.breaker_cooldown, clock=clock)
         self.policy = policy_for(routing.policy, replicas, routing)
@@ -317,14 +318,14 @@ class ReplicaPool(Generic[R]):
 
     async def _loop(self) -> None:
         while True:
-            started = time.monotonic()
+            started = self._clock()
             try:
                 await self.check_all()
             finally:
                 self._first_round.set()
             # Rounds start every interval (not interval after a slow probe), so a change is seen
             # within one interval plus one probe.
-            await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
+            await asyncio.sleep(max(0.0, self._interval - (self._clock() - started)))
 
     # ---- what it reports -----------------------------------------------------------------------
 
@@ -409,6 +410,17 @@ class Limiter:
         finally:
             self.running -= 1
             self._sem.release()
+
+
+def loop_time() -> float:
+    """The running event loop's clock (``loop.time()``: ``time.monotonic()`` for asyncio's own
+    loops), else ``time.monotonic()``: the time base of ``asyncio.sleep`` and ``asyncio.timeout``,
+    so breaker cool-downs and budget windows follow the same clock as backoffs (and a simulation
+    that runs the loop on virtual time, ``bench/fleet.py``, drives them all)."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
 
 
 def backoff_delay(attempt: int, initial: float, retry_after: float | None = None) -> float:

@@ -52,22 +52,22 @@ class StickyLeastLoaded(RoutingPolicy[R]):
         return self._least(eligible, rotate=True)
 
     def _least(self, eligible: Eligible, *, rotate: bool = False) -> R | None:
-        replicas = self.replicas
-        n = len(replicas)
-        start = self._rotation.start
+        # The load comparison comes first and is two attribute reads: eligibility (a call) is checked
+        # only for a replica that would win, which keeps a scan of hundreds of replicas in the tens of µs.
+        start = self._rotation.start % len(self.replicas)
         best: R | None = None
-        best_key = (0, 0)
-        best_i = 0
-        for step in range(n):
-            i = (start + step) % n
-            r = replicas[i]
+        best_flight = best_active = best_i = 0
+        for i, r in enumerate(self.replicas[start:] + self.replicas[:start]):
+            flight = r.in_flight
+            if best is not None and (
+                flight > best_flight or (flight == best_flight and r.active_sessions >= best_active)
+            ):
+                continue
             if not eligible(r):
                 continue
-            key = (r.in_flight, r.active_sessions)
-            if best is None or key < best_key:
-                best, best_key, best_i = r, key, i
-                if key == (0, 0):
-                    break  # nothing beats an idle replica
+            best, best_flight, best_active, best_i = r, flight, r.active_sessions, i
+            if flight == 0 and best_active == 0:
+                break  # nothing beats an idle replica
         if best is not None and rotate:
-            self._rotation.taken(best_i)
+            self._rotation.taken((start + best_i) % len(self.replicas))
         return best
