@@ -25,11 +25,12 @@ the busiest replica's calls ÷ the mean over the replicas alive at the end. Goal
 the default ``sticky-least-loaded``: hit rate ≥ 90%, throughput ≥ 1.5× round-robin, no failed
 rollout, no replica above 1.3× the mean load.
 
-Router cost: the same workload without failures on ``N`` replicas with ``8 N`` sessions, the CPU
-time spent in ``ReplicaPool.pick`` and ``release`` (real microseconds per call, ``time.thread_time``).
+Router cost (``router_cost``): the real ``ReplicaPool`` alone, on ``N`` replicas with ``8 N`` sessions
+in steady state (new sessions replacing finished ones, ``4 N`` calls in flight): CPU microseconds
+per ``pick`` + ``release`` (``time.thread_time``: preemption by other processes is not counted).
 
 Usage: ``python bench/fleet.py [--quick] [--replicas 8] [--sessions 64] [--duration 900]
-[--seed 0] [--scale 8,64,256,512]``.
+[--seed 0] [--scale 8,64,256,1024] [--rebalance-ratio R] [--rebalance-min-gap G]``.
 """
 
 from __future__ import annotations
@@ -101,28 +102,6 @@ async def _run(policy: str, wl: Workload, model: EngineModel, routing: dict[str,
     )
     backend = sim_backend(config, replicas)
     pool = backend.pool
-    router = {"pick_s": 0.0, "picks": 0, "release_s": 0.0, "releases": 0}
-    pick, release = pool.pick, pool.release
-
-    # Thread CPU time, not wall time: on a shared machine the process is preempted at random, and
-    # that is not the router's cost (reading the clock adds ~1 µs per call to what is measured).
-    def timed_pick(*args: Any, **kwargs: Any):
-        t0 = time.thread_time()
-        try:
-            return pick(*args, **kwargs)
-        finally:
-            router["pick_s"] += time.thread_time() - t0
-            router["picks"] += 1
-
-    def timed_release(*args: Any, **kwargs: Any):
-        t0 = time.thread_time()
-        try:
-            return release(*args, **kwargs)
-        finally:
-            router["release_s"] += time.thread_time() - t0
-            router["releases"] += 1
-
-    pool.pick, pool.release = timed_pick, timed_release  # type: ignore[method-assign]
     warmup = 0.1 * wl.duration
     latencies: list[float] = []
     failed: list[str] = []
@@ -210,37 +189,72 @@ async def _run(policy: str, wl: Workload, model: EngineModel, routing: dict[str,
         "max_queue_ratio": max(queue) / statistics.mean(queue) if statistics.mean(queue) else 0.0,
         "calls_per_replica": [r.counters.calls for r in replicas],
         "evictions": sum(r.counters.evicted for r in replicas),
-        "router_us_per_call": 1e6 * (router["pick_s"] + router["release_s"]) / max(1, router["picks"]),
-        "pick_us": 1e6 * router["pick_s"] / max(1, router["picks"]),
-        "release_us": 1e6 * router["release_s"] / max(1, router["releases"]),
-        "picks": router["picks"],
     }
 
 
-def scale(sizes: list[int], duration: float, model: EngineModel, seed: int) -> list[dict[str, Any]]:
-    """The router's cost per call on ``N`` replicas with ``8 N`` sessions, no failures, per policy."""
+def router_cost(policy: str, replicas: int, calls: int, seed: int, repeat: int = 3) -> dict[str, Any]:
+    """CPU per call of ``ReplicaPool.pick`` + ``release`` on ``replicas`` replicas with ``8 ×``
+    as many sessions in steady state: each session makes 8-16 calls, then a new one takes its place
+    (its first call is a placement); ``4 ×`` replicas calls are in flight, so loads differ and no
+    scan stops early at an idle replica. The call sequence is drawn before the clock starts; the
+    garbage collector is off while it runs; best of ``repeat`` (each on a fresh pool)."""
+    import gc
+    from collections import deque
+
+    from gymserve.backends.pool import Outcome, Replica, ReplicaPool
+    from gymserve.config import RoutingConfig
+
+    rng = random.Random(seed)
+    live = [f"s{i}" for i in range(8 * replicas)]
+    left = [rng.randint(8, 16) for _ in live]
+    fresh = len(live)
+    sequence: list[str] = []
+    for _ in range(calls):
+        i = rng.randrange(len(live))
+        sequence.append(live[i])
+        left[i] -= 1
+        if left[i] == 0:
+            live[i], left[i], fresh = f"s{fresh}", rng.randint(8, 16), fresh + 1
+    best = float("inf")
+    for _ in range(repeat):
+        pool = ReplicaPool(
+            [Replica(f"http://replica-{i}.sim:8000/v1") for i in range(replicas)],
+            interval=0,
+            routing=RoutingConfig(policy=policy),
+        )
+        held: deque = deque()
+        window = 4 * replicas
+        gc.collect()
+        gc.disable()
+        try:
+            t0 = time.thread_time()
+            for sid in sequence:
+                held.append((pool.pick(sid), sid))
+                if len(held) > window:
+                    r, done = held.popleft()
+                    pool.release(r, Outcome.OK, session_id=done, usage=(6000, 150))
+            best = min(best, time.thread_time() - t0)
+        finally:
+            gc.enable()
+    return {
+        "replicas": replicas,
+        "sessions": 8 * replicas,
+        "policy": policy,
+        "calls": calls,
+        "placements": fresh,
+        "router_us_per_call": 1e6 * best / calls,
+    }
+
+
+def scale(sizes: list[int], calls: int, seed: int) -> list[dict[str, Any]]:
+    """``router_cost`` of every policy at every fleet size."""
     rows = []
     for n in sizes:
-        wl = Workload(replicas=n, sessions=8 * n, duration=duration, kill_at=None, slow_at=None, seed=seed)
         for policy in POLICIES:
-            t0 = time.perf_counter()
-            res = run_policy(policy, wl, model)
-            rows.append(
-                {
-                    "replicas": n,
-                    "sessions": 8 * n,
-                    "policy": policy,
-                    "calls": res["picks"],
-                    "pick_us": res["pick_us"],
-                    "release_us": res["release_us"],
-                    "router_us_per_call": res["router_us_per_call"],
-                    "hit_rate": res["hit_rate"],
-                    "wall_s": time.perf_counter() - t0,
-                }
-            )
+            row = router_cost(policy, n, calls, seed)
+            rows.append(row)
             print(
-                f"  scale {n:4d} replicas {8 * n:5d} sessions {policy:<20}: {res['router_us_per_call']:6.1f} us "
-                f"per call ({res['picks']} calls)",
+                f"  router {n:5d} replicas {8 * n:6d} sessions {policy:<20}: {row['router_us_per_call']:6.1f} µs per call",
                 flush=True,
             )
     return rows
@@ -266,7 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
     sizes = (
-        [int(x) for x in args.scale.split(",")] if args.scale else ([8, 32, 128] if args.quick else [8, 64, 256, 512])
+        [int(x) for x in args.scale.split(",")] if args.scale else ([8, 64, 256] if args.quick else [8, 64, 256, 1024])
     )
     return {
         "machine": common.machine(),
@@ -275,7 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "routing": routing,
         "model": asdict(model),
         "rows": rows,
-        "scale": scale(sizes, 60.0 if args.quick else 120.0, model, args.seed),
+        "scale": scale(sizes, 20_000 if args.quick else 50_000, args.seed),
     }
 
 
@@ -325,13 +339,13 @@ def report(res: dict[str, Any]) -> str:
     for r in res["scale"]:
         by.setdefault((r["replicas"], r["sessions"]), {})[r["policy"]] = r
     scale_rows = [
-        [n, s, *(f"{by[(n, s)][p]['router_us_per_call']:.1f}" for p in POLICIES), by[(n, s)][DEFAULT]["calls"]]
+        [n, s, *(f"{by[(n, s)][p]['router_us_per_call']:.1f}" for p in POLICIES), f"{by[(n, s)][DEFAULT]['calls']:,}"]
         for (n, s) in by
     ]
     scale_table = common.table(
         ["replicas", "sessions", *(f"{p} µs/call" for p in POLICIES), "calls"],
         scale_rows,
-        "Router cost: CPU time in ReplicaPool.pick + release per call (no failures)",
+        "Router cost: CPU time of ReplicaPool.pick + release per call, steady state, GC off (best of 3)",
     )
     d = rows[DEFAULT]
     small, large = by[min(by)][DEFAULT]["router_us_per_call"], by[max(by)][DEFAULT]["router_us_per_call"]
@@ -380,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rebalance-ratio", type=float, help="routing.rebalance_ratio (default: the config's)")
     ap.add_argument("--rebalance-min-gap", type=int, help="routing.rebalance_min_gap (default: the config's)")
-    ap.add_argument("--scale", help="comma-separated fleet sizes for the router-cost runs (8,64,256,512)")
+    ap.add_argument("--scale", help="comma-separated fleet sizes for the router cost (8,64,256,1024; quick 8,64,256)")
     args = ap.parse_args(argv)
     if args.duration is None:
         args.duration = 300.0 if args.quick else 900.0

@@ -10,14 +10,7 @@ import pytest
 from gymserve.backends.pool import Limiter, Outcome, Replica, ReplicaPool, backoff_delay, usage_of
 from gymserve.config import RoutingConfig
 from gymserve.errors import OverloadedError, UpstreamConnectionError
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from helpers.clock import ManualClock
 
 
 def pool(n=3, *, clock=None, **routing) -> ReplicaPool:
@@ -113,7 +106,7 @@ def test_unhealthy_replica_is_skipped_and_comes_back():
 
 
 def test_breaker_opens_then_lets_one_trial_through_after_the_cooldown():
-    clock = Clock()
+    clock = ManualClock(100.0)
     p = pool(2, clock=clock, breaker_failures=2, breaker_cooldown=5.0)
     a, b = p.replicas
     for _ in range(2):
@@ -130,7 +123,7 @@ def test_breaker_opens_then_lets_one_trial_through_after_the_cooldown():
 
 
 def test_a_429_keeps_calls_away_until_retry_after():
-    clock = Clock()
+    clock = ManualClock(100.0)
     p = pool(2, clock=clock)
     a, b = p.replicas
     r = p.pick("s1")

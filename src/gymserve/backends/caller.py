@@ -1,12 +1,16 @@
 """``UpstreamCaller``: the one way a remote backend calls its upstream.
 
-It owns the replicas (``pool.ReplicaPool``: session affinity, health, a probe of
-``GET {base}/models`` at start-up and every ``health_check_interval`` s), the concurrency limit (``pool.Limiter``: ``num_concurrent_requests`` in
-flight, ``max_queue`` waiting, 429 beyond), retries and error translation: a connection failure
-marks the replica down and is retried on another one; 5xx and 429 are retried with backoff
-(honouring ``Retry-After``); a timeout, a 4xx and a context-window overflow are not (the error's
-class says: ``GymserveError.retryable``). Every failure leaves as a ``GymserveError`` from
-``upstream_errors.translate_error``, naming the URL tried (credentials removed).
+It owns the replicas (``pool.ReplicaPool``: the routing policy, session affinity, circuit breakers,
+the retry budget, a probe of ``GET {base}/models`` at start-up and every ``health_check_interval``
+s), the concurrency limit (``pool.Limiter``: ``num_concurrent_requests`` in flight, ``max_queue``
+waiting, 429 beyond), retries and error translation. Each call is routed by ``pool.pick`` and
+reported by ``release`` with what its outcome says about the replica (``outcome_of``). A retryable
+failure — a connection failure, a 5xx, a 429 (``GymserveError.retryable``; a timeout, a 4xx and a
+context-window overflow are not) — is retried at most ``max_retries`` times and only while the
+pool's retry budget allows: on another replica at once when one is eligible, else on the same one
+after an exponential backoff with jitter (an upstream ``Retry-After`` wins). The session ID goes
+upstream as ``X-Session-ID`` (``Upstream.session_header``). Every failure leaves as a
+``GymserveError`` from ``upstream_errors.translate_error``, naming the URL tried (credentials removed).
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
-from gymserve.backends.routing import CircuitBreaker, RetryBudget, SessionTable, policy_for
+from gymserve.backends.routing import CircuitBreaker, RetryBudget, RoutingPolicy, SessionTable, policy_for
 from gymserve.errors import OverloadedError, UpstreamConnectionError
 
 log = logging.getLogger("gymserve.backends.pool")
@@ -145,7 +145,7 @@ class ReplicaPool(Generic[R]):
         self._clock = clock = clock or loop_time
         for r in replicas:
             r.breaker = CircuitBreaker(routing.breaker_failures, routing.breaker_cooldown, clock=clock)
-        self.policy = policy_for(routing.policy, replicas, routing)
+        self.policy: RoutingPolicy[R] = policy_for(routing.policy, replicas, routing)
         self.sessions = SessionTable(max_sessions=routing.max_sessions, idle_timeout=routing.session_idle_timeout)
         self.retry_budget = RetryBudget(
             routing.retry_budget_ratio, routing.retry_budget_min_per_s, routing.retry_budget_window, clock=clock
@@ -175,13 +175,14 @@ class ReplicaPool(Generic[R]):
         self.start()
         now = self._clock()
         self.sessions.expire(now)
-        home = self.sessions.home(session_id) if session_id is not None else None
+        home = cast("R | None", self.sessions.home(session_id) if session_id is not None else None)
 
-        def eligible(r) -> bool:
+        def eligible(r: R) -> bool:
             return self._usable(r, now) and r not in exclude and self._allowed(r, where)
 
+        chosen: R | None
         if home is not None and eligible(home) and self.policy.stay(home, eligible):
-            chosen: R | None = home
+            chosen = home
         else:
             chosen = self.policy.place(eligible, session_id)
             if chosen is None and exclude:

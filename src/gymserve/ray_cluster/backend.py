@@ -60,6 +60,7 @@ class RayBackend(Backend):
 
     name = "ray"
     limiter: Limiter
+    pool: ReplicaPool
 
     def __init__(
         self,

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from gymserve.backends.routing.breaker import CircuitBreaker
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from helpers.clock import ManualClock
 
 
 def test_opens_after_consecutive_failures_then_half_open_then_closes():
-    clock = Clock()
+    clock = ManualClock(1000.0)
     b = CircuitBreaker(3, 10.0, clock=clock)
     b.failure("500")
     b.failure("500")
@@ -37,7 +30,7 @@ def test_opens_after_consecutive_failures_then_half_open_then_closes():
 
 
 def test_failed_trial_reopens_with_a_doubled_cooldown_capped_at_8x():
-    clock = Clock()
+    clock = ManualClock(1000.0)
     b = CircuitBreaker(1, 2.0, clock=clock)
     b.failure("x")
     cooldowns = []
@@ -56,7 +49,7 @@ def test_failed_trial_reopens_with_a_doubled_cooldown_capped_at_8x():
 
 
 def test_trip_opens_at_once_and_a_probe_answer_allows_a_trial():
-    clock = Clock()
+    clock = ManualClock(1000.0)
     b = CircuitBreaker(5, 30.0, clock=clock)
     b.trip("connection refused")
     assert b.state == "open" and b.opens == 1
@@ -65,7 +58,7 @@ def test_trip_opens_at_once_and_a_probe_answer_allows_a_trial():
 
 
 def test_a_cancelled_trial_frees_the_slot_and_failures_of_old_calls_do_not_extend_the_opening():
-    clock = Clock()
+    clock = ManualClock(1000.0)
     b = CircuitBreaker(1, 10.0, clock=clock)
     b.failure("x")
     clock.now += 5

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from gymserve.backends.routing.retry_budget import RetryBudget
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 500.0
-
-    def __call__(self) -> float:
-        return self.now
+from helpers.clock import ManualClock
 
 
 def test_floor_then_a_fraction_of_successes():
-    clock = Clock()
+    clock = ManualClock(500.0)
     b = RetryBudget(ratio=0.2, min_per_s=0.3, window=10, clock=clock)  # floor: 3 retries per window
     assert b.balance == pytest.approx(3)
     assert [b.try_withdraw() for _ in range(4)] == [True, True, True, False]
@@ -28,7 +21,7 @@ def test_floor_then_a_fraction_of_successes():
 
 
 def test_deposits_and_withdrawals_expire_after_the_window():
-    clock = Clock()
+    clock = ManualClock(500.0)
     b = RetryBudget(ratio=1.0, min_per_s=0, window=10, clock=clock)
     assert not b.try_withdraw()  # no floor, no successes: no retries at all
     for _ in range(5):
@@ -42,7 +35,7 @@ def test_deposits_and_withdrawals_expire_after_the_window():
 
 def test_a_storm_is_bounded_by_the_floor():
     """Every call failing: retries stay at the floor, not one per call."""
-    clock = Clock()
+    clock = ManualClock(500.0)
     b = RetryBudget(ratio=0.2, min_per_s=1, window=10, clock=clock)
     allowed = 0
     for _ in range(10_000):  # 10,000 failing calls within one second

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 if TYPE_CHECKING:
     from gymserve.backends.pool import Replica
 
 R = TypeVar("R", bound="Replica")
-Eligible = Callable[["Replica"], bool]
+Eligible = Callable[[Any], bool]  # called with the pool's replicas
 
 
 class RoutingPolicy(ABC, Generic[R]):

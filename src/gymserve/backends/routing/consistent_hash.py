@@ -4,8 +4,9 @@ A hash ring with virtual nodes (Karger et al., 1997; ketama's layout: ``VNODES``
 replica, placed by hashing ``"{base_url}#{i}"``): a session's turns all go to the first eligible
 replica clockwise from ``hash(session_id)``, with no table to keep, and when a replica leaves only
 its own sessions move (to the next point on the ring) — and move back when it returns. What it does
-not do is look at load: sessions fall on replicas by chance (with 160 points each, replica shares
-differ by ~10%), a slow replica keeps its share, and a hot spot stays hot (prime-rl #3255 saw hash
+not do is look at load: a replica's share of the ring is chance (with 160 points each, measured
+on 8 and 64 replicas: 0.87-1.23× the mean, standard deviation ~8%), its sessions' lengths are
+chance too, a slow replica keeps its share, and a hot spot stays hot (prime-rl #3255 saw hash
 routing fall from 98% to 5% prefix-cache hits when its key changed under it). Calls without a
 session rotate.
 
