@@ -339,11 +339,16 @@ def report(res: dict[str, Any]) -> str:
     for r in res["scale"]:
         by.setdefault((r["replicas"], r["sessions"]), {})[r["policy"]] = r
     scale_rows = [
-        [n, s, *(f"{by[(n, s)][p]['router_us_per_call']:.1f}" for p in POLICIES), f"{by[(n, s)][DEFAULT]['calls']:,}"]
+        [
+            n,
+            s,
+            *(f"{by[(n, s)][p]['router_us_per_call']:.1f}" for p in POLICIES),
+            f"{by[(n, s)][DEFAULT]['calls']:,} ({by[(n, s)][DEFAULT]['placements']:,})",
+        ]
         for (n, s) in by
     ]
     scale_table = common.table(
-        ["replicas", "sessions", *(f"{p} µs/call" for p in POLICIES), "calls"],
+        ["replicas", "sessions", *(f"{p} µs/call" for p in POLICIES), "calls (of them new sessions)"],
         scale_rows,
         "Router cost: CPU time of ReplicaPool.pick + release per call, steady state, GC off (best of 3)",
     )

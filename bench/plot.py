@@ -156,6 +156,8 @@ def plot_fleet(res: dict[str, Any], out: Path) -> Path:
             label=policy,
         )
     ax.set_xscale("log", base=2)
+    sizes = sorted({r["replicas"] for r in res["scale"]})
+    ax.set_xticks(sizes, [str(n) for n in sizes])
     ax.set_xlabel("replicas (sessions = 8 x replicas)")
     ax.set_ylabel("µs CPU per call (pick + release)")
     ax.set_title("router cost", fontsize=9)
