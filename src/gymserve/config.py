@@ -39,7 +39,7 @@ from pydantic import (
     model_validator,
 )
 
-from gymserve.registry import Registry
+from gymserve.registry import ROUTING_POLICIES, Registry
 from gymserve.wire.reasoning import ReasoningField
 
 
@@ -227,6 +227,65 @@ def _check_url(value: str, key: str) -> str:
     return value.rstrip("/")
 
 
+class RoutingConfig(_Model):
+    """How a backend with several replicas (``chat`` with several ``base_urls``, ``ray``) routes calls
+    and survives a failing replica (``backends.pool.ReplicaPool``; docs/model-servers/vllm.md).
+
+    ``policy``: ``sticky-least-loaded`` keeps a session's turns on one replica (its prefix cache)
+    and places new sessions on the least-loaded one; ``round-robin`` spreads every call;
+    ``consistent-hash`` hashes the session ID onto a ring of the replicas. The circuit breaker and
+    retry budget apply to every remote backend, one replica or many.
+    """
+
+    policy: str = Field(
+        "sticky-least-loaded",
+        description="sticky-least-loaded, round-robin or consistent-hash (gymserve.registry.ROUTING_POLICIES)",
+    )
+    rebalance_ratio: float = Field(
+        2.0,
+        ge=1,
+        description="sticky-least-loaded: a session leaves its replica only when that replica has this many "
+        "times the calls in flight of the least-loaded one ...",
+    )
+    rebalance_min_gap: int = Field(
+        8, ge=1, description="... and at least this many more (both must hold; a move costs one cold prefill)"
+    )
+    session_idle_timeout: float = Field(
+        300.0, gt=0, description="seconds without a call after which a session stops counting as active on its replica"
+    )
+    max_sessions: int = Field(
+        100_000, ge=1, description="sessions remembered (least recently used forgotten); a forgotten one is placed anew"
+    )
+    breaker_failures: int = Field(
+        5,
+        ge=1,
+        description="consecutive failed calls (5xx, timeout, unreadable answer) that open a replica's circuit "
+        "breaker; a refused connection opens it at once",
+    )
+    breaker_cooldown: float = Field(
+        10.0,
+        gt=0,
+        description="seconds an open breaker keeps calls away before one trial call (half-open); doubles "
+        "each time it re-opens in a row, up to 8x",
+    )
+    retry_budget_ratio: float = Field(
+        0.2, ge=0, description="retries allowed per successful call in the last retry_budget_window (Finagle's 20%)"
+    )
+    retry_budget_min_per_s: float = Field(
+        10.0, ge=0, description="retries per second allowed whatever the successes (the budget's floor)"
+    )
+    retry_budget_window: float = Field(
+        10.0, ge=1, le=60, description="seconds a success counts toward the retry budget"
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        if value not in ROUTING_POLICIES:
+            raise ValueError(f"unknown routing policy {value!r}; choices: {', '.join(ROUTING_POLICIES.names())}")
+        return value
+
+
 class ChatBackendConfig(_RemoteBackendConfig):
     """Any OpenAI-compatible Chat Completions server (vLLM, SGLang, TensorRT-LLM, llama.cpp,
     ``transformers serve``, another gymserve), one or more replicas.
@@ -247,6 +306,14 @@ class ChatBackendConfig(_RemoteBackendConfig):
         10.0,
         ge=0,
         description="seconds between probes of each replica (GET {base}/models; the first at start-up); 0 disables",
+    )
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig, description="replica choice, circuit breakers, retry budget"
+    )
+    forward_session_id: bool = Field(
+        True,
+        description="send the session ID upstream as X-Session-ID, so a router in front of the replicas can "
+        "keep the session's turns together too",
     )
 
     @field_validator("base_urls", mode="before")
@@ -420,6 +487,9 @@ class RayBackendConfig(_Model):
     health_check_timeout: float = Field(10.0, gt=0, description="seconds a replica has to answer a probe")
     startup_timeout: float = Field(600.0, gt=0, description="seconds to wait for resources and model loading")
     max_concurrent_requests: int = Field(64, ge=1, description="per replica, in flight from the front end")
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig, description="replica choice, circuit breakers, retry budget"
+    )
     runtime_env: dict[str, Any] | None = Field(
         None, description="Ray runtime_env for the replicas (env_vars, pip, ...)"
     )

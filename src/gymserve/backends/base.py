@@ -21,7 +21,7 @@ from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, Res
 __all__ = ["Backend", "RequestContext"]
 
 if TYPE_CHECKING:
-    from gymserve.backends.pool import Limiter
+    from gymserve.backends.pool import Limiter, ReplicaPool
     from gymserve.convert import ConvertOptions
     from gymserve.engine.base import PauseMode
 
@@ -36,7 +36,8 @@ class Backend(ABC):
 
     Declared state: ``name`` (the registry name: ``/health``, metrics labels, logs); ``limiter``
     (the ``pool.Limiter`` bounding calls in flight, read by the queue-depth metrics; None when the
-    backend has none); ``secrets`` (credentials the server must redact from logs and capture). The
+    backend has none); ``pool`` (the ``pool.ReplicaPool`` routing its calls across replicas, read by
+    the per-replica metrics; None without one); ``secrets`` (credentials the server must redact from logs and capture). The
     control plane of a policy being trained (``pause_generation``, ``resume_generation``,
     ``is_paused``, ``update_weights``, ``update_weight_version``, ``control_status``; vLLM's names,
     served by ``server.control``) answers ``NotSupportedError`` (501) unless the backend owns its
@@ -48,6 +49,7 @@ class Backend(ABC):
 
     name: ClassVar[str] = "backend"
     limiter: Limiter | None = None
+    pool: ReplicaPool | None = None
 
     @classmethod
     @abstractmethod

@@ -36,7 +36,7 @@ from typing import Any
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.caller import UpstreamCaller, replica_label
 from gymserve.backends.chat_wire import checked_chunk, completion_to_chunks, normalize_tool_call_arguments
-from gymserve.backends.pool import Limiter
+from gymserve.backends.pool import Limiter, Outcome, Replica, ReplicaPool
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
 from gymserve.backends.responses_over_chat import ChatAnswer, overflow_events
 from gymserve.backends.token_stream import StreamedTokens, attach_token_info
@@ -44,6 +44,7 @@ from gymserve.backends.upstream import Upstream
 from gymserve.convert import ConvertOptions, context_exceeded_chat_completion, context_exceeded_response
 from gymserve.errors import (
     ContextLengthExceededError,
+    GymserveError,
     UpstreamBadResponseError,
     UpstreamError,
     UpstreamTokenIdsError,
@@ -65,12 +66,14 @@ class RemoteBackend(Backend):
 
     upstream_type: type[Upstream]
     limiter: Limiter
+    pool: ReplicaPool
 
     def __init__(self, upstream: Upstream, *, max_queue: int = 1024):
         self.upstream = upstream
         self.config = config = upstream.config
         self.caller = UpstreamCaller(upstream, max_queue=max_queue)
         self.limiter = self.caller.limiter
+        self.pool = self.caller.pool
         self._wants_token_ids = bool(getattr(config, "return_token_id_information", False))
         self._tool_parser = self._reasoning_parser = None
         if getattr(config, "tool_parser", None):
@@ -177,10 +180,12 @@ class RemoteBackend(Backend):
                     yield chunk
                 return
             got_chunk = False
+            ending = _StreamEnd()
             try:
                 call_index: dict[tuple[int, str], int] = {}  # (choice, call id) -> index, for servers that omit it
                 async for chunk in stream:
                     got_chunk = True
+                    ending.saw(chunk)
                     chunk = checked_chunk(chunk, redact_url(self.caller.url(replica, "chat")), call_index)
                     if self.config.served_model_name:
                         chunk["model"] = self.config.served_model_name
@@ -206,11 +211,14 @@ class RemoteBackend(Backend):
                         "incomplete; is the server cutting streams short?",
                         url=where,
                     )
+                ending.done = True
             except Exception as exc:
-                raise self.caller.translate(exc, self.caller.url(replica, "chat"), "chat") from None
+                ending.error = self.caller.translate(exc, self.caller.url(replica, "chat"), "chat")
+                raise ending.error from None
             finally:
                 with contextlib.suppress(Exception):
                     await stream.close()
+                ending.release(self.caller, replica, ctx)
 
     async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
         """The upstream's completion for the Responses path, which answers an overflow itself
@@ -277,17 +285,39 @@ class RemoteBackend(Backend):
                 for event in overflow_events(request):
                     yield event
                 return
+            ending = _StreamEnd()
             try:
                 async for event in stream:
-                    if (
-                        self.config.served_model_name
-                        and isinstance(event, dict)
-                        and isinstance(event.get("response"), dict)
-                    ):
-                        event["response"]["model"] = self.config.served_model_name
+                    if isinstance(event, dict) and isinstance(event.get("response"), dict):
+                        ending.saw(event["response"])
+                        if self.config.served_model_name:
+                            event["response"]["model"] = self.config.served_model_name
                     yield event
+                ending.done = True
             except Exception as exc:
-                raise self.caller.translate(exc, self.caller.url(replica, "responses"), "responses") from None
+                ending.error = self.caller.translate(exc, self.caller.url(replica, "responses"), "responses")
+                raise ending.error from None
             finally:
                 with contextlib.suppress(Exception):
                     await stream.close()
+                ending.release(self.caller, replica, ctx)
+
+
+class _StreamEnd:
+    """How a stream from a replica ended, for ``UpstreamCaller.release``: ``done`` (read to its
+    end), ``error`` (failed), neither (the client went away); ``usage`` the last ``usage`` seen."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.error: GymserveError | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def saw(self, item: Any) -> None:
+        if isinstance(item, dict) and isinstance(item.get("usage"), dict):
+            self.usage = item
+
+    def release(self, caller: UpstreamCaller, replica: Replica, ctx: RequestContext) -> None:
+        if self.done or self.error is not None:
+            caller.release(replica, ctx, self.error, self.usage, routed=True)
+        else:
+            caller.pool.release(replica, Outcome.CANCELLED)

@@ -40,16 +40,24 @@ class Transport:
     async def get(self, url: str, *, timeout: float | None = None) -> Any:
         return await self.sdk.get(url, cast_to=object, options={"timeout": timeout} if timeout else {})
 
-    async def post(self, url: str, body: dict[str, Any]) -> Any:
+    async def post(self, url: str, body: dict[str, Any], *, headers: dict[str, str] | None = None) -> Any:
+        """The parsed JSON answer to POST ``body``; ``headers`` are added to the client's own."""
         if self.lean is not None:
-            return await self.lean.post(url, body)
-        return await self.sdk.post(url, body=body, cast_to=object)
+            return await self.lean.post(url, body, headers=headers)
+        return await self.sdk.post(url, body=body, cast_to=object, options={"headers": headers} if headers else {})
 
-    async def stream(self, url: str, body: dict[str, Any]) -> Any:
+    async def stream(self, url: str, body: dict[str, Any], *, headers: dict[str, str] | None = None) -> Any:
         """The SDK's ``AsyncStream`` of server-sent events, each parsed as JSON."""
         from openai import AsyncStream
 
-        return await self.sdk.post(url, body=body, cast_to=object, stream=True, stream_cls=AsyncStream[object])
+        return await self.sdk.post(
+            url,
+            body=body,
+            cast_to=object,
+            stream=True,
+            stream_cls=AsyncStream[object],
+            options={"headers": headers} if headers else {},
+        )
 
     async def close(self) -> None:
         for client in (self.sdk, self.lean):
@@ -105,6 +113,12 @@ class Upstream(ABC):
     @property
     def api_version(self) -> str | None:
         return getattr(self.config, "api_version", None)
+
+    @property
+    def session_header(self) -> bool:
+        """Whether calls carry the session ID upstream as ``X-Session-ID`` (``forward_session_id``;
+        self-hosted servers and the routers in front of them use it, clouds have no use for it)."""
+        return bool(getattr(self.config, "forward_session_id", False))
 
     @property
     def health_interval(self) -> float:

@@ -1,5 +1,6 @@
 """Prometheus metrics for ``GET /metrics``: model calls, errors, latency and tokens per route,
-backend and replica, plus queue depth and in-flight requests.
+backend and replica, queue depth and in-flight requests, and each replica's routing state (load,
+health, circuit breaker, sessions, prefix-hit estimate) with the retry budget.
 
 Each app has its own ``CollectorRegistry`` (several servers in one process, as in tests, do not
 clash). The hot path costs a few dictionary look-ups and lock-protected additions per request:
@@ -60,6 +61,89 @@ class _QueueCollector:
         return []
 
 
+class _ReplicaCollector:
+    """Reads each replica's routing state from the backend's ``ReplicaPool`` at scrape time: load,
+    health, circuit breaker, sessions, routing counters, the prefix-hit estimate, and the pool's
+    retry budget (``backends.pool``; docs/model-servers/vllm.md lists the series)."""
+
+    GAUGES = (
+        ("in_flight", "gymserve_replica_in_flight", "Calls routed to the replica and not yet answered"),
+        ("sessions", "gymserve_replica_sessions", "Sessions whose turns go to the replica (the affinity table)"),
+        ("active_sessions", "gymserve_replica_active_sessions", "Of those, sessions with a call in the idle timeout"),
+        (
+            "healthy",
+            "gymserve_replica_healthy",
+            "1 when the replica answered its last probe and its breaker is not open",
+        ),
+    )
+    COUNTERS = (
+        ("routed", "gymserve_replica_routed", "Calls routed to the replica"),
+        ("failures", "gymserve_replica_failures", "Calls that failed on the replica (5xx, timeout, unreachable)"),
+        ("session_moves_in", "gymserve_replica_session_moves", "Sessions moved to the replica from another one"),
+        ("later_turns", "gymserve_replica_later_turns", "Answered turns of sessions after their first"),
+        ("affinity_hits", "gymserve_replica_affinity_hits", "Of those, turns answered where the previous turn was"),
+        ("prompt_tokens", "gymserve_replica_prompt_tokens", "Prompt tokens of answered session turns"),
+        (
+            "estimated_cached_tokens",
+            "gymserve_replica_estimated_cached_tokens",
+            "Of those, tokens the replica computed for the previous turn (the prefix-hit estimate)",
+        ),
+        ("breaker_opens", "gymserve_replica_breaker_opens", "Times the replica's circuit breaker opened"),
+    )
+
+    def __init__(self, backend_name: str, pool_of: Callable[[], Any], label_of: Callable[[Any], str]):
+        self.backend_name, self.pool_of, self.label_of = backend_name, pool_of, label_of
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        pool = self.pool_of()
+        labels = ["backend", "replica"]
+        gauges = {k: GaugeMetricFamily(name, doc, labels=labels) for k, name, doc in self.GAUGES}
+        counters = {k: CounterMetricFamily(name, doc, labels=labels) for k, name, doc in self.COUNTERS}
+        breaker = GaugeMetricFamily(
+            "gymserve_replica_breaker_state",
+            "1 for the replica's circuit-breaker state (closed, open, half_open), 0 for the others",
+            labels=[*labels, "state"],
+        )
+        hit = GaugeMetricFamily(
+            "gymserve_replica_prefix_hit_estimate",
+            "estimated_cached_tokens / prompt_tokens of the replica (a router-side estimate; the engine's own "
+            "prefix-cache counters are the measurement)",
+            labels=labels,
+        )
+        budget = GaugeMetricFamily(
+            "gymserve_retry_budget_balance", "Retries the backend's retry budget allows now", labels=["backend"]
+        )
+        retries = CounterMetricFamily("gymserve_retries", "Retries taken from the retry budget", labels=["backend"])
+        denied = CounterMetricFamily(
+            "gymserve_retries_denied", "Retries the retry budget refused (the call failed instead)", labels=["backend"]
+        )
+        if pool is not None:
+            name = self.backend_name
+            for r in pool.replicas:
+                row = pool.replica_row(r)
+                who = [name, self.label_of(r)]
+                for key, _, _ in self.GAUGES:
+                    gauges[key].add_metric(who, float(row[key]))
+                for key, _, _ in self.COUNTERS:
+                    counters[key].add_metric(who, row[key])
+                for state in ("closed", "open", "half_open"):
+                    breaker.add_metric([*who, state], 1.0 if row["breaker"] == state else 0.0)
+                if row["prefix_hit_estimate"] is not None:
+                    hit.add_metric(who, row["prefix_hit_estimate"])
+            b = pool.retry_budget
+            budget.add_metric([name], b.balance)
+            retries.add_metric([name], b.retries)
+            denied.add_metric([name], b.denied)
+        yield from gauges.values()
+        yield from counters.values()
+        yield from (breaker, hit, budget, retries, denied)
+
+    def describe(self):
+        return []
+
+
 class Metrics:
     """The server's metrics; ``observe`` records one finished model call."""
 
@@ -100,6 +184,7 @@ class Metrics:
         self._in_flight: dict[str, Any] = {}
         if backend is not None:
             r.register(_QueueCollector(backend.name, lambda: backend.limiter))
+            r.register(_ReplicaCollector(backend.name, lambda: backend.pool, _replica_label))
 
     def _child(self, route: str, backend: str, replica: str, status: int):
         key = (route, backend, replica, status)
@@ -146,3 +231,14 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _replica_label(replica: Any) -> str:
+    """A replica's ``replica`` label: a Ray replica's name, else its base URL without credentials
+    (the label the request series use, ``caller.replica_label``)."""
+    name = getattr(replica, "name", None)
+    if isinstance(name, str):
+        return name
+    from gymserve.backends.caller import replica_label
+
+    return replica_label(replica.base_url)
