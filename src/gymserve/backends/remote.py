@@ -4,7 +4,8 @@ An ``upstream.Upstream`` holds what differs between a self-hosted chat server, O
 (URLs, credentials, HTTP clients, body rules); a ``caller.UpstreamCaller`` calls it (replica pool,
 limiter, retries, error translation). Everything else is written here once: the chat endpoint,
 streaming, token IDs, client-side parsing, and the Responses API — passed to the upstream's own
-when it has one (``Upstream.native_responses``), else through ``responses_over_chat``. The three
+when it has one (``Upstream.native_responses``), else through ``responses_over_chat``; the
+completions route (``remote_completions``) and ``/tokenize`` (``remote_tokens``) in mixins. The three
 registered kinds (``chat``, ``openai``, ``azure``) are this class with a different upstream.
 
 Upstream behaviour followed:
@@ -38,12 +39,15 @@ from gymserve.backends.caller import UpstreamCaller, replica_label
 from gymserve.backends.chat_wire import checked_chunk, completion_to_chunks, normalize_tool_call_arguments
 from gymserve.backends.pool import Limiter
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
+from gymserve.backends.remote_completions import RemoteCompletions
+from gymserve.backends.remote_tokens import RemoteTokens
 from gymserve.backends.responses_over_chat import ChatAnswer, overflow_events
 from gymserve.backends.token_stream import StreamedTokens, attach_token_info
 from gymserve.backends.upstream import Upstream
 from gymserve.convert import ConvertOptions, context_exceeded_chat_completion, context_exceeded_response
 from gymserve.errors import (
     ContextLengthExceededError,
+    InvalidRequestError,
     UpstreamBadResponseError,
     UpstreamError,
     UpstreamTokenIdsError,
@@ -55,7 +59,7 @@ from gymserve.wire.reasoning import mirror_reasoning
 log = logging.getLogger("gymserve.backends")
 
 
-class RemoteBackend(Backend):
+class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
     """A remote API (``upstream``) behind the server's routes; see the module docstring.
 
     ``max_queue`` bounds the requests waiting for one of ``num_concurrent_requests`` slots
@@ -103,8 +107,18 @@ class RemoteBackend(Backend):
         return self.upstream.convert_options()
 
     # ------------------------------------------------------------------ chat
+    def _refuse_token_prefix(self, request: dict[str, Any]) -> None:
+        """A cloud API takes no token IDs: ``required_prefix_token_ids`` is a 400 before anything is sent."""
+        if self.upstream.cloud and request.get("required_prefix_token_ids") is not None:
+            raise InvalidRequestError(
+                f"required_prefix_token_ids cannot be honoured by the {self.name} backend: the API takes no token "
+                "IDs; leave it out, or serve the policy with the local backend or a chat backend",
+                param="required_prefix_token_ids",
+            )
+
     def _chat_body(self, request: ChatRequest) -> dict[str, Any]:
         cfg = self.config
+        self._refuse_token_prefix(request)
         body = {**copy.deepcopy(cfg.extra_body), **request}
         body.pop("stream", None)
         body.pop("stream_options", None)
@@ -187,10 +201,11 @@ class RemoteBackend(Backend):
                     if tokens is not None:
                         tokens.take(chunk)
                     for piece in parsed.process(chunk) if parsed is not None else [chunk]:
-                        if tokens is not None and tokens.is_finish(piece):
-                            await attach_token_info(
-                                self.caller, tokens.completion(piece), request, plain_body, replica, ctx
-                            )
+                        if tokens is not None:
+                            for index in tokens.finishing(piece):
+                                await attach_token_info(
+                                    self.caller, tokens.completion(piece, index), request, plain_body, replica, ctx
+                                )
                         yield piece
                 if not got_chunk:
                     where = redact_url(self.caller.url(replica, "chat"))
@@ -248,6 +263,7 @@ class RemoteBackend(Backend):
         gives ``context_exceeded_response``. Otherwise ``responses_over_chat``."""
         if not self.upstream.native_responses:
             return await super().responses(request, ctx)
+        self._refuse_token_prefix(request)
         try:
             async with self.limiter.slot():
                 response, _ = await self.caller.call("responses", self.upstream.responses_body(request), ctx)
@@ -264,6 +280,7 @@ class RemoteBackend(Backend):
         Otherwise ``responses_over_chat``."""
         if not self.upstream.native_responses:
             return super().responses_stream(request, ctx)
+        self._refuse_token_prefix(request)
         return self._native_responses_stream(request, ctx)
 
     async def _native_responses_stream(
