@@ -98,9 +98,10 @@ def check_detokenize_request(request: Any) -> dict[str, Any]:
                 param=key,
                 code="unsupported_parameter",
             )
-    tokens = request.get("tokens")
-    if not isinstance(tokens, list):
-        raise InvalidRequestError(f"tokens is required: a list of token IDs, got {json_type(tokens)}", param="tokens")
+    if "tokens" not in request:
+        raise InvalidRequestError("tokens is required: a list of token IDs", param="tokens")
+    if not isinstance(request["tokens"], list):
+        raise InvalidRequestError(f"tokens must be a list of token IDs, got {json_type(request['tokens'])}", param="tokens")
     return request
 
 
