@@ -27,9 +27,21 @@ def test_both_forms_pass():
         ({"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt", "other form"),
         ({"prompt": "a", "add_generation_promt": True}, "add_generation_promt", "not a field"),
         ({"messages": []}, "messages", "non-empty"),
-        ({"messages": [{"role": "user", "content": "x"}], "return_token_strs": 1}, "return_token_strs", "true or false"),
-        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []}, "chat_template_kwargs", "object"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function", "required"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "return_token_strs": 1},
+            "return_token_strs",
+            "true or false",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []},
+            "chat_template_kwargs",
+            "object",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools[0].function",
+            "required",
+        ),
         ({"prompt": "a", "model": 3}, "model", "string"),
     ],
 )

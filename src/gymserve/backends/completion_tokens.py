@@ -69,7 +69,10 @@ class CompletionTokens:
         return ending
 
     def _gather(self, index: int, choice: dict[str, Any]) -> None:
-        prompt = choice.pop("prompt_token_ids", None)
+        # vLLM's prompt_token_ids leave the chunk; a gymserve upstream's training fields stay together.
+        prompt = (
+            choice.get("prompt_token_ids") if "generation_token_ids" in choice else choice.pop("prompt_token_ids", None)
+        )
         if isinstance(prompt, list):
             self._prompt[index] = prompt
         ids = choice.pop("token_ids", None)

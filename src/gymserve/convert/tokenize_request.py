@@ -101,7 +101,9 @@ def check_detokenize_request(request: Any) -> dict[str, Any]:
     if "tokens" not in request:
         raise InvalidRequestError("tokens is required: a list of token IDs", param="tokens")
     if not isinstance(request["tokens"], list):
-        raise InvalidRequestError(f"tokens must be a list of token IDs, got {json_type(request['tokens'])}", param="tokens")
+        raise InvalidRequestError(
+            f"tokens must be a list of token IDs, got {json_type(request['tokens'])}", param="tokens"
+        )
     return request
 
 
