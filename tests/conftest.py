@@ -191,3 +191,19 @@ def tiny_gateway(tiny_local_server):
     srv = start_background_server(cfg)
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_local_client(tiny_local_server):
+    """The official openai SDK client of ``tiny_local_server``."""
+    import openai
+
+    return openai.OpenAI(base_url=tiny_local_server.base_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gateway_client(tiny_gateway):
+    """The official openai SDK client of ``tiny_gateway``."""
+    import openai
+
+    return openai.OpenAI(base_url=tiny_gateway.base_url, api_key="unused", max_retries=0)

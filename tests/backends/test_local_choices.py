@@ -11,8 +11,8 @@ HELLO = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
-def client(tiny_local_server):
-    return openai.OpenAI(base_url=tiny_local_server.base_url, api_key="unused", max_retries=0)
+def client(tiny_local_client):
+    return tiny_local_client
 
 
 def _fields(message):

@@ -5,15 +5,14 @@ every choice, and a multi-turn rollout given as token IDs staying contiguous."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 @pytest.fixture(scope="module")
-def client(tiny_local_server):
-    return openai.OpenAI(base_url=tiny_local_server.base_url, api_key="unused", max_retries=0)
+def client(tiny_local_client):
+    return tiny_local_client
 
 
 def _fields(choice):

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from helpers.fakes import FakeServer, completion
+from helpers.servers import gateway
 
 FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 HELLO = [{"role": "user", "content": "Say something."}]
@@ -18,17 +19,8 @@ def _fields(obj):
     return tuple(obj.model_extra.get(f) for f in FIELDS)
 
 
-@pytest.fixture(scope="module")
-def gateway(tiny_gateway):
-    return openai.OpenAI(base_url=tiny_gateway.base_url, api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def upstream(tiny_local_server):
-    return openai.OpenAI(base_url=tiny_local_server.base_url, api_key="unused", max_retries=0)
-
-
-def test_each_choice_gets_its_fields(gateway, upstream):
+def test_each_choice_gets_its_fields(tiny_gateway_client, tiny_local_client):
+    gateway, upstream = tiny_gateway_client, tiny_local_client
     through = gateway.chat.completions.create(model="t", messages=HELLO, max_tokens=4, n=2)
     direct = upstream.chat.completions.create(model="t", messages=HELLO, max_tokens=4, n=2)
     assert [_fields(c.message) for c in through.choices] == [_fields(c.message) for c in direct.choices]
@@ -37,7 +29,8 @@ def test_each_choice_gets_its_fields(gateway, upstream):
     assert {i: _fields(f.delta) for i, f in finals.items()} == {c.index: _fields(c.message) for c in direct.choices}
 
 
-def test_required_prefix_is_forwarded_and_holds(gateway):
+def test_required_prefix_is_forwarded_and_holds(tiny_gateway_client):
+    gateway = tiny_gateway_client
     first = gateway.chat.completions.create(model="t", messages=HELLO, max_tokens=5).choices[0].message
     p, g, _ = _fields(first)
     messages = HELLO + [{"role": "assistant", "content": first.content}, {"role": "user", "content": "More."}]
@@ -48,8 +41,6 @@ def test_required_prefix_is_forwarded_and_holds(gateway):
 
 
 def test_an_upstream_that_ignores_the_prefix_is_caught():
-    from gymserve.config import validate_config
-    from gymserve.server.run import start_background_server
 
     def vllm(r):
         if r.method == "GET":
@@ -62,47 +53,27 @@ def test_an_upstream_that_ignores_the_prefix_is_caught():
         }
         return 200, body
 
-    with FakeServer(vllm) as fake:
-        cfg = validate_config(
-            {
-                "server": {"port": 0},
-                "backend": {"type": "chat", "base_urls": [fake.url + "/v1"], "return_token_id_information": True},
-            }
-        )
-        srv = start_background_server(cfg)
-        try:
-            client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
-            messages = HELLO + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
-            with pytest.raises(openai.APIStatusError) as exc:
-                client.chat.completions.create(
-                    model="m", messages=messages, max_tokens=1, extra_body={"required_prefix_token_ids": [1, 2, 4]}
-                )
-            assert exc.value.status_code == 502 and "ignores the field" in exc.value.body["message"]
-            # The same prefix the server did use passes, and the field reached the server.
+    backend = {"type": "chat", "return_token_id_information": True}
+    with FakeServer(vllm) as fake, gateway({**backend, "base_urls": [fake.url + "/v1"]}) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
+        messages = HELLO + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
+        with pytest.raises(openai.APIStatusError) as exc:
             client.chat.completions.create(
-                model="m", messages=messages, max_tokens=1, extra_body={"required_prefix_token_ids": [1, 2]}
+                model="m", messages=messages, max_tokens=1, extra_body={"required_prefix_token_ids": [1, 2, 4]}
             )
-            assert fake.requests[-1].body["required_prefix_token_ids"] == [1, 2]
-        finally:
-            srv.stop()
+        assert exc.value.status_code == 502 and "ignores the field" in exc.value.body["message"]
+        # The same prefix the server did use passes, and the field reached the server.
+        client.chat.completions.create(
+            model="m", messages=messages, max_tokens=1, extra_body={"required_prefix_token_ids": [1, 2]}
+        )
+        assert fake.requests[-1].body["required_prefix_token_ids"] == [1, 2]
 
 
 def test_clouds_refuse_the_prefix(openai_fake):
-    from gymserve.config import validate_config
-    from gymserve.server.run import start_background_server
     from helpers.fakes import CLOUD_KEY
 
-    cfg = validate_config(
-        {
-            "server": {"port": 0},
-            "backend": {"type": "openai", "base_url": openai_fake.url + "/v1", "api_key": CLOUD_KEY},
-        }
-    )
-    srv = start_background_server(cfg)
-    try:
+    with gateway({"type": "openai", "base_url": openai_fake.url + "/v1", "api_key": CLOUD_KEY}) as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
         with pytest.raises(openai.BadRequestError) as exc:
             client.responses.create(model="gpt-test", input="x", extra_body={"required_prefix_token_ids": [1]})
-        assert exc.value.body["param"] == "required_prefix_token_ids"
-    finally:
-        srv.stop()
+    assert exc.value.body["param"] == "required_prefix_token_ids"

@@ -32,6 +32,17 @@ def _turn1(tpl, tokenizer):
     return user, prompt, generation
 
 
+def _with_fields(prompt, gen):
+    """The first turn sent back as the model produced it: its text and its token fields."""
+    return {
+        "role": "assistant",
+        "content": " hello",
+        "prompt_token_ids": prompt,
+        "generation_token_ids": gen,
+        "generation_log_probs": [-0.5] * len(gen),
+    }
+
+
 def test_prefix_replaces_the_rendering_up_to_the_last_assistant_turn(tpl, tokenizer):
     user, prompt, gen = _turn1(tpl, tokenizer)
     prefix = prompt + gen
@@ -48,26 +59,14 @@ def test_prefix_replaces_the_rendering_up_to_the_last_assistant_turn(tpl, tokeni
 
 def test_prefix_equal_to_the_token_fields_of_the_same_turn_is_their_splice(tpl, tokenizer):
     user, prompt, gen = _turn1(tpl, tokenizer)
-    turn = {
-        "role": "assistant",
-        "content": " hello",
-        "prompt_token_ids": prompt,
-        "generation_token_ids": gen,
-        "generation_log_probs": [-0.5] * len(gen),
-    }
+    turn = _with_fields(prompt, gen)
     msgs = user + [turn, {"role": "user", "content": "And 5?"}]
     assert build(tpl, msgs, required_prefix=prompt + gen).token_ids == build(tpl, msgs).token_ids
 
 
 def test_prefix_that_disagrees_with_the_same_turns_token_fields_is_a_400(tpl, tokenizer):
     user, prompt, gen = _turn1(tpl, tokenizer)
-    turn = {
-        "role": "assistant",
-        "content": " hello",
-        "prompt_token_ids": prompt,
-        "generation_token_ids": gen,
-        "generation_log_probs": [-0.5] * len(gen),
-    }
+    turn = _with_fields(prompt, gen)
     msgs = user + [turn, {"role": "user", "content": "x"}]
     with pytest.raises(InvalidRequestError) as exc:
         build(tpl, msgs, required_prefix=prompt + [gen[0], 17])
@@ -77,13 +76,7 @@ def test_prefix_that_disagrees_with_the_same_turns_token_fields_is_a_400(tpl, to
 
 def test_prefix_supersedes_token_fields_of_an_earlier_turn(tpl, tokenizer):
     user, prompt, gen = _turn1(tpl, tokenizer)
-    first = {
-        "role": "assistant",
-        "content": " hello",
-        "prompt_token_ids": prompt,
-        "generation_token_ids": gen,
-        "generation_log_probs": [-0.5] * len(gen),
-    }
+    first = _with_fields(prompt, gen)
     msgs = user + [first, {"role": "user", "content": "More"}, {"role": "assistant", "content": "ok"}]
     turn2 = build(tpl, msgs[:3]).token_ids + tokenizer("ok", add_special_tokens=False)["input_ids"]
     res = build(tpl, msgs + [{"role": "user", "content": "Last"}], required_prefix=turn2)
@@ -150,13 +143,7 @@ def test_continue_final_message_leaves_the_turn_open(tpl, tokenizer):
 
 def test_continue_final_message_after_a_spliced_turn_is_its_prompt_and_generation(tpl, tokenizer):
     user, prompt, gen = _turn1(tpl, tokenizer)
-    turn = {
-        "role": "assistant",
-        "content": " hello",
-        "prompt_token_ids": prompt,
-        "generation_token_ids": gen,
-        "generation_log_probs": [-0.5] * len(gen),
-    }
+    turn = _with_fields(prompt, gen)
     opts = RenderOptions(add_generation_prompt=False, continue_final_message=True)
     assert build(tpl, user + [turn], options=opts).token_ids == prompt + gen
 

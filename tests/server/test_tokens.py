@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 
+from helpers.servers import gateway
+
 FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
@@ -54,7 +56,9 @@ def test_chat_form_options(tiny_local_server, tokenizer):
     without = _tokenize(tiny_local_server, {"messages": messages, "add_generation_prompt": False})["tokens"]
     assert tokenizer.decode(with_prompt[len(without) :]) == "<|im_start|>assistant\n"
     cont = messages + [{"role": "assistant", "content": "Hel"}]
-    out = _tokenize(tiny_local_server, {"messages": cont, "continue_final_message": True, "add_generation_prompt": False})
+    out = _tokenize(
+        tiny_local_server, {"messages": cont, "continue_final_message": True, "add_generation_prompt": False}
+    )
     assert tokenizer.decode(out["tokens"]).endswith("assistant\nHel")
 
 
@@ -70,10 +74,18 @@ def test_detokenize_round_trip(tiny_local_server):
         ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "x"}]}, "messages"),
         ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, "chat_template"),
-        ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "required_prefix_token_ids": [1]}, "required_prefix_token_ids"),
         (
             "/tokenize",
-            {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True, "continue_final_message": True},
+            {"messages": [{"role": "user", "content": "x"}], "required_prefix_token_ids": [1]},
+            "required_prefix_token_ids",
+        ),
+        (
+            "/tokenize",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "add_generation_prompt": True,
+                "continue_final_message": True,
+            },
             "continue_final_message",
         ),
         ("/detokenize", {"tokens": [1, 151936]}, "tokens[1]"),
@@ -96,59 +108,33 @@ def test_chat_backend_forwards_to_the_upstreams_tokenize(tiny_gateway, tiny_loca
 def test_chat_backend_answers_from_its_own_tokenizer(tiny_model_dir, tiny_local_server):
     """backend.tokenizer: no request reaches the upstream's /tokenize, and the answer (splice
     applied) is the one the local backend gives for the same messages."""
-    from gymserve.config import validate_config
-    from gymserve.server.run import start_background_server
     from helpers.fakes import ChatScript, FakeServer
 
     messages, _, prompt = _rollout(tiny_local_server)
     with FakeServer(ChatScript()) as fake:
-        cfg = validate_config(
-            {
-                "server": {"port": 0},
-                "backend": {"type": "chat", "base_urls": [fake.url + "/v1"], "tokenizer": str(tiny_model_dir)},
-            }
-        )
-        srv = start_background_server(cfg)
-        try:
+        with gateway({"type": "chat", "base_urls": [fake.url + "/v1"], "tokenizer": str(tiny_model_dir)}) as srv:
             out = _tokenize(srv, {"messages": messages})
             assert out["tokens"] == prompt and out["max_model_len"] == 4096  # the model's max_position_embeddings
             assert _tokenize(srv, {"prompt": "Hello world"})["tokens"] == [9707, 1879]
             r = httpx.post(_root(srv) + "/detokenize", json={"tokens": [9707, 1879]}, timeout=30)
             assert r.json() == {"prompt": "Hello world"}
-        finally:
-            srv.stop()
     assert not [r for r in fake.requests if r.path in ("/tokenize", "/detokenize")]
 
 
 def test_upstream_without_tokenize_says_what_to_do():
-    from gymserve.config import validate_config
-    from gymserve.server.run import start_background_server
     from helpers.fakes import ChatScript, FakeServer
 
-    with FakeServer(ChatScript()) as fake:
-        cfg = validate_config({"server": {"port": 0}, "backend": {"type": "chat", "base_urls": [fake.url + "/v1"]}})
-        srv = start_background_server(cfg)
-        try:
-            r = httpx.post(_root(srv) + "/tokenize", json={"prompt": "x"}, timeout=30)
-        finally:
-            srv.stop()
+    with FakeServer(ChatScript()) as fake, gateway({"type": "chat", "base_urls": [fake.url + "/v1"]}) as srv:
+        r = httpx.post(_root(srv) + "/tokenize", json={"prompt": "x"}, timeout=30)
     assert r.status_code == 502 and "backend.tokenizer" in r.json()["error"]["message"]
 
 
 def test_clouds_cannot_tokenize(openai_fake):
-    from gymserve.config import validate_config
-    from gymserve.server.run import start_background_server
     from helpers.fakes import CLOUD_KEY
 
-    cfg = validate_config(
-        {"server": {"port": 0}, "backend": {"type": "openai", "base_url": openai_fake.url + "/v1", "api_key": CLOUD_KEY}}
-    )
-    srv = start_background_server(cfg)
-    try:
+    with gateway({"type": "openai", "base_url": openai_fake.url + "/v1", "api_key": CLOUD_KEY}) as srv:
         r = httpx.post(_root(srv) + "/tokenize", json={"prompt": "x"}, timeout=30)
         c = httpx.post(srv.base_url + "/completions", json={"prompt": "x"}, timeout=30)
-    finally:
-        srv.stop()
     assert r.status_code == 501 and r.json()["error"]["code"] == "route_not_supported"
     # /v1/completions is forwarded to the cloud's own (OpenAI serves it for its instruct models);
     # this fake serves none, and the 502 names the route to use.

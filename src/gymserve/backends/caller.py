@@ -12,8 +12,10 @@ class says: ``GymserveError.retryable``). Every failure leaves as a ``GymserveEr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from gymserve.backends.base import RequestContext
@@ -142,6 +144,29 @@ class UpstreamCaller:
                     url=redact_url(target),
                 )
             return result, rep
+
+    async def events(self, stream: Any, replica: Replica, kind: str) -> AsyncIterator[Any]:
+        """The events of an upstream ``stream`` (from ``call(..., stream=True)``) on ``replica``:
+        an empty stream raises ``UpstreamBadResponseError``, any failure leaves translated
+        (``translate``), and the stream is closed however the iteration ends."""
+        url = self.url(replica, kind)
+        got = False
+        try:
+            async for event in stream:
+                got = True
+                yield event
+            if not got:
+                where = redact_url(url)
+                raise UpstreamBadResponseError(
+                    f"{where} answered a streaming request without any events (not server-sent events, or an "
+                    "empty stream); does the server support stream=true?",
+                    url=where,
+                )
+        except Exception as exc:
+            raise self.translate(exc, url, kind) from None
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.close()
 
     async def close(self) -> None:
         """Stop the health probe and close every replica's clients."""

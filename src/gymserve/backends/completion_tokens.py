@@ -18,10 +18,10 @@ from typing import Any
 from gymserve.backends.caller import UpstreamCaller
 from gymserve.backends.context import RequestContext
 from gymserve.backends.pool import Replica
+from gymserve.backends.token_stream import upstream_tokenize
 from gymserve.convert.completions_request import prompts
-from gymserve.errors import GymserveError, InvalidRequestError, UpstreamTokenIdsError
+from gymserve.errors import InvalidRequestError, UpstreamTokenIdsError
 from gymserve.protocol import get_token_info
-from gymserve.redaction import redact_url
 
 
 def _ids_of_tokens(tokens: Any) -> list[int] | None:
@@ -136,17 +136,7 @@ class CompletionTokens:
         if isinstance(prompt, list):
             return prompt
         if number not in self._tokenized:
-            root = replica.base_url.removesuffix("/v1")
             body = {"model": self.model, "prompt": prompt}
             body["add_special_tokens"] = self.request.get("add_special_tokens", True)
-            try:
-                result, _ = await caller.call("tokenize", body, ctx, replica=replica, url=f"{root}/tokenize")
-            except GymserveError as exc:
-                raise InvalidRequestError(
-                    f"no prompt_token_ids in the answer and the /tokenize fallback failed: {exc.message}"
-                ) from None
-            tokens = result.get("tokens")
-            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-                raise InvalidRequestError(f"{redact_url(root)}/tokenize returned no token list")
-            self._tokenized[number] = tokens
+            self._tokenized[number] = await upstream_tokenize(caller, body, replica, ctx)
         return self._tokenized[number]

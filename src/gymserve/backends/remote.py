@@ -42,15 +42,13 @@ from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
 from gymserve.backends.remote_completions import RemoteCompletions
 from gymserve.backends.remote_tokens import RemoteTokens
 from gymserve.backends.responses_over_chat import ChatAnswer, overflow_events
-from gymserve.backends.token_stream import StreamedTokens, attach_token_info
+from gymserve.backends.token_stream import StreamedTokens, attach_token_info, stream_cut_short
 from gymserve.backends.upstream import Upstream
 from gymserve.convert import ConvertOptions, context_exceeded_chat_completion, context_exceeded_response
 from gymserve.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
-    UpstreamBadResponseError,
     UpstreamError,
-    UpstreamTokenIdsError,
 )
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest
 from gymserve.redaction import redact_url
@@ -190,42 +188,23 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
                 ):
                     yield chunk
                 return
-            got_chunk = False
-            try:
-                call_index: dict[tuple[int, str], int] = {}  # (choice, call id) -> index, for servers that omit it
-                async for chunk in stream:
-                    got_chunk = True
-                    chunk = checked_chunk(chunk, redact_url(self.caller.url(replica, "chat")), call_index)
-                    if self.config.served_model_name:
-                        chunk["model"] = self.config.served_model_name
+            where = redact_url(self.caller.url(replica, "chat"))
+            call_index: dict[tuple[int, str], int] = {}  # (choice, call id) -> index, for servers that omit it
+            async for chunk in self.caller.events(stream, replica, "chat"):
+                chunk = checked_chunk(chunk, where, call_index)
+                if self.config.served_model_name:
+                    chunk["model"] = self.config.served_model_name
+                if tokens is not None:
+                    tokens.take(chunk)
+                for piece in parsed.process(chunk) if parsed is not None else [chunk]:
                     if tokens is not None:
-                        tokens.take(chunk)
-                    for piece in parsed.process(chunk) if parsed is not None else [chunk]:
-                        if tokens is not None:
-                            for index in tokens.finishing(piece):
-                                await attach_token_info(
-                                    self.caller, tokens.completion(piece, index), request, plain_body, replica, ctx
-                                )
-                        yield piece
-                if not got_chunk:
-                    where = redact_url(self.caller.url(replica, "chat"))
-                    raise UpstreamBadResponseError(
-                        f"{where} answered a streaming request without any events (not server-sent events, or an "
-                        "empty stream); does the server support stream=true?",
-                        url=where,
-                    )
-                if tokens is not None and not tokens.finished:
-                    where = redact_url(self.caller.url(replica, "chat"))
-                    raise UpstreamTokenIdsError(
-                        f"{where} ended the stream without a finish_reason, so the token IDs of the generation are "
-                        "incomplete; is the server cutting streams short?",
-                        url=where,
-                    )
-            except Exception as exc:
-                raise self.caller.translate(exc, self.caller.url(replica, "chat"), "chat") from None
-            finally:
-                with contextlib.suppress(Exception):
-                    await stream.close()
+                        for index in tokens.finishing(piece):
+                            await attach_token_info(
+                                self.caller, tokens.completion(piece, index), request, plain_body, replica, ctx
+                            )
+                    yield piece
+            if tokens is not None and not tokens.finished:
+                raise stream_cut_short(where)
 
     async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
         """The upstream's completion for the Responses path, which answers an overflow itself

@@ -12,14 +12,14 @@ clients expect the error, as vLLM gives it).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from gymserve.backends.completion_tokens import CompletionTokens
 from gymserve.backends.context import RequestContext
-from gymserve.errors import UpstreamBadResponseError, UpstreamError, UpstreamTokenIdsError
+from gymserve.backends.token_stream import stream_cut_short
+from gymserve.errors import UpstreamBadResponseError, UpstreamError
 from gymserve.redaction import redact_url
 
 if TYPE_CHECKING:
@@ -78,32 +78,14 @@ class RemoteCompletions:
         async with self.caller.limiter.slot():
             stream, replica = await self.caller.call("completions", body, ctx, stream=True)
             where = redact_url(self.caller.url(replica, "completions"))
-            seen = False
-            try:
-                async for chunk in stream:
-                    if not isinstance(chunk, dict) or chunk.get("object") == "error":
-                        raise UpstreamBadResponseError(
-                            f"{where} sent a bad stream event: {str(chunk)[:200]}", url=where
-                        )
-                    seen = True
-                    if self.config.served_model_name:
-                        chunk["model"] = self.config.served_model_name
-                    if tokens is not None:
-                        for choice in tokens.take(chunk):
-                            await tokens.attach(choice, self.caller, replica, ctx, where)
-                    yield chunk
-                if not seen:
-                    raise UpstreamBadResponseError(
-                        f"{where} answered a streaming request without any events", url=where
-                    )
-                if tokens is not None and not tokens.finished:
-                    raise UpstreamTokenIdsError(
-                        f"{where} ended the stream without a finish_reason for every choice, so the token IDs "
-                        "of the generation are incomplete",
-                        url=where,
-                    )
-            except Exception as exc:
-                raise self.caller.translate(exc, self.caller.url(replica, "completions"), "completions") from None
-            finally:
-                with contextlib.suppress(Exception):
-                    await stream.close()
+            async for chunk in self.caller.events(stream, replica, "completions"):
+                if not isinstance(chunk, dict) or chunk.get("object") == "error":
+                    raise UpstreamBadResponseError(f"{where} sent a bad stream event: {str(chunk)[:200]}", url=where)
+                if self.config.served_model_name:
+                    chunk["model"] = self.config.served_model_name
+                if tokens is not None:
+                    for choice in tokens.take(chunk):
+                        await tokens.attach(choice, self.caller, replica, ctx, where)
+                yield chunk
+            if tokens is not None and not tokens.finished:
+                raise stream_cut_short(where)

@@ -93,6 +93,16 @@ class StreamedTokens:
         return {"prompt_token_ids": self.prompt, "choices": [choice]}
 
 
+def stream_cut_short(where: str) -> UpstreamTokenIdsError:
+    """The 502 for an upstream stream that ended before every choice had its finish reason: the
+    generation's token IDs are incomplete (chat and completions streams alike)."""
+    return UpstreamTokenIdsError(
+        f"{where} ended the stream without a finish_reason for every choice, so the token IDs of the "
+        "generation are incomplete; is the server cutting streams short?",
+        url=where,
+    )
+
+
 def _index(choice: dict[str, Any]) -> int:
     index = choice.get("index", 0)
     return index if isinstance(index, int) else 0
@@ -181,19 +191,28 @@ def check_required_prefix(request: dict[str, Any], prompt_ids: list[int], where:
 
 
 async def _tokenize(caller: UpstreamCaller, body: dict[str, Any], replica: Replica, ctx: RequestContext) -> list[int]:
-    """Prompt IDs from vLLM's ``POST {root}/tokenize`` (root = base URL without ``/v1``), same replica."""
-    root = replica.base_url.removesuffix("/v1")
+    """Prompt IDs of a chat ``body`` from the upstream's ``/tokenize`` (chat form), same replica."""
     tbody = {"model": body.get("model"), "messages": body.get("messages"), "add_generation_prompt": True}
     for key in ("tools", "chat_template_kwargs", "required_prefix_token_ids"):
         if body.get(key):
             tbody[key] = body[key]
+    return await upstream_tokenize(caller, tbody, replica, ctx)
+
+
+async def upstream_tokenize(
+    caller: UpstreamCaller, body: dict[str, Any], replica: Replica, ctx: RequestContext
+) -> list[int]:
+    """``tokens`` of vLLM's ``POST {root}/tokenize`` (root = base URL without ``/v1``) on ``replica``
+    for ``body`` (either form): the fallback when an answer carries no prompt IDs. Raises
+    ``InvalidRequestError`` (made a 502 by the caller) when it fails or answers no token list."""
+    root = replica.base_url.removesuffix("/v1")
     try:
-        result, _ = await caller.call("tokenize", tbody, ctx, replica=replica, url=f"{root}/tokenize")
+        result, _ = await caller.call("tokenize", body, ctx, replica=replica, url=f"{root}/tokenize")
     except GymserveError as exc:
         raise InvalidRequestError(
             f"no prompt_token_ids in the answer and the /tokenize fallback failed: {exc.message}"
         ) from None
     tokens = result.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-        raise InvalidRequestError(f"{root}/tokenize returned no token list")
+        raise InvalidRequestError(f"{redact_url(root)}/tokenize returned no token list")
     return tokens
