@@ -6,6 +6,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+from helpers.fields import assert_same_call
+
 FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 HELLO = [{"role": "user", "content": "Say something."}]
 
@@ -28,8 +30,8 @@ def test_n_choices_each_carry_their_training_fields(client):
     assert all(len(f[1]) == len(f[2]) == 5 for f in fields)
     assert r.usage.prompt_tokens == len(fields[0][0]) and r.usage.completion_tokens == 15
     # Choice j of n is the single call with seed + j; choice 0 is the plain call.
-    assert (
-        _fields(client.chat.completions.create(model="t", messages=HELLO, max_tokens=5).choices[0].message) == fields[0]
+    assert_same_call(
+        _fields(client.chat.completions.create(model="t", messages=HELLO, max_tokens=5).choices[0].message), fields[0]
     )
 
 
@@ -44,7 +46,7 @@ def test_streamed_choices_equal_the_whole_ones(client):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
         assert "".join(c.delta.content or "" for c in mine) == (choice.message.content or "")
         [final] = [c for c in mine if c.finish_reason]
-        assert tuple(final.delta.model_extra[f] for f in FIELDS) == _fields(choice.message)
+        assert_same_call(tuple(final.delta.model_extra[f] for f in FIELDS), _fields(choice.message))
     assert [c.usage for c in chunks if c.usage] == [chunks[-1].usage]
     assert chunks[-1].usage.completion_tokens == 12
 

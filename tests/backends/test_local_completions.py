@@ -7,6 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from helpers.fields import assert_same_call
+
 FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
@@ -86,7 +88,8 @@ def test_stream_equals_the_whole_answer(client):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
         assert "".join(c.text for c in mine) == choice.text
         [final] = [c for c in mine if c.finish_reason]
-        assert final.finish_reason == choice.finish_reason and _fields(final) == _fields(choice)
+        assert final.finish_reason == choice.finish_reason
+        assert_same_call(_fields(final), _fields(choice))
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 12
 
 

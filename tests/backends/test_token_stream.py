@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from helpers.fakes import FakeServer, completion
+from helpers.fields import assert_same_call
 from helpers.servers import gateway
 
 FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
@@ -23,10 +24,13 @@ def test_each_choice_gets_its_fields(tiny_gateway_client, tiny_local_client):
     gateway, upstream = tiny_gateway_client, tiny_local_client
     through = gateway.chat.completions.create(model="t", messages=HELLO, max_tokens=4, n=2)
     direct = upstream.chat.completions.create(model="t", messages=HELLO, max_tokens=4, n=2)
-    assert [_fields(c.message) for c in through.choices] == [_fields(c.message) for c in direct.choices]
+    for mine, theirs in zip(through.choices, direct.choices, strict=True):
+        assert_same_call(_fields(mine.message), _fields(theirs.message))
     chunks = list(gateway.chat.completions.create(model="t", messages=HELLO, max_tokens=4, n=2, stream=True))
     finals = {c.choices[0].index: c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason}
-    assert {i: _fields(f.delta) for i, f in finals.items()} == {c.index: _fields(c.message) for c in direct.choices}
+    assert sorted(finals) == [c.index for c in direct.choices]
+    for choice in direct.choices:
+        assert_same_call(_fields(finals[choice.index].delta), _fields(choice.message))
 
 
 def test_required_prefix_is_forwarded_and_holds(tiny_gateway_client):

@@ -31,8 +31,13 @@ async def interleave(streams: Sequence[AsyncIterator[dict[str, Any]]]) -> AsyncG
     stream, each an engine call of its own). The first error ends the whole stream; leaving early
     (client disconnect) cancels every stream, which cancels their generations."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield item
+        try:
+            async for item in streams[0]:
+                yield item
+        finally:
+            aclose = getattr(streams[0], "aclose", None)
+            if aclose is not None:
+                await aclose()
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=64)
     done = object()
