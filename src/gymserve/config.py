@@ -302,6 +302,12 @@ class ChatBackendConfig(_RemoteBackendConfig):
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     return_token_id_information: bool = False
+    tokenizer: str | None = Field(
+        None,
+        description="a Hugging Face tokenizer directory (the served model's, chat template included): "
+        "POST /tokenize and /detokenize are answered from it by gymserve instead of forwarded to the "
+        "upstream's /tokenize (which transformers serve and the clouds lack)",
+    )
     health_check_interval: float = Field(
         10.0,
         ge=0,

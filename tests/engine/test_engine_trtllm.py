@@ -529,3 +529,10 @@ def test_local_backend_chat_over_trtllm(fake_trtllm, model_dir, tokenizer):
     res = FakeLLM.instances[-1].results[-1]
     assert res.prompt_token_ids == msg["prompt_token_ids"]
     assert res.sampling_params.seed == 3 and res.sampling_params.max_tokens == 4096 - len(msg["prompt_token_ids"])
+
+
+def test_top_logprobs_leave_the_sampled_tokens_and_log_probs_unchanged(engine):
+    """The adapter reads the sampled token's own entry whatever the alternatives asked for."""
+    from helpers.engine_contract import assert_top_logprobs_leave_sampling_unchanged
+
+    assert_top_logprobs_leave_sampling_unchanged(engine, [1, 2, 3], max_tokens=4, top_n=2)

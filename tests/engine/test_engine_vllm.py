@@ -703,3 +703,10 @@ def test_fake_sampling_params_mirror_vllm_field_names():
 
     names = {f.name for f in dataclasses.fields(VSamplingParams)}
     assert set(vllm_sampling_kwargs(_sp())) <= names
+
+
+def test_top_logprobs_leave_the_sampled_tokens_and_log_probs_unchanged(engine):
+    """The adapter reads the sampled token's own entry whatever the alternatives asked for."""
+    from helpers.engine_contract import assert_top_logprobs_leave_sampling_unchanged
+
+    assert_top_logprobs_leave_sampling_unchanged(engine, [1, 2, 3], max_tokens=4, top_n=2)

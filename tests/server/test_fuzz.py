@@ -1,5 +1,6 @@
-"""Schema fuzzing: schemathesis generates requests for ``POST /v1/chat/completions`` and
-``POST /v1/responses`` from the server's own OpenAPI document (the openai SDK's request types),
+"""Schema fuzzing: schemathesis generates requests for ``POST /v1/chat/completions``,
+``POST /v1/responses``, ``POST /v1/completions``, ``POST /tokenize`` and ``POST /detokenize`` from
+the server's own OpenAPI document (the openai SDK's request types; vLLM's for the tokenizer routes),
 valid ones and invalid ones, and sends them to a live gymserve over the chat backend (a fast fake
 upstream) and over the local backend (the tiny model). Every answer must be a 2xx, or a 4xx with an
 OpenAI error object; no 5xx, and nothing may take longer than ``HANG_S``.
@@ -37,7 +38,7 @@ EXAMPLES = int(os.environ.get("GYMSERVE_FUZZ_EXAMPLES", "1000"))
 LOCAL_STRIDE = int(os.environ.get("GYMSERVE_FUZZ_LOCAL_STRIDE", "2"))
 POSITIVE_SHARE = 0.7
 HANG_S = 30.0
-ROUTES = ("/v1/chat/completions", "/v1/responses")
+ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/completions", "/tokenize", "/detokenize")
 
 
 def _upstream_answer(r):
@@ -50,9 +51,38 @@ def _upstream_answer(r):
     return 200, done
 
 
+def _legacy_answer(r):
+    """vLLM's /v1/completions stand-in: one choice per prompt and n, whole or as chunks."""
+    body = r.body if isinstance(r.body, dict) else {}
+    head = {"id": "cmpl-fuzz", "object": "text_completion", "created": 1, "model": str(body.get("model"))}
+    prompt = body.get("prompt")
+    count = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    choices = [
+        {"index": i, "text": "fuzzed", "logprobs": None, "finish_reason": "stop"}
+        for i in range(count * (body.get("n") or 1))
+    ]
+    if body.get("stream"):
+        return sse([{**head, "choices": [c]} for c in choices])
+    return 200, {**head, "choices": choices, "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+def _upstream(r):
+    """The chat stand-in, plus /v1/completions, /tokenize and /detokenize as vLLM answers them."""
+    if r.path == "/v1/completions":
+        return _legacy_answer(r)
+    if r.path == "/tokenize":
+        return 200, {"count": 3, "max_model_len": 4096, "tokens": [1, 2, 3], "token_strs": None}
+    if r.path == "/detokenize":
+        return 200, {"prompt": "fuzzed"}
+    return _CHAT(r)
+
+
+_CHAT = ChatScript(name="fuzz", default=_upstream_answer)
+
+
 @pytest.fixture(scope="module")
 def upstream():
-    with FakeServer(ChatScript(name="fuzz", default=_upstream_answer)) as s:
+    with FakeServer(_upstream) as s:
         yield s
 
 
@@ -237,7 +267,7 @@ def test_fuzz_chat_backend(chat_server, route):
     assert len(cases) >= EXAMPLES * 0.9
     statuses = _fuzz(chat_server, route, cases)
     assert sum(v for k, v in statuses.items() if 400 <= k < 500) > 0
-    if route == "/v1/chat/completions" or EXAMPLES >= 500:
+    if route in ("/v1/chat/completions", "/tokenize", "/detokenize") or EXAMPLES >= 500:
         assert statuses.get(200, 0) > 0
 
 
@@ -265,6 +295,12 @@ BAD_REQUESTS = [
     ("POST", "/v1/responses", b'{"input": 5}', 400),
     ("POST", "/v1/responses", b'{"input": [{"type": "nope"}]}', 400),
     ("POST", "/v1/responses", b'{"input": "x", "stream": 1}', 400),
+    ("POST", "/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400),
+    ("POST", "/v1/completions", b'{"prompt": [[1], [2, "x"]]}', 400),
+    ("POST", "/tokenize", b'{"prompt": 5}', 400),
+    ("POST", "/tokenize", b"[1]", 400),
+    ("POST", "/detokenize", b'{"tokens": "1"}', 400),
+    ("GET", "/tokenize", None, 405),
     ("GET", "/v1/chat/completions", None, 405),
     ("GET", "/v1/responses", None, 405),
     ("POST", "/v1/models", b"{}", 405),

@@ -142,7 +142,7 @@ def test_standard_logprobs_with_token_ids(client):
             None,
         ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 129}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 5}, "frequency_penalty"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"12": 3}}, "logit_bias"),
         (

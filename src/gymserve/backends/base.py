@@ -105,6 +105,38 @@ class Backend(ABC):
 
         return ConvertOptions()
 
+    # ---- Completions (legacy, for base models) and tokenization -------------------------------
+
+    async def completions(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        """A ``Completion`` dict (training fields on each choice) for a ``/v1/completions`` request
+        already checked by ``convert.completions_request``. Raises ``NotSupportedError`` (501) by
+        default."""
+        raise self._not_served("POST /v1/completions")
+
+    def completions_stream(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """``Completion`` chunk dicts for a streamed ``/v1/completions`` request; the training fields
+        ride on each choice's finish chunk. Raises ``NotSupportedError`` (501) by default."""
+        raise self._not_served("POST /v1/completions")
+
+    async def tokenize(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        """vLLM's ``POST /tokenize``: ``{"count", "max_model_len", "tokens", "token_strs"}`` for a
+        prompt or chat messages, as generation would see them. ``NotSupportedError`` (501) by default."""
+        raise self._not_served("POST /tokenize")
+
+    async def detokenize(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        """vLLM's ``POST /detokenize``: ``{"prompt": text}`` for ``tokens``. ``NotSupportedError``
+        (501) by default."""
+        raise self._not_served("POST /detokenize")
+
+    def _not_served(self, route: str):
+        from gymserve.errors import NotSupportedError
+
+        return NotSupportedError(
+            f"{route} is not served by the {self.name} backend; use the local backend, or a chat backend "
+            "whose upstream serves it (vLLM, SGLang, another gymserve)",
+            code="route_not_supported",
+        )
+
     # ---- models, health, lifetime --------------------------------------------------------------
 
     @abstractmethod

@@ -16,8 +16,10 @@ upstream as ``X-Session-ID`` (``Upstream.session_header``). Every failure leaves
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from gymserve.backends.base import RequestContext
@@ -135,7 +137,7 @@ class UpstreamCaller:
         SDK stream, replica)``; raises the translated ``GymserveError`` once retries are spent.
 
         A stream is returned as soon as its headers arrive and stays counted as in flight on its
-        replica: the caller must end it with ``release(replica, ctx, error, routed=replica is None)``.
+        replica: the caller reads it through ``events``, which releases it however it ends.
         Retries: at most ``max_retries`` per call, each also taken from the pool's retry budget; a
         retry goes to another replica at once when one is eligible, else to the same one after an
         exponential backoff with jitter (an upstream ``Retry-After`` wins).
@@ -215,6 +217,47 @@ class UpstreamCaller:
         """Count a call to a given replica (not chosen by the pool) as in flight there."""
         replica.in_flight += 1
         replica.stats.routed += 1
+
+    async def events(
+        self, stream: Any, replica: Replica, kind: str, ctx: RequestContext, *, require_events: bool = True
+    ) -> AsyncGenerator[Any, None]:
+        """The events of an upstream ``stream`` (from ``call(..., stream=True)``) on ``replica``,
+        which this owns from then on: a failure leaves translated (``translate``); an empty stream
+        raises ``UpstreamBadResponseError`` when ``require_events``; the stream is closed however
+        the iteration ends, and the pool hears how it ended (``release``: read to its end, failed,
+        or cancelled when the client went away), with the last ``usage`` seen (a chunk's, or a
+        Responses event's ``response``) for the prefix-hit estimate."""
+        url = self.url(replica, kind)
+        got = done = False
+        error: GymserveError | None = None
+        usage: Any = None
+        try:
+            async for event in stream:
+                got = True
+                if isinstance(event, dict):
+                    if isinstance(event.get("usage"), dict):
+                        usage = event
+                    elif isinstance(event.get("response"), dict) and isinstance(event["response"].get("usage"), dict):
+                        usage = event["response"]
+                yield event
+            if require_events and not got:
+                where = redact_url(url)
+                raise UpstreamBadResponseError(
+                    f"{where} answered a streaming request without any events (not server-sent events, or an "
+                    "empty stream); does the server support stream=true?",
+                    url=where,
+                )
+            done = True
+        except Exception as exc:
+            error = exc if isinstance(exc, GymserveError) else self.translate(exc, url, kind)
+            raise error from None
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.close()
+            if done or error is not None:
+                self.release(replica, ctx, error, usage, routed=True)
+            else:
+                self.pool.release(replica, Outcome.CANCELLED)
 
     async def close(self) -> None:
         """Stop the health probe and close every replica's clients."""

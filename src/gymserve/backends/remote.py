@@ -4,7 +4,8 @@ An ``upstream.Upstream`` holds what differs between a self-hosted chat server, O
 (URLs, credentials, HTTP clients, body rules); a ``caller.UpstreamCaller`` calls it (replica pool,
 limiter, retries, error translation). Everything else is written here once: the chat endpoint,
 streaming, token IDs, client-side parsing, and the Responses API — passed to the upstream's own
-when it has one (``Upstream.native_responses``), else through ``responses_over_chat``. The three
+when it has one (``Upstream.native_responses``), else through ``responses_over_chat``; the
+completions route (``remote_completions``) and ``/tokenize`` (``remote_tokens``) in mixins. The three
 registered kinds (``chat``, ``openai``, ``azure``) are this class with a different upstream.
 
 Upstream behaviour followed:
@@ -36,18 +37,18 @@ from typing import Any
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.caller import UpstreamCaller, replica_label
 from gymserve.backends.chat_wire import checked_chunk, completion_to_chunks, normalize_tool_call_arguments
-from gymserve.backends.pool import Limiter, Outcome, Replica, ReplicaPool
+from gymserve.backends.pool import Limiter, ReplicaPool
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
+from gymserve.backends.remote_completions import RemoteCompletions
+from gymserve.backends.remote_tokens import RemoteTokens
 from gymserve.backends.responses_over_chat import ChatAnswer, overflow_events
-from gymserve.backends.token_stream import StreamedTokens, attach_token_info
+from gymserve.backends.token_stream import StreamedTokens, attach_token_info, stream_cut_short
 from gymserve.backends.upstream import Upstream
 from gymserve.convert import ConvertOptions, context_exceeded_chat_completion, context_exceeded_response
 from gymserve.errors import (
     ContextLengthExceededError,
-    GymserveError,
-    UpstreamBadResponseError,
+    InvalidRequestError,
     UpstreamError,
-    UpstreamTokenIdsError,
 )
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest
 from gymserve.redaction import redact_url
@@ -56,7 +57,7 @@ from gymserve.wire.reasoning import mirror_reasoning
 log = logging.getLogger("gymserve.backends")
 
 
-class RemoteBackend(Backend):
+class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
     """A remote API (``upstream``) behind the server's routes; see the module docstring.
 
     ``max_queue`` bounds the requests waiting for one of ``num_concurrent_requests`` slots
@@ -106,8 +107,18 @@ class RemoteBackend(Backend):
         return self.upstream.convert_options()
 
     # ------------------------------------------------------------------ chat
+    def _refuse_token_prefix(self, request: dict[str, Any]) -> None:
+        """A cloud API takes no token IDs: ``required_prefix_token_ids`` is a 400 before anything is sent."""
+        if self.upstream.cloud and request.get("required_prefix_token_ids") is not None:
+            raise InvalidRequestError(
+                f"required_prefix_token_ids cannot be honoured by the {self.name} backend: the API takes no token "
+                "IDs; leave it out, or serve the policy with the local backend or a chat backend",
+                param="required_prefix_token_ids",
+            )
+
     def _chat_body(self, request: ChatRequest) -> dict[str, Any]:
         cfg = self.config
+        self._refuse_token_prefix(request)
         body = {**copy.deepcopy(cfg.extra_body), **request}
         body.pop("stream", None)
         body.pop("stream_options", None)
@@ -179,46 +190,24 @@ class RemoteBackend(Backend):
                 ):
                     yield chunk
                 return
-            got_chunk = False
-            ending = _StreamEnd()
-            try:
-                call_index: dict[tuple[int, str], int] = {}  # (choice, call id) -> index, for servers that omit it
-                async for chunk in stream:
-                    got_chunk = True
-                    ending.saw(chunk)
-                    chunk = checked_chunk(chunk, redact_url(self.caller.url(replica, "chat")), call_index)
+            where = redact_url(self.caller.url(replica, "chat"))
+            call_index: dict[tuple[int, str], int] = {}  # (choice, call id) -> index, for servers that omit it
+            async with contextlib.aclosing(self.caller.events(stream, replica, "chat", ctx)) as events:
+                async for chunk in events:
+                    chunk = checked_chunk(chunk, where, call_index)
                     if self.config.served_model_name:
                         chunk["model"] = self.config.served_model_name
                     if tokens is not None:
                         tokens.take(chunk)
                     for piece in parsed.process(chunk) if parsed is not None else [chunk]:
-                        if tokens is not None and tokens.is_finish(piece):
-                            await attach_token_info(
-                                self.caller, tokens.completion(piece), request, plain_body, replica, ctx
-                            )
+                        if tokens is not None:
+                            for index in tokens.finishing(piece):
+                                await attach_token_info(
+                                    self.caller, tokens.completion(piece, index), request, plain_body, replica, ctx
+                                )
                         yield piece
-                if not got_chunk:
-                    where = redact_url(self.caller.url(replica, "chat"))
-                    raise UpstreamBadResponseError(
-                        f"{where} answered a streaming request without any events (not server-sent events, or an "
-                        "empty stream); does the server support stream=true?",
-                        url=where,
-                    )
-                if tokens is not None and not tokens.finished:
-                    where = redact_url(self.caller.url(replica, "chat"))
-                    raise UpstreamTokenIdsError(
-                        f"{where} ended the stream without a finish_reason, so the token IDs of the generation are "
-                        "incomplete; is the server cutting streams short?",
-                        url=where,
-                    )
-                ending.done = True
-            except Exception as exc:
-                ending.error = self.caller.translate(exc, self.caller.url(replica, "chat"), "chat")
-                raise ending.error from None
-            finally:
-                with contextlib.suppress(Exception):
-                    await stream.close()
-                ending.release(self.caller, replica, ctx)
+            if tokens is not None and not tokens.finished:
+                raise stream_cut_short(where)
 
     async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
         """The upstream's completion for the Responses path, which answers an overflow itself
@@ -256,6 +245,7 @@ class RemoteBackend(Backend):
         gives ``context_exceeded_response``. Otherwise ``responses_over_chat``."""
         if not self.upstream.native_responses:
             return await super().responses(request, ctx)
+        self._refuse_token_prefix(request)
         try:
             async with self.limiter.slot():
                 response, _ = await self.caller.call("responses", self.upstream.responses_body(request), ctx)
@@ -272,6 +262,7 @@ class RemoteBackend(Backend):
         Otherwise ``responses_over_chat``."""
         if not self.upstream.native_responses:
             return super().responses_stream(request, ctx)
+        self._refuse_token_prefix(request)
         return self._native_responses_stream(request, ctx)
 
     async def _native_responses_stream(
@@ -285,39 +276,14 @@ class RemoteBackend(Backend):
                 for event in overflow_events(request):
                     yield event
                 return
-            ending = _StreamEnd()
-            try:
-                async for event in stream:
-                    if isinstance(event, dict) and isinstance(event.get("response"), dict):
-                        ending.saw(event["response"])
-                        if self.config.served_model_name:
-                            event["response"]["model"] = self.config.served_model_name
+            async with contextlib.aclosing(
+                self.caller.events(stream, replica, "responses", ctx, require_events=False)
+            ) as events:
+                async for event in events:
+                    if (
+                        self.config.served_model_name
+                        and isinstance(event, dict)
+                        and isinstance(event.get("response"), dict)
+                    ):
+                        event["response"]["model"] = self.config.served_model_name
                     yield event
-                ending.done = True
-            except Exception as exc:
-                ending.error = self.caller.translate(exc, self.caller.url(replica, "responses"), "responses")
-                raise ending.error from None
-            finally:
-                with contextlib.suppress(Exception):
-                    await stream.close()
-                ending.release(self.caller, replica, ctx)
-
-
-class _StreamEnd:
-    """How a stream from a replica ended, for ``UpstreamCaller.release``: ``done`` (read to its
-    end), ``error`` (failed), neither (the client went away); ``usage`` the last ``usage`` seen."""
-
-    def __init__(self) -> None:
-        self.done = False
-        self.error: GymserveError | None = None
-        self.usage: dict[str, Any] | None = None
-
-    def saw(self, item: Any) -> None:
-        if isinstance(item, dict) and isinstance(item.get("usage"), dict):
-            self.usage = item
-
-    def release(self, caller: UpstreamCaller, replica: Replica, ctx: RequestContext) -> None:
-        if self.done or self.error is not None:
-            caller.release(replica, ctx, self.error, self.usage, routed=True)
-        else:
-            caller.pool.release(replica, Outcome.CANCELLED)

@@ -18,7 +18,7 @@ from gymserve.backends.chat_wire import strip_training_fields
 from gymserve.convert import ConvertOptions
 
 PLACEHOLDER_KEY = "EMPTY"  # what vLLM's docs use; never let the SDK pick up OPENAI_API_KEY for a self-hosted server
-_PATHS = {"chat": "/chat/completions", "responses": "/responses", "models": "/models"}
+_PATHS = {"chat": "/chat/completions", "completions": "/completions", "responses": "/responses", "models": "/models"}
 
 
 def secret_value(secret: Any) -> str | None:
@@ -92,7 +92,7 @@ class Upstream(ABC):
         """The base URL of each replica (``/chat/completions`` etc. are appended to it)."""
 
     def url(self, base: str, kind: str) -> str:
-        """The URL of ``kind`` (``chat``, ``responses``, ``models``) on the replica at ``base``;
+        """The URL of ``kind`` (``chat``, ``completions``, ``responses``, ``models``) on the replica at ``base``;
         raises ``InvalidRequestError`` (400) for an API this upstream is not configured for."""
         return base + _PATHS[kind]
 

@@ -106,6 +106,13 @@ def _not_found_hint(url: str, kind: str, backend: str, api_version: str | None) 
             "transformers serve) speak only Chat Completions; use backend type 'chat', which converts Responses "
             "requests to Chat Completions, or fix base_url."
         )
+    if kind in ("tokenize", "detokenize"):
+        return (
+            f"The server has no /{kind} beside its /v1 (vLLM and SGLang serve one; transformers serve and the "
+            "clouds do not): set backend.tokenizer to a tokenizer directory so gymserve answers it itself."
+        )
+    if kind == "completions":
+        return "The server serves no /completions (legacy Completions API) here: use /v1/chat/completions."
     if "/v1" not in path:
         return "The base URL probably lacks /v1 (e.g. http://host:8000/v1); gymserve appends /chat/completions to it."
     return (

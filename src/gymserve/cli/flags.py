@@ -152,6 +152,16 @@ UPSTREAM = (
         },
         kinds=frozenset({"chat"}),
     ),
+    Flag(
+        ("--tokenizer",),
+        "backend.tokenizer",
+        {
+            "metavar": "DIR",
+            "help": "the served model's Hugging Face tokenizer directory (vLLM's --tokenizer): /tokenize and "
+            "/detokenize are answered from it instead of forwarded to the chat server",
+        },
+        kinds=frozenset({"chat"}),
+    ),
 )
 
 ENGINE = (

@@ -78,6 +78,7 @@ _CARRIED = (
     ("stop", (str, list), "a string or a list of strings"),
     ("parallel_tool_calls", (bool,), "a boolean"),
     ("chat_template_kwargs", (dict,), "an object"),  # engine extra (vLLM, SGLang), e.g. enable_thinking
+    ("required_prefix_token_ids", (list,), "a list of token IDs"),  # NeMo RL's: the prompt starts with them
 )
 
 

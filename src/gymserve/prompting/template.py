@@ -161,18 +161,22 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         """The rendered prompt text of already-prepared ``messages`` (see ``prepare_messages``).
 
         ``tools``: chat-form tools (``[{"type": "function", "function": {...}}]``) or None.
         ``kwargs``: the request's ``chat_template_kwargs`` (merged over the server defaults here).
+        ``continue_final_message``: leave the final message open (no end-of-turn token), so the
+        model continues it (Hugging Face's ``apply_chat_template`` argument, which vLLM exposes).
         Raises ``InvalidRequestError`` when the template itself refuses the conversation (Jinja
-        ``raise_exception``, e.g. roles out of order) — the client sent something this model's
-        template cannot express.
+        ``raise_exception``, e.g. roles out of order; a final message that cannot be continued) —
+        the client sent something this model's template cannot express.
         """
         import jinja2
 
         merged = self.merged_kwargs(kwargs)
+        extra = {"continue_final_message": True} if continue_final_message else {}
         try:
             text = self.tokenizer.apply_chat_template(
                 list(messages),
@@ -180,11 +184,18 @@ class ChatTemplate:
                 chat_template=self.template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
+                **extra,
                 **merged,
             )
         except (jinja2.TemplateError, TypeError) as e:
             raise InvalidRequestError(
                 f"the model's chat template cannot render these messages: {e}", param="messages"
+            ) from e
+        except ValueError as e:  # transformers' own checks of continue_final_message
+            if not continue_final_message:
+                raise
+            raise InvalidRequestError(
+                f"continue_final_message cannot be applied to these messages: {e}", param="continue_final_message"
             ) from e
         if not isinstance(text, str):  # batched input would give a list; we never batch
             raise InvalidRequestError("the chat template did not render a single prompt", param="messages")

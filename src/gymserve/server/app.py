@@ -1,6 +1,7 @@
 """The HTTP server: OpenAI-compatible routes over one backend.
 
-Routes: ``POST /v1/responses``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+Routes: ``POST /v1/responses``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``POST /tokenize`` and ``POST /detokenize`` (``server.tokens``), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus; ``server.metrics``), ``GET /``: a small JSON status (name,
 version, backend, model, links), as NeMo Gym's servers answer there, and the control routes of
 ``server.control`` (pause, resume, weight updates) and ``server.lora`` (LoRA adapters). Every model call is timed and
@@ -22,7 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from fastapi import FastAPI, Request
@@ -30,6 +31,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from gymserve._version import __version__
 from gymserve.backends.base import Backend, RequestContext
+from gymserve.convert.completions_request import check_completions_request
 from gymserve.convert.request_checks import Api, check_request
 from gymserve.errors import GymserveError, InvalidRequestError, ShuttingDownError
 from gymserve.server.capture import CaptureWriter, install_log_redaction
@@ -39,6 +41,7 @@ from gymserve.server.limits import read_body
 from gymserve.server.lora import LORA_PATHS, install_lora
 from gymserve.server.metrics import Metrics, usage_tokens
 from gymserve.server.schemas import install_openapi
+from gymserve.server.tokens import install_tokens
 
 log = logging.getLogger("gymserve.server")
 SESSION_HEADER = "x-session-id"
@@ -65,9 +68,10 @@ async def _body(request: Request, max_bytes: int) -> dict[str, Any]:
     return data
 
 
-def _checked(body: dict[str, Any], api: Api) -> dict[str, Any]:
-    """``body`` after the checks both routes share (``check_request``), ``stream`` a boolean."""
-    body = check_request(body, api)
+def _checked(body: dict[str, Any], api: Api | Literal["completions"]) -> dict[str, Any]:
+    """``body`` after the checks every backend shares (``check_request``; the completions route's
+    ``check_completions_request``), ``stream`` a boolean."""
+    body = check_completions_request(body) if api == "completions" else check_request(body, api)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequestError(f"stream must be true or false, got {type(stream).__name__}", param="stream")
@@ -239,9 +243,11 @@ def create_app(
                 **({"error": error} if error is not None else {"response": result}),
             )
 
-    async def serve(route: str, request: Request, call, call_stream, responses: bool) -> Response:
+    async def serve(route: str, request: Request, call, call_stream, api: Api | Literal["completions"]) -> Response:
         """One model call: parse, call the backend, record metrics and capture; errors propagate
-        to the error handlers after being recorded."""
+        to the error handlers after being recorded. ``api`` says which checks the body gets and
+        how it streams (Responses events, or ``data:`` chunks ending with ``[DONE]``)."""
+        responses = api == "responses"
         t0 = time.perf_counter()
         gauge = metrics.gauge(route)
         gauge.inc()
@@ -251,7 +257,7 @@ def create_app(
             if app.state.draining:
                 raise ShuttingDownError()
             body = await _body(request, max_body_bytes)  # kept as sent for the capture file if a check fails
-            checked = _checked(body, "responses" if responses else "chat")
+            checked = _checked(body, api)
             ctx = _context(request)
             stream = checked.get("stream")
             if stream:
@@ -275,15 +281,20 @@ def create_app(
         return _sse(_observed(events, done, keep=capture is not None, responses=responses), responses=responses)
 
     async def chat_completions(request: Request):
-        return await serve("/v1/chat/completions", request, backend.chat, backend.chat_stream, False)
+        return await serve("/v1/chat/completions", request, backend.chat, backend.chat_stream, "chat")
 
     async def responses(request: Request):
-        return await serve("/v1/responses", request, backend.responses, backend.responses_stream, True)
+        return await serve("/v1/responses", request, backend.responses, backend.responses_stream, "responses")
+
+    async def completions(request: Request):
+        return await serve("/v1/completions", request, backend.completions, backend.completions_stream, "completions")
 
     # Plain Starlette routes: the body is parsed by hand anyway, and FastAPI's per-request
     # dependency solving was measurable on the hot path. install_openapi documents them.
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
     app.add_route("/v1/responses", responses, methods=["POST"], include_in_schema=False)
+    app.add_route("/v1/completions", completions, methods=["POST"], include_in_schema=False)
+    install_tokens(app, backend, read_json=lambda request: _body(request, max_body_bytes), context=_context)
 
     @app.get("/v1/models")
     async def models():
@@ -319,6 +330,8 @@ def create_app(
                     "openapi": "/openapi.json",
                     "responses": "/v1/responses",
                     "chat_completions": "/v1/chat/completions",
+                    "completions": "/v1/completions",
+                    "tokenize": "/tokenize",
                 },
             }
         )
