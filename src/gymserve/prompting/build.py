@@ -59,14 +59,15 @@ def build_prompt(
     prepared, index = template.prepare_messages_indexed(messages)
     if found is None:
         text = template.render_text(prepared, tools, chat_template_kwargs, add_generation_prompt=True)
-        return PromptResult(token_ids=template.encode(text), text_tail=text[-TAIL_CHARS:], spliced=False)
+        tail = template.visible(text)[-TAIL_CHARS:]
+        return PromptResult(token_ids=template.encode(text), text_tail=tail, spliced=False)
 
     k, info = found
     if not eos_token_ids:
         raise ValueError("eos_token_ids is required to splice token fields (pass the engine's eos_token_ids)")
     suffix = find_turn_suffix(template, prepared, index[k], tools, chat_template_kwargs, eos_token_ids)
     ids = splice_token_ids(info["prompt_token_ids"], info["generation_token_ids"], suffix.token_ids, eos_token_ids)
-    tail = suffix.text[-TAIL_CHARS:]
+    tail = template.visible(suffix.text)[-TAIL_CHARS:]
     if len(tail) < TAIL_CHARS:
         # The rendering before the suffix holds a sentinel, not the model's words: take the real
         # text of the prompt's last tokens instead (the tail only guides the reasoning parser).

@@ -42,6 +42,7 @@ class LocalBackend(LocalLora, LocalControl, Backend):
     def __init__(self, config, engine: Engine, tokenizer, *, max_queue: int = 1024):
         from gymserve.parsers import get_reasoning_parser, tool_call_parser_for
         from gymserve.prompting import ChatTemplate
+        from gymserve.prompting.harmony_template import BUILTIN_TEMPLATES
 
         # Back-pressure: max_batch_size calls in the engine, max_queue waiting, 429 beyond.
         self.limiter = Limiter(config.max_batch_size, max_queue, name="local backend")
@@ -53,10 +54,15 @@ class LocalBackend(LocalLora, LocalControl, Backend):
         self.tokenizer = tokenizer
         chat_template = None
         if config.chat_template:
-            with open(config.chat_template, encoding="utf-8") as f:
-                chat_template = f.read()
+            chat_template = BUILTIN_TEMPLATES.get(config.chat_template)
+            if chat_template is None:
+                with open(config.chat_template, encoding="utf-8") as f:
+                    chat_template = f.read()
         self.template = ChatTemplate(
-            tokenizer, chat_template=chat_template, default_kwargs=dict(config.chat_template_kwargs or {})
+            tokenizer,
+            chat_template=chat_template,
+            default_kwargs=dict(config.chat_template_kwargs or {}),
+            split_special_tokens=getattr(config, "split_special_tokens", True),
         )
         self.tool_parser, self.tool_parser_reason = tool_call_parser_for(
             config.tool_parser or "auto",
