@@ -74,9 +74,17 @@ class CallArguments:
     text: str
 
 
-ScanEvent = str | CallStart | CallArguments
+@dataclass(frozen=True)
+class ReasoningText:
+    """``text`` extends the reasoning (only formats whose scanner parses the whole generation,
+    such as harmony's, emit it)."""
+
+    text: str
+
+
+ScanEvent = str | CallStart | CallArguments | ReasoningText
 """What a scanner decides: a ``str`` is content (verbatim; the caller strips the whole), or a
-call's start, or a piece of its arguments."""
+call's start, or a piece of its arguments, or reasoning text."""
 
 _HEAD = re.compile(
     r'\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\\x00-\x1f]|\\.)*")[ \t\n\r]*,'

@@ -89,7 +89,8 @@ def infer_tool_call_parser(
 
     ``model_type`` is the HF config's ``model_type`` (e.g. ``qwen2``), ``model_name`` a repo id,
     path or GGUF ``general.name``, ``chat_template`` the template text. Rules, first match wins:
-    Qwen2.5-Coder (qwen family + "coder", not Qwen3) → ``qwen2_5_coder`` even though its template
+    gpt-oss (``model_type`` ``gpt_oss`` or a harmony template) → ``openai``; Qwen2.5-Coder (qwen
+    family + "coder", not Qwen3) → ``qwen2_5_coder`` even though its template
     mentions ``<tool_call>`` (the model never uses the tags); a template using ``<function=`` XML
     (Qwen3-Coder) → ValueError (not supported); Mistral → ``mistral``; a template with
     ``<tool_call>`` → ``hermes``; Llama 3.x → ``llama3_json``; other Qwen2/Qwen3 or Hermes →
@@ -101,6 +102,8 @@ def infer_tool_call_parser(
     choices = ", ".join(tool_call_parser_names())
     qwen = mtype.startswith("qwen") or "qwen" in name
     qwen3 = mtype.startswith("qwen3") or "qwen3" in name
+    if "<|channel|>" in template or mtype == "gpt_oss" or re.search(r"gpt[-_]?oss", name):
+        return "openai", "gpt-oss model or harmony template (<|channel|>)"
     if "<function=" in template:
         raise ValueError(
             f"the chat template uses the <function=...> XML tool format (Qwen3-Coder), which no parser "

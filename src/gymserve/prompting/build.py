@@ -48,7 +48,7 @@ def build_prompt(
     rendered by the template as usual, and ``token_ids[:len(P) + len(G)] == P + G`` always holds.
 
     ``eos_token_ids``: every ID that ends a turn (the engine's ``eos_token_ids``); required when
-    splicing. ``vocab_size``: valid IDs are ``[0, vocab_size)``.
+    splicing (``template.turn_end_ids`` are added to them). ``vocab_size``: valid IDs are ``[0, vocab_size)``.
 
     Raises ``InvalidRequestError`` for malformed messages or token fields (param names the field)
     and ``SpliceError`` (400, code ``splice_failed``) when token fields sit on a non-assistant
@@ -65,6 +65,7 @@ def build_prompt(
     k, info = found
     if not eos_token_ids:
         raise ValueError("eos_token_ids is required to splice token fields (pass the engine's eos_token_ids)")
+    eos_token_ids = list(dict.fromkeys([*eos_token_ids, *template.turn_end_ids]))
     suffix = find_turn_suffix(template, prepared, index[k], tools, chat_template_kwargs, eos_token_ids)
     ids = splice_token_ids(info["prompt_token_ids"], info["generation_token_ids"], suffix.token_ids, eos_token_ids)
     tail = template.visible(suffix.text)[-TAIL_CHARS:]

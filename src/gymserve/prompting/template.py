@@ -73,7 +73,8 @@ class ChatTemplate:
     ``split_special_tokens``: message and tool text that spells a control token is tokenized as
     plain text (``message_text``); False tokenizes the rendering as one text, as ``vllm serve`` does.
     Rendered text may then hold placeholders: read it with :meth:`visible`, tokenize it with
-    :meth:`encode`.
+    :meth:`encode`. ``turn_end_tokens``: tokens that end an assistant turn in rendered history
+    besides the model's EOS (``parsers.harmony.HISTORY_TURN_END``), for the prefix splice.
 
     Raises ``ValueError`` when there is no template at all or the file cannot be read (a
     configuration error, raised at start-up, never per request).
@@ -86,8 +87,15 @@ class ChatTemplate:
         default_kwargs: Mapping[str, Any] | None = None,
         *,
         split_special_tokens: bool = True,
+        turn_end_tokens: Sequence[str] = (),
     ):
         self.tokenizer = tokenizer
+        # Tokens that close an assistant turn in the rendered history besides the engine's EOS ids
+        # (harmony renders the sampled <|return|> as <|end|>): the prefix splice needs them.
+        ids = [(t, tokenizer.convert_tokens_to_ids(t)) for t in turn_end_tokens]
+        self.turn_end_ids: tuple[int, ...] = tuple(
+            tid for t, tid in ids if isinstance(tid, int) and tokenizer.convert_ids_to_tokens(tid) == t
+        )
         self.message_text = MessageText(tokenizer) if split_special_tokens else None
         if chat_template is not None and "{" not in chat_template:
             try:

@@ -58,12 +58,6 @@ class LocalBackend(LocalLora, LocalControl, Backend):
             if chat_template is None:
                 with open(config.chat_template, encoding="utf-8") as f:
                     chat_template = f.read()
-        self.template = ChatTemplate(
-            tokenizer,
-            chat_template=chat_template,
-            default_kwargs=dict(config.chat_template_kwargs or {}),
-            split_special_tokens=getattr(config, "split_special_tokens", True),
-        )
         self.tool_parser, self.tool_parser_reason = tool_call_parser_for(
             config.tool_parser or "auto",
             model_type=engine.model_type,
@@ -71,6 +65,14 @@ class LocalBackend(LocalLora, LocalControl, Backend):
             chat_template=chat_template or getattr(tokenizer, "chat_template", None),
         )
         self.reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+        turn_ends = {getattr(p, "history_turn_end", None) for p in (self.tool_parser, self.reasoning_parser)}
+        self.template = ChatTemplate(
+            tokenizer,
+            chat_template=chat_template,
+            default_kwargs=dict(config.chat_template_kwargs or {}),
+            split_special_tokens=getattr(config, "split_special_tokens", True),
+            turn_end_tokens=sorted(t for t in turn_ends if t),
+        )
         self.stop_token_ids = tuple(dict.fromkeys([*engine.eos_token_ids, *(config.sampling.stop_token_ids or [])]))
 
     @classmethod
