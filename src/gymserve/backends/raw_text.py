@@ -47,7 +47,11 @@ def apply_parsers(
         msg.update(dict.fromkeys(REASONING_FIELDS, parsed.reasoning))
     if parsed.tool_calls:
         msg["tool_calls"] = [
-            {"id": new_id("call"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            {
+                "id": tool_parser.new_call_id() if tool_parser else new_id("call"),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
             for c in parsed.tool_calls
         ]
         if choice.get("finish_reason") == "stop":

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 from gymserve.parsers.call_scan import CallScanner, CallStart, CallSyntax, ReasoningText, ScanEvent
 from gymserve.parsers.json_scan import declared_tool_names
 from gymserve.registry import Registry
+from gymserve.wire.ids import new_id
 
 
 @dataclass
@@ -144,6 +145,51 @@ class ToolCallParser:
         """The whole-generation scanner of a ``channels`` format."""
         raise NotImplementedError
 
+    def new_call_id(self) -> str:
+        """An id for a call this parser found (``call_…``; a format may require its own form)."""
+        return new_id("call")
+
+    def history_call_id(self, call_id: str) -> str:
+        """The id a call of the history (and the tool message answering it) is rendered with for
+        this format: ``call_id`` unchanged unless the format restricts ids (Mistral)."""
+        return call_id
+
+    def history(self, messages: list[Any]) -> list[Any]:
+        """Chat ``messages`` with every tool-call id and ``tool_call_id`` passed through
+        :meth:`history_call_id` (a new list; messages are copied only when an id changes)."""
+        out = []
+        for msg in messages:
+            if isinstance(msg, dict):
+                msg = self._history_message(msg)
+            out.append(msg)
+        return out
+
+    def _history_message(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(msg.get("tool_call_id"), str):
+            mapped = self.history_call_id(msg["tool_call_id"])
+            if mapped != msg["tool_call_id"]:
+                msg = {**msg, "tool_call_id": mapped}
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list):
+            new_calls = [
+                {**c, "id": self.history_call_id(c["id"])}
+                if isinstance(c, dict) and isinstance(c.get("id"), str)
+                else c
+                for c in calls
+            ]
+            if new_calls != calls:
+                msg = {**msg, "tool_calls": new_calls}
+        return msg
+
+    def adjust_request(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A chat request for an upstream that speaks this format (the chat backend's raw-text
+        path), as vLLM's ``ToolParser.adjust_request``: the history's ids in the format's form
+        (:meth:`history`); a format may add what its raw text needs."""
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            body = {**body, "messages": self.history(messages)}
+        return body
+
     def scanner(self, tools: list[dict[str, Any]] | None) -> CallScanner | WholeTextScanner:
         """A fresh scanner for one generation: ``feed(delta)`` and ``finish()`` return
         :data:`ScanEvent` lists whose concatenation does not depend on how the text was split."""
@@ -216,9 +262,11 @@ for _name, _cls in (
     ("qwen2_5_coder", "Qwen25CoderToolCallParser"),
     ("llama3_json", "Llama3JsonToolCallParser"),
     ("mistral", "MistralToolCallParser"),
+    ("deepseek_v3", "DeepSeekV3ToolCallParser"),
 ):
     TOOL_CALL_PARSERS.register(_name, f"gymserve.parsers.tool_calls:{_cls}")
 TOOL_CALL_PARSERS.register("openai", "gymserve.parsers.harmony:HarmonyToolCallParser")
+TOOL_CALL_PARSERS.register("qwen3_coder", "gymserve.parsers.xml_calls:Qwen3CoderToolCallParser")
 for _name, _cls in (("deepseek_r1", "DeepSeekR1ReasoningParser"), ("qwen3", "Qwen3ReasoningParser")):
     REASONING_PARSERS.register(_name, f"gymserve.parsers.reasoning:{_cls}")
 REASONING_PARSERS.register("openai_gptoss", "gymserve.parsers.harmony:HarmonyReasoningParser")

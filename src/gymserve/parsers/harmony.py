@@ -224,6 +224,12 @@ class HarmonyToolCallParser(_Harmony, ToolCallParser):
 
     name = "openai"
 
+    def adjust_request(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``skip_special_tokens: false``: the raw text needs harmony's framing tokens."""
+        body = super().adjust_request(body)
+        body.setdefault("skip_special_tokens", False)
+        return body
+
     def parse_final(self, text: str, tools: list[dict[str, Any]] | None) -> list[ScanEvent]:
         scanner = HarmonyScanner(parse_calls=True)
         return [e for e in scanner.feed(text) + scanner.finish() if not isinstance(e, ReasoningText)]

@@ -91,6 +91,7 @@ class StreamingParser:
         prompt_tail: str = "",
         tools: list[dict[str, Any]] | None = None,
     ) -> None:
+        self._tool_parser = tool_parser
         self._scanner = tool_parser.scanner(tools) if tool_parser and declared_tool_names(tools) else None
         # A channel format (harmony) parses the whole generation itself, reasoning included.
         self._channels = channel_scanner(tool_parser, reasoning_parser, tools)
@@ -107,6 +108,10 @@ class StreamingParser:
         self._calls = 0
         self._finished = False
         self.reasoning_incomplete = False
+
+    def new_call_id(self) -> str:
+        """An id for the next call, in the tool-call format's form (``ToolCallParser.new_call_id``)."""
+        return self._tool_parser.new_call_id() if self._tool_parser is not None else new_id("call")
 
     def feed(self, text_delta: str) -> list[Delta]:
         """Add generated text; returns the deltas it decided."""
@@ -236,7 +241,7 @@ class ChatDeltas:
         if d.kind == "reasoning":
             return dict.fromkeys(self.reasoning_fields, d.text)
         if d.kind == "tool_call_start":
-            self.call_ids.append(new_id("call"))
+            self.call_ids.append(self.parser.new_call_id())
             return {
                 "tool_calls": [
                     {

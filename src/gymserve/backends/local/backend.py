@@ -118,6 +118,9 @@ class LocalBackend(LocalLora, LocalControl, Backend):
         """The engine call for ``request`` (``request.prepare_call``: 400s for what is refused) and
         the object that turns its tokens into chunks."""
         self.check_model(request.get("model"))
+        if self.tool_parser is not None and isinstance(request.get("messages"), list):
+            # The history's tool-call ids in the form the format's template accepts (Mistral).
+            request = {**request, "messages": self.tool_parser.history(request["messages"])}
         call = prepare_call(
             request,
             template=self.template,
