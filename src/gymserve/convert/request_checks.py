@@ -107,6 +107,11 @@ def json_type(value: Any) -> str:
     return type(value).__name__
 
 
+INT_MAX = 2**63 - 1
+"""The largest integer a request field may hold: JSON parsers in most languages (and numpy, and
+vLLM's sampling params on their way to C++) keep integers in 64 bits."""
+
+
 def number(
     obj: dict[str, Any],
     key: str,
@@ -118,20 +123,34 @@ def number(
 ) -> int | float | None:
     """``obj[key]`` checked as a JSON number (``integer``: a whole number) within ``[low, high]``.
 
-    Returns None when absent or null. Raises ``InvalidRequestError`` (param ``where`` or ``key``):
-    "must be an integer, got a string" for a wrong type (booleans are not numbers), and
-    "``key=value`` is out of range: it must be ..." for a value outside the bounds.
+    Returns the value (None when absent or null); for ``integer``, a whole number written with a
+    decimal point or exponent (``3.0``, ``1e3``: JSON has one number type) as an ``int``. Raises
+    ``InvalidRequestError`` (param ``where`` or ``key``): "must be an integer, got a string" for a
+    wrong type (booleans are not numbers) or a fractional number, and "``key=value`` is out of
+    range: it must be ..." for a value outside the bounds; integers are also bounded by
+    :data:`INT_MAX` (``max_output_tokens: 1e30`` is out of range, not "not an integer").
     """
     value = obj.get(key)
     if value is None:
         return None
     path = where or key
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequestError(
             f"{path} must be {'an integer' if integer else 'a number'}, got {json_type(value)}"
             f"{'' if isinstance(value, (dict, list)) else f' ({value!r})'}",
             param=path,
         )
+    if value != value:  # NaN: Python's json reads it, but it is no number
+        raise InvalidRequestError(f"{path} must be a number, got NaN", param=path)
+    if integer:
+        if not -INT_MAX - 1 <= value <= INT_MAX:  # inf included
+            raise InvalidRequestError(
+                f"{path}={value!r} is out of range: it must be a 64-bit integer, at most {INT_MAX}", param=path
+            )
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        elif isinstance(value, float):
+            raise InvalidRequestError(f"{path} must be an integer, got a number ({value!r})", param=path)
     if (low is not None and value < low) or (high is not None and value > high):
         if high is None:
             bound = f"at least {low}"
@@ -141,6 +160,100 @@ def number(
             bound = f"from {low} to {high}"
         raise InvalidRequestError(f"{path}={value!r} is out of range: it must be {bound}", param=path)
     return value
+
+
+# -- messages ---------------------------------------------------------------------------------
+
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+_TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
+
+
+def check_messages(messages: list[Any], where: str = "messages") -> None:
+    """Chat Completions ``messages`` checked as strictly as the Responses converter checks input
+    items (OpenAI's "Create chat completion" reference gives the shapes).
+
+    Raises ``InvalidRequestError`` naming the field (``messages[2].tool_call_id``) for: a message
+    that is not an object; a missing or unknown ``role`` (``function``, deprecated by OpenAI, is
+    told to use ``tool``); missing ``content`` on a system, developer, user or tool message;
+    ``content`` that is neither a string nor a list of part objects with a ``type`` (text parts
+    need a string ``text``); a ``tool`` message without a non-empty ``tool_call_id``; ``tool_calls``
+    that is not a list of ``{"id", "type": "function", "function": {"name", "arguments"}}`` with a
+    non-empty ``id`` and ``name`` and ``arguments`` a JSON string (or an object, which gymserve
+    also accepts). ``where`` names the list in errors.
+    """
+    for i, msg in enumerate(messages):
+        at = f"{where}[{i}]"
+        if not isinstance(msg, dict):
+            raise InvalidRequestError(f"{at} must be a message object, got {json_type(msg)}", param=at)
+        role = msg.get("role")
+        if role not in MESSAGE_ROLES:
+            hint = " (deprecated by OpenAI: send a tool message with tool_call_id)" if role == "function" else ""
+            problem = "is required" if role is None else f"{role!r} is not a role{hint}"
+            raise InvalidRequestError(f"{at}.role {problem}: use {', '.join(MESSAGE_ROLES)}", param=f"{at}.role")
+        content = msg.get("content")
+        if content is None and role != "assistant":
+            raise InvalidRequestError(
+                f"{at}.content is required for a {role} message: a string or a list of content parts",
+                param=f"{at}.content",
+            )
+        _check_content(content, f"{at}.content")
+        if role == "tool":
+            _required_string(msg, "tool_call_id", at, "a tool message answers the assistant's tool call with that id")
+        if role == "assistant" and msg.get("tool_calls") is not None:
+            _check_tool_calls(msg["tool_calls"], f"{at}.tool_calls")
+
+
+def _required_string(obj: dict[str, Any], key: str, at: str, why: str) -> None:
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        got = "" if value is None else f", got {'an empty string' if value == '' else json_type(value)}"
+        raise InvalidRequestError(f"{at}.{key} is required (a non-empty string){got}: {why}", param=f"{at}.{key}")
+
+
+def _check_content(content: Any, at: str) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise InvalidRequestError(
+            f"{at} must be a string or a list of content parts, got {json_type(content)}", param=at
+        )
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise InvalidRequestError(
+                f'{at}[{j}] must be a content part object with a type, e.g. {{"type": "text", "text": "..."}}',
+                param=f"{at}[{j}]",
+            )
+        key = "refusal" if part["type"] == "refusal" else "text"
+        if part["type"] in _TEXT_PART_TYPES and not isinstance(part.get(key), str):
+            raise InvalidRequestError(
+                f"{at}[{j}].{key} must be a string, got {json_type(part.get(key))}", param=f"{at}[{j}].{key}"
+            )
+
+
+def _check_tool_calls(calls: Any, at: str) -> None:
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{at} must be a list of tool calls, got {json_type(calls)}", param=at)
+    for j, call in enumerate(calls):
+        where = f"{at}[{j}]"
+        if not isinstance(call, dict):
+            raise InvalidRequestError(f"{where} must be a tool call object, got {json_type(call)}", param=where)
+        _required_string(call, "id", where, "the tool message that answers the call names it in tool_call_id")
+        if call.get("type", "function") != "function":
+            raise InvalidRequestError(
+                f'{where}.type must be "function", got {call.get("type")!r}', param=f"{where}.type"
+            )
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise InvalidRequestError(
+                f'{where}.function is required: {{"name": ..., "arguments": "{{...}}"}}', param=f"{where}.function"
+            )
+        _required_string(fn, "name", f"{where}.function", "the function the model called")
+        arguments = fn.get("arguments")
+        if arguments is not None and not isinstance(arguments, (str, dict)):
+            raise InvalidRequestError(
+                f"{where}.function.arguments must be a JSON string, got {json_type(arguments)}",
+                param=f"{where}.function.arguments",
+            )
 
 
 def without_nulls(request: dict[str, Any]) -> dict[str, Any]:
@@ -157,8 +270,9 @@ def check_request(request: Any, api: Api) -> dict[str, Any]:
     Raises ``InvalidRequestError`` (400, ``param`` naming the field) for: a body that is not an
     object; a field of the other API (``code: unsupported_parameter``, the message names the field
     to use); a ``model`` that is not a string. On the chat route also: ``messages`` missing or not a
-    non-empty list, numbers of the wrong type or out of range, malformed function tools
-    (``chat_tools``). Items, content and tools of Responses requests are checked by the converter
+    non-empty list or holding a malformed message (``check_messages``: as strict as the Responses
+    converter is with input items), numbers of the wrong type or out of range, malformed function
+    tools (``chat_tools``). Items, content and tools of Responses requests are checked by the converter
     (``responses_to_chat``) or the native upstream.
     """
     if not isinstance(request, dict):
@@ -187,8 +301,11 @@ def check_request(request: Any, api: Api) -> dict[str, Any]:
                 f"{'an empty array' if messages == [] else json_type(messages)}",
                 param="messages",
             )
+        check_messages(messages)
         for key, integer, low, high in _CHAT_NUMBERS:
-            number(request, key, integer=integer, low=low, high=high)
+            value = number(request, key, integer=integer, low=low, high=high)
+            if value is not None and value is not request[key]:
+                request = {**request, key: value}  # 3.0 sent for an integer field goes on as 3
         if "logprobs" in request and not isinstance(request["logprobs"], bool):
             raise InvalidRequestError(
                 f"logprobs must be a boolean, got {json_type(request['logprobs'])}", param="logprobs"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gymserve.convert.field_paths import FieldPaths
 from gymserve.convert.options import ConvertOptions
 from gymserve.convert.request_checks import json_type, without_nulls
 from gymserve.convert.responses_fields import (
@@ -22,7 +23,9 @@ from gymserve.wire.think import think_block
 _TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
-def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None = None) -> ChatRequest:
+def responses_to_chat(
+    request: ResponsesRequest, options: ConvertOptions | None = None, paths: FieldPaths | None = None
+) -> ChatRequest:
     """Translate a Responses create request into a Chat Completions create request.
 
     Input: a ``ResponseCreateParams``-shaped dict (``input`` a string or a list of items; items may
@@ -45,6 +48,9 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
     Raises ``InvalidRequestError`` with ``param`` naming the offending field (e.g.
     ``input[3].call_id``) for malformed input and for features a chat backend cannot honour
     (hosted tools, file/audio inputs, ``previous_response_id``, item references).
+
+    ``paths``: filled with where each chat message came from (``field_paths.FieldPaths``), so an
+    error a later step raises about the chat request can be told in Responses fields.
     """
     options = options or ConvertOptions()
     if not isinstance(request, dict):
@@ -67,7 +73,7 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
         )
     check_include(request.get("include"))
 
-    builder = _MessageBuilder(options)
+    builder = _MessageBuilder(options, paths if paths is not None else FieldPaths())
     instructions = request.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -75,7 +81,7 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
                 f"instructions must be a string, got {json_type(instructions)}", param="instructions"
             )
         if instructions:
-            builder.system_texts.append(instructions)
+            builder.add_system(instructions, "instructions")
 
     raw_input = request.get("input")
     if isinstance(raw_input, str):
@@ -124,9 +130,11 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
 class _MessageBuilder:
     """Walks input items in order, merging each model turn into one assistant message."""
 
-    def __init__(self, options: ConvertOptions):
+    def __init__(self, options: ConvertOptions, paths: FieldPaths):
         self.options = options
+        self.paths = paths
         self.system_texts: list[str] = []
+        self.system_origin = ""
         self.messages: list[dict[str, Any]] = []
         self._turn: dict[str, Any] | None = None
         self.last_tokens: tuple[Any, str] | None = None  # the last token record and where it was
@@ -159,9 +167,21 @@ class _MessageBuilder:
                 param=f"{where}.type",
             )
 
+    def add_system(self, text: str, where: str) -> None:
+        self.system_texts.append(text)
+        self.system_origin = self.system_origin or where
+
+    def _append(self, message: dict[str, Any], origin: dict[str, str]) -> None:
+        self.messages.append(message)
+        self.paths.origins.append(origin)
+
     def finish(self) -> list[dict[str, Any]]:
         self._flush()
         if self.system_texts:
+            origin = self.system_origin
+            self.paths.origins.insert(
+                0, {"": origin, "content": origin if origin == "instructions" else f"{origin}.content"}
+            )
             return [{"role": "system", "content": "\n\n".join(self.system_texts)}, *self.messages]
         return self.messages
 
@@ -173,21 +193,22 @@ class _MessageBuilder:
         if role == "assistant":
             # The OpenAI API accepts output_text parts without id/annotations; so do we.
             text = "" if content is None else _plain_text(content, f"{where}.content")
-            turn = self._open_turn()
+            turn = self._open_turn(where)
             if text:
                 turn["texts"].append(text)
+                turn["origin"].setdefault("content", f"{where}.content")
             self._take_tokens(item, where)
         elif role in ("system", "developer"):
             text = _plain_text(content, f"{where}.content")
             if role == "developer" and self.options.developer_role == "keep":
                 self._flush()
-                self.messages.append({"role": "developer", "content": text})
+                self._append({"role": "developer", "content": text}, _item_origin(where))
             elif text:
                 # Templates want exactly one leading system message; hoisting keeps every word.
-                self.system_texts.append(text)
+                self.add_system(text, where)
         elif role == "user":
             self._flush()
-            self.messages.append({"role": "user", "content": _user_content(content, f"{where}.content")})
+            self._append({"role": "user", "content": _user_content(content, f"{where}.content")}, _item_origin(where))
         else:
             problem = "is required" if role is None else f"{role!r} is not a role"
             raise InvalidRequestError(
@@ -196,9 +217,11 @@ class _MessageBuilder:
 
     def _add_reasoning(self, item: dict[str, Any], where: str) -> None:
         text = _reasoning_text(item, where)
-        turn = self._open_turn()
+        turn = self._open_turn(where)
         if text:
             turn["reasoning"].append(text)
+            for key in REASONING_FIELDS:
+                turn["origin"].setdefault(key, where)
         self._take_tokens(item, where)
 
     def _add_function_call(self, item: dict[str, Any], where: str) -> None:
@@ -212,7 +235,8 @@ class _MessageBuilder:
             raise InvalidRequestError(
                 f"{where}.arguments must be a JSON string, got {json_type(arguments)}", param=f"{where}.arguments"
             )
-        turn = self._open_turn()
+        turn = self._open_turn(where)
+        turn["origin"][f"tool_calls[{len(turn['tool_calls'])}]"] = where
         turn["tool_calls"].append(
             {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         )
@@ -231,13 +255,14 @@ class _MessageBuilder:
                 param=f"{where}.output",
             )
         self._flush()
-        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
+        origin = {"": where, "tool_call_id": f"{where}.call_id", "content": f"{where}.output"}
+        self._append({"role": "tool", "tool_call_id": call_id, "content": content}, origin)
 
     # -- turns -------------------------------------------------------------------------------
 
-    def _open_turn(self) -> dict[str, Any]:
+    def _open_turn(self, where: str) -> dict[str, Any]:
         if self._turn is None:
-            self._turn = {"texts": [], "reasoning": [], "tool_calls": [], "tokens": None}
+            self._turn = {"texts": [], "reasoning": [], "tool_calls": [], "tokens": None, "origin": {"": where}}
         return self._turn
 
     def _take_tokens(self, item: dict[str, Any], where: str) -> None:
@@ -247,7 +272,9 @@ class _MessageBuilder:
             raise InvalidRequestError(f"{where}: {e.message}", param=f"{where}.{e.param}") from None
         if info is not None:
             self.last_tokens = (info, where)
-            self._open_turn()["tokens"] = info
+            turn = self._open_turn(where)
+            turn["tokens"] = info
+            turn["origin"].update({field: f"{where}.{field}" for field in info})
             # Training fields sit on the last item of a model call: whatever follows is a new call,
             # and must stay a separate assistant message so each carries its own token record.
             self._flush()
@@ -268,10 +295,15 @@ class _MessageBuilder:
             message["tool_calls"] = turn["tool_calls"]
         if turn["tokens"] is not None:
             message.update(turn["tokens"])
-        self.messages.append(message)
+        self._append(message, turn["origin"])
 
 
 # -- content helpers -------------------------------------------------------------------------
+
+
+def _item_origin(where: str) -> dict[str, str]:
+    """The origin of a message built from one message item (``field_paths.FieldPaths``)."""
+    return {"": where, "content": f"{where}.content", "role": f"{where}.role"}
 
 
 def _required_str(obj: dict[str, Any], key: str, where: str) -> str:
