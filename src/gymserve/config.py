@@ -127,11 +127,7 @@ class LocalBackendConfig(_ServedModelNames):
     type: Literal["local"] = "local"
     model: str = "embedded"
     engine: str = "transformers"
-    chat_template: str | None = Field(
-        None,
-        description="a Jinja chat template file replacing the tokenizer's own, or `harmony` (gymserve's "
-        "template for gpt-oss's harmony format)",
-    )
+    chat_template: str | None = None  # a file, or `harmony` (prompting.harmony_template)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     tool_parser: str | None = "auto"
     reasoning_parser: str | None = None
