@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gymserve.parsers.call_heads import HeadPattern, match_head, skip_literals
 from gymserve.parsers.json_scan import Brackets, call_in_object, skip_ws, valid_name
+from gymserve.parsers.step_scan import StepScanner
 from gymserve.text import partial_tag_len
 
 
@@ -111,7 +113,7 @@ class _Region:
     after_value: bool = False  # a value ended; a separator, the close or the end must follow
 
 
-class CallScanner:
+class CallScanner(StepScanner):
     """Scans one generation for calls in the format ``syntax`` describes.
 
     ``declared``: the request's declared function names (bare-JSON regions need them). Call
@@ -121,9 +123,9 @@ class CallScanner:
     """
 
     def __init__(self, syntax: CallSyntax, declared: set[str]) -> None:
+        super().__init__()
         self.syntax = syntax
         self.declared = declared
-        self.text = ""
         self.pos = 0  # text before it is decided; a failing region restarts content here
         self.cur = 0  # scan position inside the current value
         self.mode = "start" if (syntax.bare or syntax.fence) and declared else "content"
@@ -138,22 +140,9 @@ class CallScanner:
         self.tail_expect = ""  # after the arguments: "end", "key", "in_key", "colon", "value", "in_value"
         self.tail_ok = 0  # end of the last complete piece of the object's tail
         self._skipped = (-1, -1)  # (from, to) of the last whitespace skip, so waiting never rescans
-        self._out: list[ScanEvent] = []
-        self._final = False
 
-    def feed(self, delta: str) -> list[ScanEvent]:
-        """Add generated text; returns the events it decided."""
-        self.text += delta
-        return self._run()
-
-    def finish(self) -> list[ScanEvent]:
-        """The text is complete; returns the remaining events."""
-        self._final = True
-        return self._run()
-
-    def _run(self) -> list[ScanEvent]:
-        self._out = []
-        handlers = {
+    def _steps(self) -> dict[str, Callable[[], bool]]:
+        return {
             "start": self._start,
             "content": self._content,
             "region": self._region_step,
@@ -163,9 +152,6 @@ class CallScanner:
             "tail": self._tail,
             "call_tail": self._call_tail,
         }
-        while handlers[self.mode]():
-            pass
-        return self._out
 
     # ---------------------------------------------------------------------------- outside regions
 

@@ -34,11 +34,13 @@ The same scanner parses whole texts and streams, so the two agree however the te
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from gymserve.parsers.base import ReasoningParser, ToolCallParser, collect_all
 from gymserve.parsers.call_scan import CallArguments, CallStart, ReasoningText, ScanEvent
 from gymserve.parsers.json_scan import valid_name
+from gymserve.parsers.step_scan import StepScanner
 from gymserve.text import partial_tag_len
 
 START, END, MESSAGE = "<|start|>", "<|end|>", "<|message|>"
@@ -68,7 +70,7 @@ def parse_header(header: str) -> tuple[str | None, str | None]:
     return (channel.group(1) if channel else None), name
 
 
-class HarmonyScanner:
+class HarmonyScanner(StepScanner):
     """Scans one harmony generation (module docstring): :meth:`feed` each text delta, then
     :meth:`finish`; each returns :data:`~gymserve.parsers.call_scan.ScanEvent` objects (content
     strings, :class:`ReasoningText`, :class:`CallStart` / :class:`CallArguments`).
@@ -79,26 +81,18 @@ class HarmonyScanner:
     """
 
     def __init__(self, parse_calls: bool) -> None:
+        super().__init__()
         self.parse_calls = parse_calls
-        self.text = ""
         self.pos = 0
         self.mode = "first"  # first | header | body | between
         self.kind: str | None = None  # the current body's: reasoning | content | call
         self.body_len = 0
         self.seen = {"reasoning": False, "content": False}
         self.open_kind: str | None = None
-        self._final = False
-        self._out: list[ScanEvent] = []
-
-    def feed(self, delta: str) -> list[ScanEvent]:
-        """Add generated text; returns the events it decided."""
-        self.text += delta
-        return self._run()
 
     def finish(self) -> list[ScanEvent]:
         """The text is complete; returns the remaining events."""
-        self._final = True
-        out = self._run()
+        out = super().finish()
         self.open_kind = self.kind if self.mode == "body" else ("header" if self.mode == "header" else None)
         if self.mode == "body":
             self._end_body()
@@ -107,12 +101,8 @@ class HarmonyScanner:
 
     # ---------------------------------------------------------------------------------- states
 
-    def _run(self) -> list[ScanEvent]:
-        self._out = []
-        step = {"first": self._first, "header": self._header, "body": self._body, "between": self._between}
-        while step[self.mode]():
-            pass
-        return self._out
+    def _steps(self) -> dict[str, Callable[[], bool]]:
+        return {"first": self._first, "header": self._header, "body": self._body, "between": self._between}
 
     def _undecided(self, rest: str, options: tuple[str, ...]) -> bool:
         """``rest`` may still grow into one of ``options`` (so the scanner waits)."""

@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Callable
 from typing import Any
 
 from gymserve.parsers.base import ToolCallParser
-from gymserve.parsers.call_scan import CallArguments, CallStart, ScanEvent
+from gymserve.parsers.call_scan import CallArguments, CallStart
 from gymserve.parsers.json_scan import valid_name
+from gymserve.parsers.step_scan import StepScanner
 from gymserve.text import partial_tag_len
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -112,14 +114,14 @@ def convert_value(text: str, schema: Any) -> Any:
     return value
 
 
-class XmlCallScanner:
+class XmlCallScanner(StepScanner):
     """Scans one generation for Qwen3-Coder XML calls (module docstring); ``feed`` / ``finish``
     return :data:`~gymserve.parsers.call_scan.ScanEvent` lists whose concatenation does not depend
     on how the text was split. ``tools``: the request's tools (their schemas type the values)."""
 
     def __init__(self, tools: list[dict[str, Any]] | None) -> None:
+        super().__init__()
         self.schemas = tool_schemas(tools)
-        self.text = ""
         self.pos = 0
         self.mode = "content"  # content | function | params | value
         self.block = 0  # where the current <tool_call> starts (content restarts there if it fails)
@@ -127,23 +129,9 @@ class XmlCallScanner:
         self.schema: dict[str, Any] = {}
         self.key = ""
         self.searched = 0
-        self._final = False
-        self._out: list[ScanEvent] = []
 
-    def feed(self, delta: str) -> list[ScanEvent]:
-        self.text += delta
-        return self._run()
-
-    def finish(self) -> list[ScanEvent]:
-        self._final = True
-        return self._run()
-
-    def _run(self) -> list[ScanEvent]:
-        self._out = []
-        step = {"content": self._content, "function": self._function, "params": self._params, "value": self._value}
-        while step[self.mode]():
-            pass
-        return self._out
+    def _steps(self) -> dict[str, Callable[[], bool]]:
+        return {"content": self._content, "function": self._function, "params": self._params, "value": self._value}
 
     def _content(self) -> bool:
         t = self.text
