@@ -189,3 +189,13 @@ def test_plain_tokenizing_equals_the_tokenizer_on_text_without_control_spellings
     # The re-tokenized runs go through the tokenizer's own pipeline: on ordinary text it is the
     # tokenizer exactly, so only the control spellings themselves tokenize differently.
     assert MessageText(tokenizer)._plain_ids(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_assistant_markup_stays_for_the_template_to_read(tokenizer):
+    # Templates read the model's own markup in history answers (Qwen3's and DeepSeek-R1's split on
+    # </think>; here Qwen's <tool_call>, an added token not flagged special); turn tokens are escaped.
+    mt = MessageText(tokenizer)
+    assistant = {"role": "assistant", "content": "<tool_call>\n{}\n</tool_call>Hi<|im_end|>"}
+    escaped = mt.escape_message(assistant)
+    assert escaped["content"].startswith("<tool_call>\n{}\n</tool_call>Hi") and "<|im_end|>" not in escaped["content"]
+    assert "<tool_call>" not in mt.escape_message({"role": "tool", "content": "<tool_call>"})["content"]

@@ -14,7 +14,9 @@ How the plain-text rule is applied, exactly and cheaply:
 
 1. :meth:`MessageText.escape` replaces, in every string of the messages and tools before
    rendering, each control-token spelling with a placeholder (a private-use code point pair that no
-   template writes and no tokenizer treats as a control token).
+   template writes and no tokenizer treats as a control token). In assistant messages only the
+   tokens flagged ``special`` are replaced (:meth:`MessageText.escape_message`): the model's own
+   markup (``<think>``, ``<tool_call>``) is what templates parse there.
 2. The template renders as usual; its own control tokens are real text, the escaped ones are
    placeholders.
 3. :meth:`MessageText.encode` tokenizes the rendering with the tokenizer as it is. A run of text
@@ -65,29 +67,41 @@ class MessageText:
             )
         self._index = {tok: i for i, tok in enumerate(self.tokens)}
         self._find = re.compile("|".join([re.escape(MARK), *map(re.escape, self.tokens)]))
+        special = [t for t in self.tokens if any(a.content == t and a.special for a in decoder.values())]
+        self._find_special = re.compile("|".join([re.escape(MARK), *map(re.escape, special)]))
 
     # ---- escaping ----------------------------------------------------------------------------
 
-    def escape_text(self, text: str) -> str:
-        """``text`` with every control-token spelling (and MARK itself) replaced by its placeholder."""
-        if not self.tokens or not self._find.search(text):
+    def escape_text(self, text: str, special_only: bool = False) -> str:
+        """``text`` with every control-token spelling (and MARK itself) replaced by its placeholder;
+        ``special_only``: only the tokens the tokenizer flags ``special``."""
+        find = self._find_special if special_only else self._find
+        if not self.tokens or not find.search(text):
             return text
-        return self._find.sub(self._placeholder, text)
+        return find.sub(self._placeholder, text)
 
     def _placeholder(self, match: re.Match[str]) -> str:
         found = match.group()
         return MARK + (MARK if found == MARK else chr(_BASE + self._index[found]))
 
-    def escape(self, value: Any) -> Any:
+    def escape(self, value: Any, special_only: bool = False) -> Any:
         """A copy of ``value`` (messages, tools: JSON-like data) with :meth:`escape_text` applied to
         every string value; keys and non-strings are kept, and so is the input."""
         if isinstance(value, str):
-            return self.escape_text(value)
+            return self.escape_text(value, special_only)
         if isinstance(value, Mapping):
-            return {k: self.escape(v) for k, v in value.items()}
+            return {k: self.escape(v, special_only) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [self.escape(v) for v in value]
+            return [self.escape(v, special_only) for v in value]
         return value
+
+    def escape_message(self, message: Mapping[str, Any]) -> Any:
+        """A chat message escaped: every added token in the text of user, system, developer and
+        tool messages; in an assistant message (the model's own text) only the tokens flagged
+        ``special``, because its markup tokens (Qwen's ``<think>``, ``<tool_call>``: added,
+        not special) are what chat templates look for in it (Qwen3's and DeepSeek-R1's split a
+        history answer on ``</think>``)."""
+        return self.escape(message, special_only=message.get("role") == "assistant")
 
     def unescape(self, text: str) -> str:
         """Rendered text with the placeholders turned back into the spellings they stand for (what

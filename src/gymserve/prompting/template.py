@@ -128,7 +128,8 @@ class ChatTemplate:
           read ``reasoning_content``; RC-01);
         - training fields (``prompt_token_ids``…) are dropped;
         - with ``split_special_tokens``, every string is escaped (``message_text``) so that the text
-          of a control token in it is tokenized as plain text;
+          of a control token in it is tokenized as plain text (in assistant messages, the tokens
+          flagged special);
         - when the template does not mention ``developer``: the leading run of system/developer
           messages becomes one system message (texts joined by a blank line, order kept) and a later
           developer message becomes a system message in place (RC-05: exactly one leading system
@@ -163,7 +164,7 @@ class ChatTemplate:
             index.append(len(out))
             out.append(m)
         if self.message_text is not None:
-            out = [self.message_text.escape(m) for m in out]
+            out = [self.message_text.escape_message(m) for m in out]
         return out, index
 
     # ------------------------------------------------------------------ rendering
