@@ -109,6 +109,17 @@ def test_local_harmony_rollout_is_token_contiguous_and_parsed(harmony_tokenizer)
         )
 
 
+def test_reasoning_effort_reaches_the_harmony_system_message(harmony_tokenizer):
+    tok = harmony_tokenizer
+    engine = ScriptedEngine(tok, "<|channel|>final<|message|>Hi.", eos_tokens=("<|return|>", "<|call|>"))
+    with local_harmony(tok, engine) as client:
+        out = client.responses.create(model="m", input="Hi", reasoning={"effort": "high"})
+        prompt = tok.decode(out.output[-1].model_dump()["prompt_token_ids"], skip_special_tokens=False)
+        assert out.output_text == "Hi." and "\nReasoning: high\n" in prompt
+        default = client.responses.create(model="m", input="Hi")
+        assert "\nReasoning: medium\n" in tok.decode(default.output[-1].model_dump()["prompt_token_ids"])
+
+
 def test_local_harmony_chat_stream_equals_the_whole_answer(harmony_tokenizer):
     tok = harmony_tokenizer
     engine = ScriptedEngine(tok, ANALYSIS + CALL, eos_tokens=("<|return|>", "<|call|>"), model_type="gpt_oss")

@@ -121,6 +121,14 @@ class LocalBackend(LocalLora, LocalControl, Backend):
         if self.tool_parser is not None and isinstance(request.get("messages"), list):
             # The history's tool-call ids in the form the format's template accepts (Mistral).
             request = {**request, "messages": self.tool_parser.history(request["messages"])}
+        effort, kwargs = request.get("reasoning_effort"), request.get("chat_template_kwargs")
+        if (
+            isinstance(effort, str)
+            and (kwargs is None or isinstance(kwargs, dict))
+            and "reasoning_effort" not in (kwargs or {})
+        ):
+            # As vllm serve does: templates that take an effort (harmony's "Reasoning: high") read it.
+            request = {**request, "chat_template_kwargs": {**(kwargs or {}), "reasoning_effort": effort}}
         call = prepare_call(
             request,
             template=self.template,
