@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from gymserve.convert.field_paths import FieldPaths
+from gymserve.convert.input_content import plain_text, reasoning_text, user_content
 from gymserve.convert.options import ConvertOptions
 from gymserve.convert.request_checks import json_type, without_nulls
 from gymserve.convert.responses_fields import (
@@ -19,8 +20,6 @@ from gymserve.errors import InvalidRequestError
 from gymserve.protocol import ChatRequest, ResponsesRequest, get_token_info
 from gymserve.wire.reasoning import REASONING_FIELDS
 from gymserve.wire.think import think_block
-
-_TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
 def responses_to_chat(
@@ -192,14 +191,14 @@ class _MessageBuilder:
         content = item.get("content")
         if role == "assistant":
             # The OpenAI API accepts output_text parts without id/annotations; so do we.
-            text = "" if content is None else _plain_text(content, f"{where}.content")
+            text = "" if content is None else plain_text(content, f"{where}.content")
             turn = self._open_turn(where)
             if text:
                 turn["texts"].append(text)
                 turn["origin"].setdefault("content", f"{where}.content")
             self._take_tokens(item, where)
         elif role in ("system", "developer"):
-            text = _plain_text(content, f"{where}.content")
+            text = plain_text(content, f"{where}.content")
             if role == "developer" and self.options.developer_role == "keep":
                 self._flush()
                 self._append({"role": "developer", "content": text}, _item_origin(where))
@@ -208,7 +207,7 @@ class _MessageBuilder:
                 self.add_system(text, where)
         elif role == "user":
             self._flush()
-            self._append({"role": "user", "content": _user_content(content, f"{where}.content")}, _item_origin(where))
+            self._append({"role": "user", "content": user_content(content, f"{where}.content")}, _item_origin(where))
         else:
             problem = "is required" if role is None else f"{role!r} is not a role"
             raise InvalidRequestError(
@@ -216,7 +215,7 @@ class _MessageBuilder:
             )
 
     def _add_reasoning(self, item: dict[str, Any], where: str) -> None:
-        text = _reasoning_text(item, where)
+        text = reasoning_text(item, where)
         turn = self._open_turn(where)
         if text:
             turn["reasoning"].append(text)
@@ -248,7 +247,7 @@ class _MessageBuilder:
         if isinstance(output, str):
             content: Any = output
         elif isinstance(output, list):
-            content = _user_content(output, f"{where}.output")
+            content = user_content(output, f"{where}.output")
         else:
             raise InvalidRequestError(
                 f"{where}.output must be a string or a list of content parts, got {json_type(output)}",
@@ -312,108 +311,3 @@ def _required_str(obj: dict[str, Any], key: str, where: str) -> str:
         got = "" if value is None else f", got {json_type(value) if not isinstance(value, str) else 'an empty string'}"
         raise InvalidRequestError(f"{where}.{key} is required (a non-empty string){got}", param=f"{where}.{key}")
     return value
-
-
-def _parts(content: Any, path: str) -> list[dict[str, Any]]:
-    """``content`` checked as a list of part objects; ``path`` names it in errors."""
-    if content is None:
-        raise InvalidRequestError(f"{path} is required: a string or a list of content parts", param=path)
-    if not isinstance(content, list):
-        raise InvalidRequestError(
-            f"{path} must be a string or a list of content parts, got {json_type(content)}", param=path
-        )
-    for j, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise InvalidRequestError(
-                f"{path}[{j}] must be a content part object, got {json_type(part)}", param=f"{path}[{j}]"
-            )
-    return content
-
-
-def _part_text(part: dict[str, Any], where: str) -> str | None:
-    """Text of a text-like part; None when the part is not text-like."""
-    kind = part.get("type")
-    if kind in _TEXT_PART_TYPES:
-        key = "text"
-    elif kind == "refusal":
-        key = "refusal"
-    else:
-        return None
-    value = part.get(key)
-    if not isinstance(value, str):
-        raise InvalidRequestError(f"{where}.{key} must be a string, got {json_type(value)}", param=f"{where}.{key}")
-    return value
-
-
-def _unsupported_part(part: dict[str, Any], where: str) -> InvalidRequestError:
-    kind = part.get("type")
-    if kind in ("input_file", "input_audio", "input_video"):
-        return InvalidRequestError(
-            f"{where}: content part type '{kind}' is not supported by chat backends; send text or input_image",
-            param=f"{where}.type",
-        )
-    return InvalidRequestError(f"{where}: unknown content part type {kind!r}", param=f"{where}.type")
-
-
-def _plain_text(content: Any, path: str) -> str:
-    """System/developer/assistant content: text only (templates take no images there)."""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(_parts(content, path)):
-        text = _part_text(part, f"{path}[{j}]")
-        if text is None:
-            raise _unsupported_part(part, f"{path}[{j}]")
-        texts.append(text)
-    return "\n".join(texts)
-
-
-def _user_content(content: Any, path: str) -> Any:
-    """A string, or chat content parts when images are present.
-
-    All-text parts collapse to one string joined with newlines, as vLLM's "string" content format
-    does, because many HF chat templates cannot render a list of parts.
-    """
-    if isinstance(content, str):
-        return content
-    parts: list[dict[str, Any]] = []
-    for j, part in enumerate(_parts(content, path)):
-        at = f"{path}[{j}]"
-        text = _part_text(part, at)
-        if text is not None:
-            parts.append({"type": "text", "text": text})
-        elif part.get("type") == "input_image":
-            url = part.get("image_url")
-            if not isinstance(url, str) or not url:
-                raise InvalidRequestError(
-                    f"{at}.image_url is required (a URL or data URL; file_id is not supported)", param=f"{at}.image_url"
-                )
-            image: dict[str, Any] = {"url": url}
-            if part.get("detail") is not None:
-                image["detail"] = part["detail"]
-            parts.append({"type": "image_url", "image_url": image})
-        else:
-            raise _unsupported_part(part, at)
-    if all(p["type"] == "text" for p in parts):
-        return "\n".join(p["text"] for p in parts)
-    return parts
-
-
-def _reasoning_text(item: dict[str, Any], where: str) -> str:
-    """reasoning_text content if any, else the summaries; "" for encrypted-only items."""
-    for key in ("content", "summary"):
-        value = item.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, list):
-            raise InvalidRequestError(
-                f"{where}.{key} must be a list of text parts, got {json_type(value)}", param=f"{where}.{key}"
-            )
-        texts = []
-        for j, part in enumerate(value):
-            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-                raise InvalidRequestError(f"{where}.{key}[{j}].text must be a string", param=f"{where}.{key}[{j}].text")
-            texts.append(part["text"])
-        if texts:
-            return "\n\n".join(texts)
-    return ""
