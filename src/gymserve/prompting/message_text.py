@@ -69,6 +69,9 @@ class MessageText:
         self._find = re.compile("|".join([re.escape(MARK), *map(re.escape, self.tokens)]))
         special = [t for t in self.tokens if any(a.content == t and a.special for a in decoder.values())]
         self._find_special = re.compile("|".join([re.escape(MARK), *map(re.escape, special)]))
+        # The characters control tokens start with (`<`, `[`): most message text holds none of
+        # them, and one character class is far cheaper to search than the alternation.
+        self._starts = re.compile("[" + "".join(sorted({re.escape(t[0]) for t in [MARK, *self.tokens]})) + "]")
 
     # ---- escaping ----------------------------------------------------------------------------
 
@@ -76,7 +79,7 @@ class MessageText:
         """``text`` with every control-token spelling (and MARK itself) replaced by its placeholder;
         ``special_only``: only the tokens the tokenizer flags ``special``."""
         find = self._find_special if special_only else self._find
-        if not self.tokens or not find.search(text):
+        if not self.tokens or not self._starts.search(text) or not find.search(text):
             return text
         return find.sub(self._placeholder, text)
 
@@ -87,6 +90,8 @@ class MessageText:
     def escape(self, value: Any, special_only: bool = False) -> Any:
         """A copy of ``value`` (messages, tools: JSON-like data) with :meth:`escape_text` applied to
         every string value; keys and non-strings are kept, and so is the input."""
+        if not self.tokens:
+            return value
         if isinstance(value, str):
             return self.escape_text(value, special_only)
         if isinstance(value, Mapping):
