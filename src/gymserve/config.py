@@ -127,10 +127,17 @@ class LocalBackendConfig(_ServedModelNames):
     type: Literal["local"] = "local"
     model: str = "embedded"
     engine: str = "transformers"
-    chat_template: str | None = None
+    chat_template: str | None = None  # a file, or `harmony` (prompting.harmony_template)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     tool_parser: str | None = "auto"
     reasoning_parser: str | None = None
+    split_special_tokens: bool = Field(
+        True,
+        description="text inside messages and tools (user text, tool outputs, assistant content, tool "
+        "descriptions) that spells a control token (`<|im_start|>`, `[INST]`, `<|start|>`...) is tokenized "
+        "as plain text, so only the chat template writes control tokens; false tokenizes the whole "
+        "rendered prompt as one text, as `vllm serve` does (such text then becomes the token)",
+    )
     max_batch_size: int = Field(8, ge=1)
     context_window: int | None = Field(None, ge=1)
     num_threads: int | None = Field(None, ge=1)

@@ -523,13 +523,24 @@ class RawServer:
 
 class ScriptedEngine:
     """An ``Engine`` that "generates" the token IDs of a fixed text, one token per step, then the
-    end-of-turn token (``repeat``: the text over and over until ``max_tokens``). Records each
+    end-of-turn token, the first of ``eos_tokens`` (``repeat``: the text over and over until
+    ``max_tokens``); a text holding an end-of-turn token stops there. ``text_ids`` may be replaced
+    between calls to script the next turn. Records each
     stream's end: ``finished`` (ran to its finish reason) or ``cancelled`` (closed early)."""
 
-    def __init__(self, tokenizer, text: str, *, delay: float = 0.0, repeat: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        text: str,
+        *,
+        delay: float = 0.0,
+        repeat: bool = False,
+        eos_tokens: tuple[str, ...] = ("<|im_end|>",),
+        model_type: str = "qwen2",
+    ):
         self.model_name = "scripted"
-        self.model_type = "qwen2"  # the tokenizer's model
-        self.eos_token_ids = (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+        self.model_type = model_type  # the tokenizer's model
+        self.eos_token_ids = tuple(tokenizer.convert_tokens_to_ids(t) for t in eos_tokens)
         self.context_window = 32768
         self.vocab_size = len(tokenizer)
         self.text_ids = tokenizer.encode(text, add_special_tokens=False)

@@ -130,6 +130,8 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
         if self._wants_token_ids:
             body.update(return_token_ids=True, logprobs=True, return_tokens_as_token_ids=True)
             body.setdefault("top_logprobs", 0)
+        if self._tool_parser is not None:  # an upstream that returns the format's raw text
+            body = self._tool_parser.adjust_request(body)
         return self.upstream.chat_body(body)
 
     async def _chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:

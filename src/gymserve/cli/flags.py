@@ -194,7 +194,7 @@ ENGINE = (
     Flag(
         ("--chat-template",),
         "backend.chat_template",
-        {"metavar": "FILE", "help": "Jinja chat template file overriding the tokenizer's"},
+        {"metavar": "FILE", "help": "Jinja chat template file overriding the tokenizer's, or harmony (gpt-oss)"},
         kinds=LOCAL,
     ),
     Flag(

@@ -90,7 +90,7 @@ def build_prompt(
     that message carries token fields itself, their splice, which must start with R.
 
     ``eos_token_ids``: every ID that ends a turn (the engine's ``eos_token_ids``); required when
-    splicing. ``vocab_size``: valid IDs are ``[0, vocab_size)``. ``options``: vLLM's
+    splicing (``template.turn_end_ids`` are added to them). ``vocab_size``: valid IDs are ``[0, vocab_size)``. ``options``: vLLM's
     ``add_generation_prompt`` / ``continue_final_message`` / ``add_special_tokens``.
 
     Raises ``InvalidRequestError`` for malformed messages, token fields or prefix (param names the
@@ -119,11 +119,12 @@ def build_prompt(
         if options.add_special_tokens:
             before, after = special_tokens(template.tokenizer)
             ids = [*before, *ids, *after]
-        return PromptResult(token_ids=ids, text_tail=text[-TAIL_CHARS:], spliced=False)
+        return PromptResult(token_ids=ids, text_tail=template.visible(text)[-TAIL_CHARS:], spliced=False)
 
     k, prev_prompt, prev_generation = turn
     if not eos_token_ids:
         raise ValueError("eos_token_ids is required to splice token fields (pass the engine's eos_token_ids)")
+    eos_token_ids = list(dict.fromkeys([*eos_token_ids, *template.turn_end_ids]))
     if options.continue_final_message and k == len(messages) - 1:
         # The model continues its own turn: nothing of the template follows its tokens.
         ids, suffix_text = [*prev_prompt, *prev_generation], ""
@@ -142,7 +143,7 @@ def build_prompt(
         suffix_text = suffix.text
     if required_prefix is not None and ids[: len(required_prefix)] != list(required_prefix):
         raise prefix_mismatch(required_prefix, ids, k)
-    tail = suffix_text[-TAIL_CHARS:]
+    tail = template.visible(suffix_text)[-TAIL_CHARS:]
     if len(tail) < TAIL_CHARS:
         # The rendering before the suffix holds a sentinel, not the model's words: take the real
         # text of the prompt's last tokens instead (the tail only guides the reasoning parser).

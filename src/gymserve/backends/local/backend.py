@@ -49,6 +49,7 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
     def __init__(self, config, engine: Engine, tokenizer, *, max_queue: int = 1024):
         from gymserve.parsers import get_reasoning_parser, tool_call_parser_for
         from gymserve.prompting import ChatTemplate
+        from gymserve.prompting.harmony_template import BUILTIN_TEMPLATES
 
         # Back-pressure: max_batch_size calls in the engine, max_queue waiting, 429 beyond.
         self.limiter = Limiter(config.max_batch_size, max_queue, name="local backend")
@@ -60,11 +61,10 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
         self.tokenizer = tokenizer
         chat_template = None
         if config.chat_template:
-            with open(config.chat_template, encoding="utf-8") as f:
-                chat_template = f.read()
-        self.template = ChatTemplate(
-            tokenizer, chat_template=chat_template, default_kwargs=dict(config.chat_template_kwargs or {})
-        )
+            chat_template = BUILTIN_TEMPLATES.get(config.chat_template)
+            if chat_template is None:
+                with open(config.chat_template, encoding="utf-8") as f:
+                    chat_template = f.read()
         self.tool_parser, self.tool_parser_reason = tool_call_parser_for(
             config.tool_parser or "auto",
             model_type=engine.model_type,
@@ -72,6 +72,14 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
             chat_template=chat_template or getattr(tokenizer, "chat_template", None),
         )
         self.reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+        turn_ends = {getattr(p, "history_turn_end", None) for p in (self.tool_parser, self.reasoning_parser)}
+        self.template = ChatTemplate(
+            tokenizer,
+            chat_template=chat_template,
+            default_kwargs=dict(config.chat_template_kwargs or {}),
+            split_special_tokens=getattr(config, "split_special_tokens", True),
+            turn_end_tokens=sorted(t for t in turn_ends if t),
+        )
         self.stop_token_ids = tuple(dict.fromkeys([*engine.eos_token_ids, *(config.sampling.stop_token_ids or [])]))
 
     @classmethod
@@ -117,6 +125,17 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
         """The engine call for ``request`` (``request.prepare_call``: 400s for what is refused) and,
         per choice, the object that turns its tokens into chunks."""
         self.check_model(request.get("model"))
+        if self.tool_parser is not None and isinstance(request.get("messages"), list):
+            # The history's tool-call ids in the form the format's template accepts (Mistral).
+            request = {**request, "messages": self.tool_parser.history(request["messages"])}
+        effort, kwargs = request.get("reasoning_effort"), request.get("chat_template_kwargs")
+        if (
+            isinstance(effort, str)
+            and (kwargs is None or isinstance(kwargs, dict))
+            and "reasoning_effort" not in (kwargs or {})
+        ):
+            # As vllm serve does: templates that take an effort (harmony's "Reasoning: high") read it.
+            request = {**request, "chat_template_kwargs": {**(kwargs or {}), "reasoning_effort": effort}}
         call = prepare_call(
             request,
             template=self.template,

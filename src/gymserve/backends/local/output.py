@@ -63,8 +63,10 @@ class CallOutput:
         self.sampled = 0  # tokens the engine sampled for this choice (usage), known at end()
         self._head = {"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
         self._parser = ChatDeltas(
+            # No tools to parse calls for (tool_choice "none"): the parser still reads a channel
+            # format's framing (harmony), it just finds no calls.
             StreamingParser(
-                tool_parser if call.parse_tools else None, reasoning_parser, call.prompt.text_tail, call.tools
+                tool_parser, reasoning_parser, call.prompt.text_tail, call.tools if call.parse_tools else None
             ),
             (reasoning_field,),
         )
