@@ -1,8 +1,12 @@
-"""Request schemas for the OpenAPI document, generated from the openai SDK's own request types.
+"""Request schemas for the OpenAPI document, generated from the official SDKs' own request types.
 
-``CompletionCreateParams`` and ``ResponseCreateParams`` are the SDK's TypedDicts; pydantic turns
-them into JSON Schema. Their ``$defs`` are moved under ``components/schemas`` (OpenAPI resolves
-``$ref`` against the whole document), prefixed to avoid clashes between the two.
+``CompletionCreateParams`` and ``ResponseCreateParams`` are the openai SDK's TypedDicts,
+``MessageCreateParams`` the anthropic SDK's; pydantic turns them into JSON Schema. Their ``$defs``
+are moved under ``components/schemas`` (OpenAPI resolves ``$ref`` against the whole document),
+prefixed to avoid clashes between them. The Messages schema gains the sampling fields the API
+takes that this SDK release leaves out (``temperature``, ``top_p``, ``top_k``: Anthropic's
+``anthropic-version: 2023-06-01`` reference, vLLM's Messages endpoint) and gymserve's
+``chat_template_kwargs`` extension.
 """
 
 from __future__ import annotations
@@ -11,27 +15,43 @@ import json
 from functools import lru_cache
 from typing import Any
 
+_MESSAGES_EXTRAS = {
+    "temperature": {"type": "number", "minimum": 0, "maximum": 1, "title": "Temperature"},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1, "title": "Top P"},
+    "top_k": {"type": "integer", "minimum": 0, "title": "Top K"},
+    "chat_template_kwargs": {"type": "object", "title": "Chat Template Kwargs"},
+}
+
 
 @lru_cache(maxsize=1)
-def _schemas() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _schemas() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    from anthropic.types import MessageCountTokensParams, MessageCreateParams
     from openai.types.chat import CompletionCreateParams
     from openai.types.responses import ResponseCreateParams
     from pydantic import TypeAdapter
 
     components: dict[str, Any] = {}
     out = []
-    # Both are Unions of TypedDicts: typing special forms, which mypy will not take as a TypeAdapter's
-    # type[T], so the pair is typed Any (the adapters are TypeAdapter[Any] either way).
-    params: tuple[tuple[str, Any], ...] = (("Chat", CompletionCreateParams), ("Responses", ResponseCreateParams))
+    # All are Unions of TypedDicts: typing special forms, which mypy will not take as a TypeAdapter's
+    # type[T], so the tuple is typed Any (the adapters are TypeAdapter[Any] either way).
+    params: tuple[tuple[str, Any], ...] = (
+        ("Chat", CompletionCreateParams),
+        ("Responses", ResponseCreateParams),
+        ("Messages", MessageCreateParams),
+        ("Messages", MessageCountTokensParams),  # its $defs are the create request's, under the same names
+    )
     for prefix, typed in params:
         schema = TypeAdapter(typed).json_schema(ref_template=f"#/components/schemas/{prefix}{{model}}")
         for name, sub in schema.pop("$defs", {}).items():
             components[prefix + name] = sub
         out.append(schema)
-    chat, responses = json.loads(json.dumps(out[0])), json.loads(json.dumps(out[1]))
+    chat, responses, messages, count = (json.loads(json.dumps(schema)) for schema in out)
     # The SDK leaves `input` optional (stored conversations); gymserve stores none, so it is required.
     responses["required"] = sorted(set(responses.get("required", [])) | {"input"})
-    return chat, responses, components
+    for name in ("MessagesMessageCreateParamsNonStreaming", "MessagesMessageCreateParamsStreaming"):
+        components[name]["properties"].update(_MESSAGES_EXTRAS)
+    count.setdefault("properties", {})["chat_template_kwargs"] = _MESSAGES_EXTRAS["chat_template_kwargs"]
+    return chat, responses, messages, count, components
 
 
 def chat_request_schema() -> dict[str, Any]:
@@ -42,6 +62,10 @@ def responses_request_schema() -> dict[str, Any]:
     return _schemas()[1]
 
 
+def messages_request_schema() -> dict[str, Any]:
+    return _schemas()[2]
+
+
 def install_openapi(app) -> None:
     """Publish the SDK request schemas in ``app``'s OpenAPI document (built once, on first request)."""
     original = app.openapi
@@ -50,7 +74,7 @@ def install_openapi(app) -> None:
         if app.openapi_schema:
             return app.openapi_schema
         doc = original()
-        chat, responses, components = _schemas()
+        chat, responses, messages, count_schema, components = _schemas()
         doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
         error = {
             "description": "OpenAI error object",
@@ -60,10 +84,24 @@ def install_openapi(app) -> None:
                 }
             },
         }
+        anthropic_error = {
+            "description": "Anthropic error object",
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "properties": {"type": {"const": "error"}, "error": {"type": "object"}},
+                        "required": ["type", "error"],
+                    }
+                }
+            },
+        }
         for path, schema, summary in (
             ("/v1/chat/completions", chat, "Create a chat completion"),
             ("/v1/responses", responses, "Create a model response"),
+            ("/v1/messages", messages, "Create a message"),
         ):
+            errors = anthropic_error if path == "/v1/messages" else error
             doc["paths"][path] = {
                 "post": {
                     "summary": summary,
@@ -78,14 +116,26 @@ def install_openapi(app) -> None:
                                 "text/event-stream": {"schema": {"type": "string"}},
                             },
                         },
-                        "400": error,
-                        "401": error,
-                        "413": error,
-                        "429": error,
-                        "502": error,
+                        **{status: errors for status in ("400", "401", "413", "429", "502")},
+                        **({"529": errors} if path == "/v1/messages" else {}),
                     },
                 }
             }
+        doc["paths"]["/v1/messages/count_tokens"] = {
+            "post": {
+                "summary": "Count tokens in a message",
+                "operationId": "count_tokens_in_a_message",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": count_schema}}},
+                "responses": {
+                    "200": {
+                        "description": '{"input_tokens": N}: the prompt as generation would see it',
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    "400": anthropic_error,
+                    "501": anthropic_error,
+                },
+            }
+        }
         app.openapi_schema = doc
         return doc
 
