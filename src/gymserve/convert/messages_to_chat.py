@@ -261,17 +261,17 @@ def convert_tools(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(tool, dict):
             raise InvalidRequestError(f"{where} must be an object, got {json_type(tool)}", param=where)
         kind = tool.get("type")
+        if ("function" in tool or "parameters" in tool) and "input_schema" not in tool:
+            raise InvalidRequestError(
+                f"{where}.input_schema is required (this looks like an OpenAI tool; the Messages API puts name, "
+                'description and input_schema on the tool itself: {"name": ..., "input_schema": {...}})',
+                param=f"{where}.input_schema",
+            )
         if kind not in (None, "custom"):
             raise InvalidRequestError(
                 f"{where}.type {kind!r} is not supported: only client tools (name, description, input_schema) "
                 "can be given to this model; server tools run on Anthropic's side",
                 param=f"{where}.type",
-            )
-        if "function" in tool or "parameters" in tool:
-            raise InvalidRequestError(
-                f"{where}.input_schema is required (this looks like an OpenAI tool; the Messages API puts name, "
-                'description and input_schema on the tool itself: {"name": ..., "input_schema": {...}})',
-                param=f"{where}.input_schema",
             )
         name = tool.get("name")
         if not isinstance(name, str) or not name:
