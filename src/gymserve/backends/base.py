@@ -111,10 +111,12 @@ class Backend(ABC):
     async def count_tokens(self, request: MessagesRequest, ctx: RequestContext) -> int:
         """The prompt tokens a Messages request (``POST /v1/messages/count_tokens``: no
         ``max_tokens``) would have, as generation would see them. Raises ``NotSupportedError`` (501)
-        by default: only a backend that holds the tokenizer (local) or an upstream that counts
-        (anthropic) can answer."""
+        by default (after the request is checked, so bad input is still a 400): only a backend
+        that holds the tokenizer (local) or an upstream that counts (anthropic) can answer."""
+        from gymserve.convert.messages_to_chat import messages_to_chat
         from gymserve.errors import NotSupportedError
 
+        messages_to_chat(request, self.convert_options(), count_only=True)
         raise NotSupportedError(
             f"POST /v1/messages/count_tokens is not supported by the {self.name} backend: it does not hold the "
             "model's tokenizer. Use the local backend (backend.type: local), or an anthropic backend, whose "

@@ -3,10 +3,15 @@
 ``CompletionCreateParams`` and ``ResponseCreateParams`` are the openai SDK's TypedDicts,
 ``MessageCreateParams`` the anthropic SDK's; pydantic turns them into JSON Schema. Their ``$defs``
 are moved under ``components/schemas`` (OpenAPI resolves ``$ref`` against the whole document),
-prefixed to avoid clashes between them. The Messages schema gains the sampling fields the API
-takes that this SDK release leaves out (``temperature``, ``top_p``, ``top_k``: Anthropic's
-``anthropic-version: 2023-06-01`` reference, vLLM's Messages endpoint) and gymserve's
-``chat_template_kwargs`` extension.
+prefixed to avoid clashes between them.
+
+The Messages schema is the request gymserve serves, not all of Anthropic's: content blocks are the
+ones it converts (text, thinking, redacted_thinking, tool_use, tool_result with text), tools are
+client tools (no server tools, no ``container``: ``convert.messages_to_chat`` refuses the rest), and
+it gains the sampling fields the API takes that this SDK release leaves out (``temperature``,
+``top_p``, ``top_k``: Anthropic's ``anthropic-version: 2023-06-01`` reference, vLLM's Messages
+endpoint) and gymserve's ``chat_template_kwargs`` extension. Without the server-tool unions the
+schema is a fraction of the SDK's, which also keeps schema fuzzing affordable.
 """
 
 from __future__ import annotations
@@ -21,6 +26,67 @@ _MESSAGES_EXTRAS = {
     "top_k": {"type": "integer", "minimum": 0, "title": "Top K"},
     "chat_template_kwargs": {"type": "object", "title": "Chat Template Kwargs"},
 }
+# What messages_to_chat converts: anthropic.types names (params, and the response blocks the SDK
+# lets a harness pass back as they came).
+_SERVED_BLOCKS = frozenset(
+    {
+        "TextBlockParam",
+        "ThinkingBlockParam",
+        "RedactedThinkingBlockParam",
+        "ToolUseBlockParam",
+        "ToolResultBlockParam",
+        "TextBlock",
+        "ThinkingBlock",
+        "RedactedThinkingBlock",
+        "ToolUseBlock",
+    }
+)
+_REF = "#/components/schemas/"
+
+
+def _keep(union: Any, allowed: frozenset[str], prefix: str = "Messages") -> None:
+    """Drop from an ``anyOf`` of ``$ref``s (in place) the refs whose type is not in ``allowed``."""
+    if isinstance(union, dict) and isinstance(union.get("anyOf"), list):
+        union["anyOf"] = [
+            r for r in union["anyOf"] if r.get("$ref", "").removeprefix(_REF + prefix) in allowed or "$ref" not in r
+        ]
+
+
+def _refs(node: Any) -> set[str]:
+    if isinstance(node, dict):
+        found = {node["$ref"].removeprefix(_REF)} if isinstance(node.get("$ref"), str) else set()
+        return found.union(*(_refs(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_refs(v) for v in node))
+    return set()
+
+
+def _as_served(roots: list[dict[str, Any]], components: dict[str, Any]) -> None:
+    """Narrow the Messages components to the request gymserve serves (module docstring), in place,
+    and drop the components nothing refers to any more."""
+    for role in ("UserMessageParam", "AssistantMessageParam"):
+        content = components["Messages" + role]["properties"]["content"]
+        for option in content.get("anyOf", []):
+            _keep(option.get("items"), _SERVED_BLOCKS)
+    for option in components["MessagesToolResultBlockParam"]["properties"]["content"].get("anyOf", []):
+        _keep(option.get("items"), frozenset({"TextBlockParam"}))
+    for schema in (*roots, *(components[n] for n in _MESSAGES_ROOTS)):
+        properties = schema.get("properties", {})
+        properties.pop("container", None)
+        if "tools" in properties:
+            _keep(properties["tools"].get("items"), frozenset({"ToolParam"}))
+    reachable: set[str] = set()
+    todo = _refs(roots)
+    while todo:
+        name = todo.pop()
+        if name not in reachable and name in components:
+            reachable.add(name)
+            todo |= _refs(components[name])
+    for name in [n for n in components if n.startswith("Messages") and n not in reachable]:
+        del components[name]
+
+
+_MESSAGES_ROOTS = ("MessagesMessageCreateParamsNonStreaming", "MessagesMessageCreateParamsStreaming")
 
 
 @lru_cache(maxsize=1)
@@ -48,9 +114,11 @@ def _schemas() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str
     chat, responses, messages, count = (json.loads(json.dumps(schema)) for schema in out)
     # The SDK leaves `input` optional (stored conversations); gymserve stores none, so it is required.
     responses["required"] = sorted(set(responses.get("required", [])) | {"input"})
-    for name in ("MessagesMessageCreateParamsNonStreaming", "MessagesMessageCreateParamsStreaming"):
+    for name in _MESSAGES_ROOTS:
         components[name]["properties"].update(_MESSAGES_EXTRAS)
+        components[name]["properties"]["max_tokens"]["minimum"] = 1  # 0 (cache pre-warming) is refused here
     count.setdefault("properties", {})["chat_template_kwargs"] = _MESSAGES_EXTRAS["chat_template_kwargs"]
+    _as_served([messages, count], components)
     return chat, responses, messages, count, components
 
 
