@@ -241,18 +241,25 @@ def test_a_body_too_large_is_request_too_large(tiny_model_dir):
 
 
 def test_the_server_key_is_taken_as_x_api_key(tiny_model_dir):
+    """Anthropic's header (``x-api-key``) and the Bearer form recent anthropic SDKs send both work;
+    a wrong key is Anthropic's 401."""
     srv = _local(tiny_model_dir, api_key="s3cret-key")
+    root = srv.base_url.removesuffix("/v1")
+    body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
     try:
-        with pytest.raises(anthropic.AuthenticationError) as exc:
-            _client(srv, key="wrong").messages.create(
-                model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}]
-            )
-        assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "authentication_error"
-        assert "x-api-key" in exc.value.body["error"]["message"]
-        m = _client(srv, key="s3cret-key").messages.create(
-            model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}]
-        )
-        assert m.usage.output_tokens == 1
+        for headers, status in (
+            ({"x-api-key": "s3cret-key", "anthropic-version": "2023-06-01"}, 200),
+            ({"x-api-key": "wrong"}, 401),
+            ({}, 401),
+        ):
+            r = httpx.post(root + "/v1/messages", json=body, headers=headers, timeout=60)
+            assert r.status_code == status, r.text
+            if status == 401:
+                assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+                assert "x-api-key" in r.json()["error"]["message"]
+        with pytest.raises(anthropic.AuthenticationError):
+            _client(srv, key="wrong").messages.create(**body)
+        assert _client(srv, key="s3cret-key").messages.create(**body).usage.output_tokens == 1
     finally:
         srv.stop()
 
