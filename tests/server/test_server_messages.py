@@ -298,3 +298,18 @@ def test_openapi_documents_the_messages_routes(server):
     assert {"temperature", "top_k", "tools", "tool_choice", "stop_sequences", "system"} <= set(branch["properties"])
     assert "529" in create["responses"]
     assert "/v1/messages/count_tokens" in doc["paths"]
+
+
+def test_the_messages_schema_is_generated_from_the_installed_sdk():
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        import gen_messages_schema
+    finally:
+        sys.path.pop(0)
+    assert gen_messages_schema.OUT.read_text(encoding="utf-8") == gen_messages_schema.build(), (
+        "src/gymserve/server/messages_schema.json is out of date: run python scripts/gen_messages_schema.py"
+    )
