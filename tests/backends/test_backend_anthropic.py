@@ -300,3 +300,16 @@ async def test_chat_fields_an_anthropic_upstream_cannot_honour_are_refused(anthr
         assert not _posts(anthropic_fake)
     finally:
         await backend.close()
+
+
+async def test_check_probes_every_api(anthropic_fake):
+    from gymserve.check import run_check
+
+    report = await run_check(_config(anthropic_fake.url))
+    assert [(r.name, r.ok, r.required) for r in report.results] == [
+        ("models", True, False),
+        ("chat", True, True),
+        ("responses", True, True),
+        ("messages", True, True),
+    ]
+    assert CLOUD_KEY not in report.format()
