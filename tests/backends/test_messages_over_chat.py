@@ -17,7 +17,7 @@ from gymserve.backends.local import LocalBackend
 from gymserve.config import LocalBackendConfig, SamplingConfig, validate_config
 from gymserve.convert.messages_to_chat import messages_to_chat
 from gymserve.errors import InvalidRequestError
-from helpers.fakes import FakeServer, RawServer, ScriptedEngine, sse
+from helpers.fakes import RawServer, ScriptedEngine, sse
 from helpers.inprocess_ray import ray_over
 from helpers.messages import assemble
 
@@ -45,20 +45,6 @@ def _same(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _same(v) for k, v in obj.items() if k != "id"}
     return obj
-
-
-@pytest.fixture
-def servers():
-    started: list[FakeServer] = []
-
-    def start(handler):
-        server = FakeServer(handler).start()
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 def _chat_backend(start_server, answer: tuple[int, dict[str, Any]], url: str | None = None):

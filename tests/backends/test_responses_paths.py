@@ -19,7 +19,7 @@ from gymserve.backends.local import LocalBackend
 from gymserve.config import LocalBackendConfig, SamplingConfig, validate_config
 from gymserve.convert import responses_to_chat
 from gymserve.ray_cluster.backend import RayBackend
-from helpers.fakes import FakeServer, ScriptedEngine
+from helpers.fakes import ScriptedEngine
 from helpers.inprocess_ray import ray_over
 from helpers.spec import assert_valid_response
 
@@ -60,20 +60,6 @@ def _chat_backend(start_server, answer: tuple[int, dict[str, Any]]):
     return build_backend(
         validate_config({"backend": {"type": "chat", "base_urls": [server.url + "/v1"], "model": "policy"}})
     )
-
-
-@pytest.fixture
-def servers():
-    started: list[FakeServer] = []
-
-    def start(handler):
-        server = FakeServer(handler).start()
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,6 @@ An Anthropic upstream gives no token IDs, so its answers carry no training field
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -25,9 +24,7 @@ from typing import Any
 
 from gymserve.backends.base import RequestContext
 from gymserve.backends.remote import RemoteBackend
-from gymserve.backends.responses_over_chat import ChatAnswer
 from gymserve.backends.upstream import Transport, Upstream, secret_value
-from gymserve.convert import context_exceeded_chat_completion
 from gymserve.convert.chat_to_anthropic import ChunksFromEvents, chat_to_messages_request, message_to_chat_completion
 from gymserve.convert.chat_to_messages import context_exceeded_message
 from gymserve.convert.messages_stream import context_exceeded_events
@@ -131,28 +128,14 @@ class AnthropicBackend(RemoteBackend):
         a plain 4xx/5xx; an overflow yields ``context_exceeded_events``)."""
         return self._events({**self.upstream.messages_body(request), "stream": True}, ctx, request.get("model"))
 
-    async def _events(self, body: dict[str, Any], ctx: RequestContext, model: Any) -> AsyncIterator[dict[str, Any]]:
-        async with self.limiter.slot():
-            try:
-                stream, replica = await self.caller.call("messages", body, ctx, stream=True)
-            except ContextLengthExceededError:
-                for event in context_exceeded_events(self.config.served_model_name or model or ""):
-                    yield event
-                return
-            try:
-                async for event in stream:
-                    if (
-                        self.config.served_model_name
-                        and isinstance(event, dict)
-                        and event.get("type") == "message_start"
-                    ):
-                        event.setdefault("message", {})["model"] = self.config.served_model_name
-                    yield event
-            except Exception as exc:
-                raise self.caller.translate(exc, self.caller.url(replica, "messages"), "messages") from None
-            finally:
-                with contextlib.suppress(Exception):
-                    await stream.close()
+    def _events(self, body: dict[str, Any], ctx: RequestContext, model: Any) -> AsyncIterator[dict[str, Any]]:
+        return self._native_stream(
+            "messages",
+            body,
+            ctx,
+            lambda: context_exceeded_events(self.config.served_model_name or model or ""),
+            lambda event: event.get("message") if event.get("type") == "message_start" else None,
+        )
 
     async def count_tokens(self, request: MessagesRequest, ctx: RequestContext) -> int:
         """POST ``{base}/v1/messages/count_tokens``: the upstream's own count."""
@@ -169,24 +152,10 @@ class AnthropicBackend(RemoteBackend):
         return self.upstream.messages_body(converted)
 
     async def _chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
-        """The upstream's Message as a completion; raises ``ContextLengthExceededError`` on overflow."""
+        """The upstream's Message as a completion; raises ``ContextLengthExceededError`` on overflow
+        (``RemoteBackend.chat`` answers it with the empty length-terminated reply, ``answer`` leaves
+        it to the Responses path)."""
         return message_to_chat_completion(await self._messages(self._as_messages(request), ctx))
-
-    async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
-        """The chat request as a Messages call; an overflow gives the empty length-terminated reply."""
-        try:
-            return await self._chat(request, ctx)
-        except ContextLengthExceededError as exc:
-            log.info(
-                "context window exceeded upstream; answering with an empty length-terminated reply: %s", exc.message
-            )
-            return context_exceeded_chat_completion(
-                request, self.config.served_model_name or request.get("model") or ""
-            )
-
-    async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
-        """The completion for the Responses path, which answers an overflow itself."""
-        return ChatAnswer.of_completion(await self._chat(request, ctx))
 
     async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         """The upstream's Messages events as chat chunks (``ChunksFromEvents``); an overflow's events

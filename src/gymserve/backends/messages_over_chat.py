@@ -25,12 +25,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gymserve.backends.context import RequestContext
-from gymserve.backends.responses_over_chat import ChatAnswer, ChatSide
+from gymserve.backends.responses_over_chat import ChatAnswer, ChatSide, built_events
 from gymserve.convert import chat_to_response
 from gymserve.convert.chat_to_messages import context_exceeded_message, matched_stop_sequence, response_to_message
 from gymserve.convert.messages_stream import MessageStreamBuilder, context_exceeded_events
 from gymserve.convert.messages_to_chat import messages_to_chat
-from gymserve.errors import ContextLengthExceededError, GymserveError
+from gymserve.errors import ContextLengthExceededError
 from gymserve.protocol import ChatRequest, MessageDict, MessagesRequest
 
 log = logging.getLogger("gymserve.backends")
@@ -87,19 +87,5 @@ async def messages_stream_over_chat(
         return
     model = (first.get("model") if isinstance(first, dict) else None) or request.get("model") or ""
     builder = MessageStreamBuilder(model, stop_sequences=_stop_sequences(request))
-    for event in builder.start():
-        yield event
-    try:
-        if first is not None:
-            for event in builder.feed(first):
-                yield event
-            async for chunk in chunks:
-                for event in builder.feed(chunk):
-                    yield event
-        events = builder.finish()  # may find the upstream's token fields unusable
-    except GymserveError as exc:
-        for event in builder.fail(exc.status_code, exc.message):
-            yield event
-        return
-    for event in events:
+    async for event in built_events(builder, first, chunks, lambda exc: builder.fail(exc.status_code, exc.message)):
         yield event

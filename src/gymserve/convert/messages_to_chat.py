@@ -47,12 +47,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gymserve.convert.assistant_turn import assistant_message, new_turn, token_info_at
 from gymserve.convert.options import ConvertOptions
-from gymserve.convert.request_checks import json_type, number, without_nulls
+from gymserve.convert.request_checks import json_type, number, required_str, without_nulls
 from gymserve.errors import InvalidRequestError
-from gymserve.protocol import ChatRequest, MessagesRequest, TokenInfo, get_token_info
-from gymserve.wire.reasoning import REASONING_FIELDS
-from gymserve.wire.think import think_block
+from gymserve.protocol import ChatRequest, MessagesRequest, TokenInfo
 
 # Accepted, and nothing to do with them on a chat backend (see the module docstring).
 _IGNORED = frozenset(
@@ -167,10 +166,7 @@ def messages_to_chat(
     if builder.last_tokens is not None:
         # Only the last record is spliced: check it element by element (see get_token_info).
         info, where = builder.last_tokens
-        try:
-            get_token_info(dict(info))
-        except InvalidRequestError as e:
-            raise InvalidRequestError(f"{where}: {e.message}", param=f"{where}.{e.param}") from None
+        token_info_at(dict(info), where)
 
     chat: ChatRequest = {"messages": messages}
     if "model" in request:
@@ -179,12 +175,8 @@ def messages_to_chat(
         chat["tools"] = convert_tools(request["tools"])
     if request.get("tool_choice") is not None:
         _tool_choice(request["tool_choice"], chat)
-    kwargs = request.get("chat_template_kwargs")
+    kwargs = _of_type(request, "chat_template_kwargs", dict, "an object")
     if kwargs is not None:
-        if not isinstance(kwargs, dict):
-            raise InvalidRequestError(
-                f"chat_template_kwargs must be an object, got {json_type(kwargs)}", param="chat_template_kwargs"
-            )
         chat["chat_template_kwargs"] = kwargs
     if not count_only:
         _sampling(request, chat, options)
@@ -192,6 +184,15 @@ def messages_to_chat(
 
 
 # -- top-level fields -----------------------------------------------------------------------
+
+
+def _of_type(obj: dict[str, Any], key: str, kind: type, what: str, where: str | None = None) -> Any:
+    """``obj[key]`` (None when absent) checked to be a ``kind``; ``where`` names it in the error."""
+    value = obj.get(key)
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool) is not (kind is bool)):
+        path = where or key
+        raise InvalidRequestError(f"{path} must be {what}, got {json_type(value)}", param=path)
+    return value
 
 
 def _sampling(request: dict[str, Any], chat: ChatRequest, options: ConvertOptions) -> None:
@@ -211,33 +212,18 @@ def _sampling(request: dict[str, Any], chat: ChatRequest, options: ConvertOption
             )
         if stop:
             chat["stop"] = list(stop)
-    metadata = request.get("metadata")
-    if metadata is not None:
-        if not isinstance(metadata, dict):
-            raise InvalidRequestError(f"metadata must be an object, got {json_type(metadata)}", param="metadata")
-        user = metadata.get("user_id")
-        if user is not None and not isinstance(user, str):
-            raise InvalidRequestError(
-                f"metadata.user_id must be a string, got {json_type(user)}", param="metadata.user_id"
-            )
-        if user:
-            chat["user"] = user
-    config = request.get("output_config")
+    metadata = _of_type(request, "metadata", dict, "an object")
+    if metadata is not None and _of_type(metadata, "user_id", str, "a string", "metadata.user_id"):
+        chat["user"] = metadata["user_id"]
+    config = _of_type(request, "output_config", dict, "an object")
     if config is not None:
         _output_config(config, chat)
-    if "stream" in request and not isinstance(request["stream"], bool):
-        raise InvalidRequestError(f"stream must be true or false, got {json_type(request['stream'])}", param="stream")
+    _of_type(request, "stream", bool, "true or false")
 
 
-def _output_config(config: Any, chat: ChatRequest) -> None:
-    if not isinstance(config, dict):
-        raise InvalidRequestError(f"output_config must be an object, got {json_type(config)}", param="output_config")
-    effort = config.get("effort")
+def _output_config(config: dict[str, Any], chat: ChatRequest) -> None:
+    effort = _of_type(config, "effort", str, "a string", "output_config.effort")
     if effort is not None:
-        if not isinstance(effort, str):
-            raise InvalidRequestError(
-                f"output_config.effort must be a string, got {json_type(effort)}", param="output_config.effort"
-            )
         chat["reasoning_effort"] = effort
     fmt = config.get("format")
     if fmt is not None:
@@ -478,26 +464,13 @@ class _Builder:
 
     def _open_turn(self) -> dict[str, Any]:
         if self.turn is None:
-            self.turn = {"texts": [], "reasoning": [], "tool_calls": [], "tokens": None}
+            self.turn = new_turn()
         return self.turn
 
     def _flush_turn(self) -> None:
         turn, self.turn = self.turn, None
-        if turn is None:
-            return
-        content = "\n\n".join(turn["texts"]) or None
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        reasoning = "\n\n".join(turn["reasoning"])
-        mode = self.options.reasoning_mode
-        if reasoning and mode == "think_tags":
-            message["content"] = think_block(reasoning) + (content or "")
-        elif reasoning and mode in REASONING_FIELDS:
-            message[mode] = reasoning
-        if turn["tool_calls"]:
-            message["tool_calls"] = turn["tool_calls"]
-        if turn["tokens"] is not None:
-            message.update(turn["tokens"])
-        self.messages.append(message)
+        if turn is not None:
+            self.messages.append(assistant_message(turn, self.options))
 
 
 # -- blocks ---------------------------------------------------------------------------------
@@ -534,16 +507,8 @@ def _unsupported(kind: str, at: str) -> InvalidRequestError:
     return InvalidRequestError(f"{at}: {why}", param=f"{at}.type")
 
 
-def _required_str(block: dict[str, Any], key: str, at: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str) or not value:
-        got = "" if value is None else f", got {json_type(value) if not isinstance(value, str) else 'an empty string'}"
-        raise InvalidRequestError(f"{at}.{key} is required (a non-empty string){got}", param=f"{at}.{key}")
-    return value
-
-
 def _tool_use(block: dict[str, Any], at: str) -> dict[str, Any]:
-    call_id, name = _required_str(block, "id", at), _required_str(block, "name", at)
+    call_id, name = required_str(block, "id", at), required_str(block, "name", at)
     arguments = block.get("input")
     if not isinstance(arguments, dict):
         raise InvalidRequestError(
@@ -557,7 +522,7 @@ def _tool_use(block: dict[str, Any], at: str) -> dict[str, Any]:
 
 
 def _tool_result(block: dict[str, Any], at: str) -> dict[str, Any]:
-    call_id = _required_str(block, "tool_use_id", at)
+    call_id = required_str(block, "tool_use_id", at)
     content = block.get("content")
     if content is None:
         text = ""
@@ -586,8 +551,5 @@ def _tool_result(block: dict[str, Any], at: str) -> dict[str, Any]:
 
 
 def _tokens(obj: dict[str, Any], at: str) -> tuple[TokenInfo, str] | None:
-    try:
-        info = get_token_info(obj, deep=False)
-    except InvalidRequestError as e:
-        raise InvalidRequestError(f"{at}: {e.message}", param=f"{at}.{e.param}") from None
+    info = token_info_at(obj, at, deep=False)
     return None if info is None else (info, at)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gymserve.convert.assistant_turn import assistant_message, new_turn, token_info_at
 from gymserve.convert.options import ConvertOptions
-from gymserve.convert.request_checks import json_type, without_nulls
+from gymserve.convert.request_checks import json_type, required_str, without_nulls
 from gymserve.convert.responses_fields import (
     check_include,
     convert_text_format,
@@ -15,9 +16,7 @@ from gymserve.convert.responses_fields import (
     copy_sampling,
 )
 from gymserve.errors import InvalidRequestError
-from gymserve.protocol import ChatRequest, ResponsesRequest, get_token_info
-from gymserve.wire.reasoning import REASONING_FIELDS
-from gymserve.wire.think import think_block
+from gymserve.protocol import ChatRequest, ResponsesRequest
 
 _TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
@@ -96,10 +95,7 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
     if builder.last_tokens is not None:
         # Only the last token record is spliced; check it element by element (see get_token_info).
         info, where = builder.last_tokens
-        try:
-            get_token_info(dict(info))
-        except InvalidRequestError as e:
-            raise InvalidRequestError(f"{where}: {e.message}", param=f"{where}.{e.param}") from None
+        token_info_at(dict(info), where)
     if not messages:
         what = "is empty" if raw_input == [] else "holds no message text"
         raise InvalidRequestError(f"input {what}: give a string or at least one message item", param="input")
@@ -202,7 +198,7 @@ class _MessageBuilder:
         self._take_tokens(item, where)
 
     def _add_function_call(self, item: dict[str, Any], where: str) -> None:
-        call_id, name = _required_str(item, "call_id", where), _required_str(item, "name", where)
+        call_id, name = required_str(item, "call_id", where), required_str(item, "name", where)
         arguments = item.get("arguments")
         if isinstance(arguments, (dict, list)):
             arguments = json.dumps(arguments, ensure_ascii=False)
@@ -219,7 +215,7 @@ class _MessageBuilder:
         self._take_tokens(item, where)
 
     def _add_function_call_output(self, item: dict[str, Any], where: str) -> None:
-        call_id = _required_str(item, "call_id", where)
+        call_id = required_str(item, "call_id", where)
         output = item.get("output")
         if isinstance(output, str):
             content: Any = output
@@ -237,14 +233,11 @@ class _MessageBuilder:
 
     def _open_turn(self) -> dict[str, Any]:
         if self._turn is None:
-            self._turn = {"texts": [], "reasoning": [], "tool_calls": [], "tokens": None}
+            self._turn = new_turn()
         return self._turn
 
     def _take_tokens(self, item: dict[str, Any], where: str) -> None:
-        try:
-            info = get_token_info(item, deep=False)
-        except InvalidRequestError as e:
-            raise InvalidRequestError(f"{where}: {e.message}", param=f"{where}.{e.param}") from None
+        info = token_info_at(item, where, deep=False)
         if info is not None:
             self.last_tokens = (info, where)
             self._open_turn()["tokens"] = info
@@ -254,32 +247,11 @@ class _MessageBuilder:
 
     def _flush(self) -> None:
         turn, self._turn = self._turn, None
-        if turn is None:
-            return
-        content = "\n\n".join(turn["texts"]) or None
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        reasoning = "\n\n".join(turn["reasoning"])
-        mode = self.options.reasoning_mode
-        if reasoning and mode == "think_tags":
-            message["content"] = think_block(reasoning) + (content or "")
-        elif reasoning and mode in REASONING_FIELDS:
-            message[mode] = reasoning
-        if turn["tool_calls"]:
-            message["tool_calls"] = turn["tool_calls"]
-        if turn["tokens"] is not None:
-            message.update(turn["tokens"])
-        self.messages.append(message)
+        if turn is not None:
+            self.messages.append(assistant_message(turn, self.options))
 
 
 # -- content helpers -------------------------------------------------------------------------
-
-
-def _required_str(obj: dict[str, Any], key: str, where: str) -> str:
-    value = obj.get(key)
-    if not isinstance(value, str) or not value:
-        got = "" if value is None else f", got {json_type(value) if not isinstance(value, str) else 'an empty string'}"
-        raise InvalidRequestError(f"{where}.{key} is required (a non-empty string){got}", param=f"{where}.{key}")
-    return value
 
 
 def _parts(content: Any, path: str) -> list[dict[str, Any]]:
