@@ -145,3 +145,35 @@ async def test_a_stream_that_breaks_ends_with_an_error_event(servers):
         await chat.close()
     finally:
         raw.stop()
+
+
+async def test_clouds_answer_messages_through_their_chat_api(openai_fake, azure_fake):
+    """OpenAI and Azure (``api: chat``) serve /v1/messages through their Chat Completions API, as
+    clouds take it: no training fields in the history, ``max_completion_tokens``."""
+    from helpers.fakes import AZURE_VERSION, CLOUD_KEY
+
+    tokens = {"prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [-0.5]}
+    request = {
+        "model": "ignored",
+        "max_tokens": 16,
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello.", **tokens},
+            {"role": "user", "content": "Again?"},
+        ],
+    }
+    openai_backend = {"type": "openai", "base_url": openai_fake.url + "/v1", "api_key": CLOUD_KEY, "model": "gpt-test"}
+    azure = {"type": "azure", "endpoint": azure_fake.url, "api_key": CLOUD_KEY, "api_version": AZURE_VERSION}
+    for config, fake, text in (
+        (openai_backend, openai_fake, "hello from openai"),
+        ({**azure, "deployment": "dep"}, azure_fake, "hello from azure chat"),
+    ):
+        backend = build_backend(validate_config({"backend": {**config, "max_retries": 0}}))
+        try:
+            message = await backend.messages(request, RequestContext())
+        finally:
+            await backend.close()
+        assert message["content"] == [{"type": "text", "text": text}] and message["stop_reason"] == "end_turn"
+        sent = [r for r in fake.requests if r.path.endswith("/chat/completions")][-1].body
+        assert sent["max_completion_tokens"] == 16 and "max_tokens" not in sent
+        assert sent["messages"][1] == {"role": "assistant", "content": "Hello."}  # training fields stripped

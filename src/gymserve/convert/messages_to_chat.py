@@ -145,7 +145,7 @@ def messages_to_chat(
                 why = "code-execution containers run on Anthropic's side; gymserve has none"
             else:
                 why = "Extra inputs are not permitted"
-            raise InvalidRequestError(f"{key}: {why}", param=key, code="unsupported_parameter")
+            raise InvalidRequestError(f"{key or repr(key)}: {why}", param=key, code="unsupported_parameter")
     if "model" in request and not isinstance(request["model"], str):
         raise InvalidRequestError(f"model must be a string, got {json_type(request['model'])}", param="model")
 
