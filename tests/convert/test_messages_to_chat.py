@@ -267,6 +267,13 @@ def test_output_config_and_chat_template_kwargs():
     assert "thinking" not in chat and "cache_control" not in chat and "service_tier" not in chat
 
 
+def test_unknown_fields_are_ignored_as_vllm_does():
+    """New SDK releases and harness betas (``context_management``...) add fields faster than a server
+    can list them; the OpenAI APIs' fields are refused (above), anything else is left out."""
+    chat = messages_to_chat(_req([{"role": "user", "content": "q"}], context_management={"edits": []}, frobnicate=1))
+    assert chat == {"model": "m", "messages": [{"role": "user", "content": "q"}], "max_tokens": 16}
+
+
 def test_count_only_needs_no_max_tokens_and_takes_no_sampling():
     chat = messages_to_chat({"model": "m", "messages": [{"role": "user", "content": "q"}]}, count_only=True)
     assert chat == {"model": "m", "messages": [{"role": "user", "content": "q"}]}
@@ -298,8 +305,8 @@ def test_nulls_at_the_top_mean_absent():
         ({"max_completion_tokens": 5}, "max_completion_tokens", "use max_tokens"),
         ({"stop": ["x"]}, "stop", "use stop_sequences"),
         ({"input": "hi"}, "input", "use messages"),
-        ({"frobnicate": 1}, "frobnicate", "Extra inputs are not permitted"),
         ({"container": "c-1"}, "container", "containers"),
+        ({"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, "mcp_servers", "MCP connector"),
         ({"tool_choice": "auto"}, "tool_choice", "not a string"),
         ({"tool_choice": {"type": "tool"}}, "tool_choice.name", "name is required"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type", "server tools"),

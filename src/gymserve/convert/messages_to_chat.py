@@ -34,8 +34,10 @@ Rules, and where they come from:
   ``service_tier``, ``speed``, ``inference_geo``, ``diagnostics``, ``user_profile_id`` and
   ``workspace_id`` are accepted and change nothing here (hints for Anthropic's own service);
   ``chat_template_kwargs`` is carried as the engine extra vLLM's Messages endpoint also takes.
-  Any other field is a 400 (Anthropic: "Extra inputs are not permitted"); a Chat Completions or
-  Responses field names the Messages field to use.
+  Other fields are ignored, as vLLM's Messages endpoint and gymserve's Responses route do (new
+  SDK releases and harness betas add fields faster than a server can list them), except: a Chat
+  Completions or Responses field is a 400 naming the Messages field to use, and ``container`` /
+  ``mcp_servers`` (features Anthropic runs on its side) are a 400.
 
 Training fields (``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs``) come back
 on an assistant message — beside ``role`` and ``content``, or on one of its content blocks — and go
@@ -53,37 +55,11 @@ from gymserve.convert.request_checks import json_type, number, required_str, wit
 from gymserve.errors import InvalidRequestError
 from gymserve.protocol import ChatRequest, MessagesRequest, TokenInfo
 
-# Accepted, and nothing to do with them on a chat backend (see the module docstring).
-_IGNORED = frozenset(
-    {
-        "thinking",
-        "cache_control",
-        "service_tier",
-        "speed",
-        "inference_geo",
-        "diagnostics",
-        "user_profile_id",
-        "workspace_id",
-    }
-)
-_CONVERTED = frozenset(
-    {
-        "model",
-        "messages",
-        "system",
-        "max_tokens",
-        "stop_sequences",
-        "temperature",
-        "top_p",
-        "top_k",
-        "tools",
-        "tool_choice",
-        "metadata",
-        "output_config",
-        "stream",
-        "chat_template_kwargs",
-    }
-)
+# Features Anthropic runs on its side, which would silently change the answer if ignored.
+_SERVER_SIDE = {
+    "container": "code-execution containers run on Anthropic's side; gymserve has none",
+    "mcp_servers": "the MCP connector runs on Anthropic's side; give the tools as client tools",
+}
 # Fields of the OpenAI APIs sent here by mistake: what the Messages API calls them.
 _OTHER_API = {
     "max_completion_tokens": "use max_tokens",
@@ -140,12 +116,8 @@ def messages_to_chat(
                 param=key,
                 code="unsupported_parameter",
             )
-        if key not in _CONVERTED and key not in _IGNORED:
-            if key == "container":
-                why = "code-execution containers run on Anthropic's side; gymserve has none"
-            else:
-                why = "Extra inputs are not permitted"
-            raise InvalidRequestError(f"{key or repr(key)}: {why}", param=key, code="unsupported_parameter")
+        if key in _SERVER_SIDE:
+            raise InvalidRequestError(f"{key}: {_SERVER_SIDE[key]}", param=key, code="unsupported_parameter")
     if "model" in request and not isinstance(request["model"], str):
         raise InvalidRequestError(f"model must be a string, got {json_type(request['model'])}", param="model")
 
