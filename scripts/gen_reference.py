@@ -69,7 +69,8 @@ NOTES: dict[tuple[str, str], str] = {
     "`openai_gptoss`) on gymserve's side when the server sends no reasoning field.",
     ("ChatBackendConfig", "return_token_id_information"): "Ask the server for prompt/generation token IDs and "
     "log-probs (vLLM ≥ 0.10.2) and return them as training fields.",
-    ("_RemoteBackendConfig", "api_key"): "Upstream key (`Authorization: Bearer`; Azure: `api-key` header).",
+    ("_RemoteBackendConfig", "api_key"): "Upstream key (`Authorization: Bearer`; Azure: `api-key` header; "
+    "Anthropic: `x-api-key`).",
     ("_RemoteBackendConfig", "model"): "Model name sent upstream (Azure: falls back as the deployment name).",
     ("_RemoteBackendConfig", "num_concurrent_requests"): "Upstream calls in flight at once; more wait (see "
     "`server.max_queue`).",
@@ -89,6 +90,8 @@ NOTES: dict[tuple[str, str], str] = {
     ("_RemoteBackendConfig", "max_tokens_field"): "Where `max_output_tokens` goes (default: `max_tokens` for chat, "
     "`max_completion_tokens` for openai/azure).",
     ("OpenAIBackendConfig", "base_url"): "Where `/responses` and `/chat/completions` are appended.",
+    ("AnthropicBackendConfig", "base_url"): "The server root, where `/v1/messages` is appended (a trailing `/v1` "
+    "is dropped).",
     ("AzureBackendConfig", "endpoint"): "`https://RESOURCE.openai.azure.com` (an `/openai/...` tail is tolerated).",
     ("AzureBackendConfig", "deployment"): "Deployment name (default: one named in a `/deployments/NAME` endpoint, "
     "else `model`).",

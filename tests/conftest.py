@@ -131,6 +131,16 @@ def azure_fake():
         yield s
 
 
+@pytest.fixture
+def anthropic_fake():
+    """A fake Anthropic Messages API on 127.0.0.1 (``fakes.anthropic_handler``), key ``fakes.CLOUD_KEY``,
+    model ``claude-test``."""
+    from helpers.fakes import CLOUD_KEY, FakeServer, anthropic_handler
+
+    with FakeServer(anthropic_handler(CLOUD_KEY, model="claude-test")) as s:
+        yield s
+
+
 # ---------------------------------------------------------------- the model cache (tests/helpers/fake_store.py)
 @pytest.fixture
 def model_cache(tmp_path, monkeypatch) -> Path:

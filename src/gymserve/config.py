@@ -3,7 +3,7 @@
 Shape::
 
     server:  {host, port, api_key, admin_api_key, max_body_bytes, capture_path, max_queue, shutdown_timeout}
-    backend: {type: local | chat | openai | azure | ray, ...}
+    backend: {type: local | chat | openai | azure | anthropic | ray, ...}
 
 ``${var}`` in the YAML resolves against the keys of an ``env.yaml`` (beside the config file, or
 given) and ``${oc.env:VAR}`` against environment variables (OmegaConf interpolation, as NeMo Gym
@@ -459,6 +459,32 @@ class AzureBackendConfig(_RemoteBackendConfig):
         return f"{self.resource_endpoint}/openai/v1" if v1 else f"{self.resource_endpoint}/openai"
 
 
+class AnthropicBackendConfig(_RemoteBackendConfig):
+    """An Anthropic-compatible Messages API: Anthropic itself, or any server that speaks it.
+
+    ``base_url`` is the server root, as the anthropic SDK takes it (``https://api.anthropic.com``):
+    gymserve appends ``/v1/messages``, ``/v1/messages/count_tokens`` and ``/v1/models`` (a base
+    ending in ``/v1`` is taken as its root). The key travels as ``x-api-key`` (``api_key``; without
+    one the SDK reads ``ANTHROPIC_API_KEY``), with ``anthropic-version``. ``/v1/messages`` passes
+    through; chat and Responses requests are converted, with ``default_max_tokens`` where they give
+    no limit (the Messages API requires one).
+    """
+
+    type: Literal["anthropic"] = "anthropic"
+    base_url: str = Field(
+        "https://api.anthropic.com", validation_alias=AliasChoices("base_url", "policy_base_url", "anthropic_base_url")
+    )
+    anthropic_version: str = Field("2023-06-01", description="the anthropic-version header sent with every call")
+    default_max_tokens: int = Field(
+        4096, ge=1, description="max_tokens for a chat or Responses request that sets no limit"
+    )
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return _check_url(value, "base_url").removesuffix("/v1")
+
+
 class RayResourcesConfig(_Model):
     """What one replica reserves on the Ray cluster (one placement-group bundle per replica).
 
@@ -551,10 +577,16 @@ BACKENDS.register("local", "gymserve.backends.local:LocalBackend")
 BACKENDS.register("chat", "gymserve.backends.chat:ChatBackend")
 BACKENDS.register("openai", "gymserve.backends.openai_backend:OpenAIBackend")
 BACKENDS.register("azure", "gymserve.backends.azure:AzureBackend")
+BACKENDS.register("anthropic", "gymserve.backends.anthropic:AnthropicBackend")
 BACKENDS.register("ray", "gymserve.ray_cluster.backend:RayBackend")
 
 BackendConfig = Annotated[
-    LocalBackendConfig | ChatBackendConfig | OpenAIBackendConfig | AzureBackendConfig | RayBackendConfig,
+    LocalBackendConfig
+    | ChatBackendConfig
+    | OpenAIBackendConfig
+    | AzureBackendConfig
+    | AnthropicBackendConfig
+    | RayBackendConfig,
     Field(discriminator="type"),
 ]
 

@@ -12,8 +12,10 @@ gymserve adds only the training fields, the names NeMo RL's generation servers u
 - ``generation_token_ids``: ``list[int]``, the tokens it sampled (trailing EOS/stop trimmed);
 - ``generation_log_probs``: ``list[float]``, one log-probability (natural log) per generated token.
 
-They ride on the chat assistant message (``choices[0].message``) and on the last Responses output
-item of a model call, and come back on input items/messages of the next turn for the prefix splice.
+They ride on the chat assistant message (``choices[0].message``), on the last Responses output
+item of a model call and on the Anthropic ``Message`` itself (beside ``content``; streamed, on the
+``message_delta`` event), and come back on input items/messages of the next turn for the prefix
+splice.
 
 Beside them, a backend that knows its weights (the local one) says which weights generated the call
 (``VERSION_FIELDS``, named as SGLang names its ``weight_version``):
@@ -45,6 +47,10 @@ ResponsesRequest = dict[str, Any]
 """A Responses create request (``openai.types.responses.ResponseCreateParams`` shape)."""
 ResponseDict = dict[str, Any]
 """A ``Response`` as JSON (``openai.types.responses.Response`` shape) plus training fields on items."""
+MessagesRequest = dict[str, Any]
+"""An Anthropic Messages create request (``anthropic.types.MessageCreateParams`` shape)."""
+MessageDict = dict[str, Any]
+"""An Anthropic ``Message`` as JSON (``anthropic.types.Message`` shape) plus the training fields."""
 
 
 class TokenInfo(TypedDict):

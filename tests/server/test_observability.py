@@ -223,6 +223,36 @@ def test_capture_records_every_call_redacted(two_replicas, tmp_path):
     assert KEY not in path.read_text()
 
 
+def test_messages_calls_are_measured_and_captured(two_replicas, tmp_path):
+    """``/v1/messages``, streamed or not, counts in the metrics with its usage (Anthropic's
+    ``input_tokens`` / ``output_tokens``; streamed, the ``message_delta``'s) and is captured."""
+    a, _ = two_replicas
+    path = tmp_path / "calls.jsonl"
+    body = {"model": "policy", "max_tokens": 4, "messages": MSG}
+    with _chat_server([a.url + "/v1"], capture_path=str(path)) as srv:
+        root = srv.base_url.removesuffix("/v1")
+        assert httpx.post(root + "/v1/messages", json=body).status_code == 200
+        r = httpx.post(root + "/v1/messages", json={**body, "stream": True})
+        assert r.status_code == 200 and "event: message_stop" in r.text
+        assert httpx.post(root + "/v1/messages", json={"messages": MSG}).status_code == 400  # no max_tokens
+        m = _samples(httpx.get(root + "/metrics").text)
+    route = "/v1/messages"
+    assert _value(m, "gymserve_requests_total", route=route, status="200") == 2
+    assert _value(m, "gymserve_requests_total", route=route, status="400") == 1
+    assert _value(m, "gymserve_tokens_total", direction="in") == 10  # fake usage: 5 in, 1 out
+    assert _value(m, "gymserve_tokens_total", direction="out") == 2
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(x["route"], x["status"], x["stream"]) for x in lines] == [
+        (route, 200, False),
+        (route, 200, True),
+        (route, 400, False),
+    ]
+    assert lines[0]["response"]["type"] == "message" and lines[0]["response"]["content"][0]["text"] == "from r0"
+    assert lines[1]["response"]["usage"]["output_tokens"] == 1
+    assert [e["type"] for e in lines[1]["response"]["events"]][-2:] == ["message_delta", "message_stop"]
+    assert "max_tokens is required" in lines[2]["error"]["error"]["message"]
+
+
 def test_capture_flag_and_config():
     from gymserve.cli import build_parser, serve_overrides
 

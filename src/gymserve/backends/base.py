@@ -1,7 +1,8 @@
 """The backend contract: everything the server (and ``gymserve check``) may use of a backend.
 
-``chat`` answers a Chat Completions request; ``responses`` answers a Responses request, by default
-by converting to chat and back (Responses-native clouds override it). Streaming variants yield
+``chat`` answers a Chat Completions request; ``responses`` answers a Responses request and
+``messages`` an Anthropic Messages request, by default by converting to chat and back (Responses-
+native clouds override ``responses``, the Anthropic backend ``messages``). Streaming variants yield
 already-shaped chunks/events. Replica pools, session affinity, retries and concurrency limits live
 in the backends, once. Nothing outside ``gymserve.backends`` (and ``gymserve.ray_cluster``) reads
 a backend attribute this class does not declare.
@@ -15,8 +16,16 @@ from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gymserve.backends.context import RequestContext
+from gymserve.backends.messages_over_chat import messages_over_chat, messages_stream_over_chat
 from gymserve.backends.responses_over_chat import ChatAnswer, responses_over_chat, responses_stream_over_chat
-from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest
+from gymserve.protocol import (
+    ChatCompletionDict,
+    ChatRequest,
+    MessageDict,
+    MessagesRequest,
+    ResponseDict,
+    ResponsesRequest,
+)
 
 __all__ = ["Backend", "RequestContext"]
 
@@ -86,6 +95,36 @@ class Backend(ABC):
         ``responses_over_chat``). The first chat chunk is awaited before ``response.created`` is
         yielded, so a request the backend rejects fails as a plain 4xx, not inside a 200 stream."""
         return responses_stream_over_chat(self, request, ctx)
+
+    # ---- Anthropic Messages API ----------------------------------------------------------------
+
+    async def messages(self, request: MessagesRequest, ctx: RequestContext) -> MessageDict:
+        """An Anthropic ``Message`` dict (training fields beside ``content``): by default convert →
+        ``answer`` → convert back (see ``messages_over_chat``); a prompt that fills the context
+        window gives the empty Message with ``stop_reason: model_context_window_exceeded``."""
+        return await messages_over_chat(self, request, ctx)
+
+    def messages_stream(self, request: MessagesRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """Messages streaming events (``message_start`` … ``message_stop``): by default built from
+        ``chat_stream`` (see ``messages_over_chat``); the first chat chunk is awaited first, so a
+        rejected request fails as a plain 4xx."""
+        return messages_stream_over_chat(self, request, ctx)
+
+    async def count_tokens(self, request: MessagesRequest, ctx: RequestContext) -> int:
+        """The prompt tokens a Messages request (``POST /v1/messages/count_tokens``: no
+        ``max_tokens``) would have, as generation would see them. Raises ``NotSupportedError`` (501)
+        by default (after the request is checked, so bad input is still a 400): only a backend
+        that holds the tokenizer (local) or an upstream that counts (anthropic) can answer."""
+        from gymserve.convert.messages_to_chat import messages_to_chat
+        from gymserve.errors import NotSupportedError
+
+        messages_to_chat(request, self.convert_options(), count_only=True)
+        raise NotSupportedError(
+            f"POST /v1/messages/count_tokens is not supported by the {self.name} backend: it does not hold the "
+            "model's tokenizer. Use the local backend (backend.type: local), or an anthropic backend, whose "
+            "upstream counts",
+            code="count_tokens_not_supported",
+        )
 
     async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
         """The whole answer to a chat request, for the Responses path: ``chat``'s completion by

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
@@ -267,25 +267,36 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
         self._refuse_token_prefix(request)
         return self._native_responses_stream(request, ctx)
 
-    async def _native_responses_stream(
-        self, request: ResponsesRequest, ctx: RequestContext
-    ) -> AsyncIterator[dict[str, Any]]:
+    def _native_responses_stream(self, request: ResponsesRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         body = {**self.upstream.responses_body(request), "stream": True}
+        return self._native_stream(
+            "responses", body, ctx, lambda: overflow_events(request), lambda e: e.get("response")
+        )
+
+    async def _native_stream(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        ctx: RequestContext,
+        overflow: Callable[[], list[dict[str, Any]]],
+        named: Callable[[dict[str, Any]], Any],
+    ) -> AsyncIterator[dict[str, Any]]:
+        """An upstream's own event stream for ``body`` on its ``kind`` API, passed through: an error
+        before the first event raises (a plain 4xx/5xx), a context-window overflow yields
+        ``overflow()``, and ``named(event)`` — the object in an event that names the model, if any —
+        gets ``served_model_name``."""
         async with self.limiter.slot():
             try:
-                stream, replica = await self.caller.call("responses", body, ctx, stream=True)
+                stream, replica = await self.caller.call(kind, body, ctx, stream=True)
             except ContextLengthExceededError:
-                for event in overflow_events(request):
+                for event in overflow():
                     yield event
                 return
             async with contextlib.aclosing(
-                self.caller.events(stream, replica, "responses", ctx, require_events=False)
+                self.caller.events(stream, replica, kind, ctx, require_events=False)
             ) as events:
                 async for event in events:
-                    if (
-                        self.config.served_model_name
-                        and isinstance(event, dict)
-                        and isinstance(event.get("response"), dict)
-                    ):
-                        event["response"]["model"] = self.config.served_model_name
+                    holder = named(event) if self.config.served_model_name and isinstance(event, dict) else None
+                    if isinstance(holder, dict):
+                        holder["model"] = self.config.served_model_name
                     yield event

@@ -19,7 +19,7 @@ context-window overflow:
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -157,6 +157,29 @@ async def responses_stream_over_chat(
     except InvalidRequestError as exc:
         raise paths.translate(exc) from None
     builder = ResponseStreamBuilder(request)
+    async for event in built_events(builder, first, chunks, lambda exc: builder.fail(exc.message)):
+        yield event
+
+
+class StreamBuilder(Protocol):
+    """What :func:`built_events` drives: ``ResponseStreamBuilder``, ``MessageStreamBuilder``."""
+
+    def start(self) -> list[dict[str, Any]]: ...
+
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def finish(self) -> list[dict[str, Any]]: ...
+
+
+async def built_events(
+    builder: StreamBuilder,
+    first: dict[str, Any] | None,
+    chunks: AsyncIterator[dict[str, Any]],
+    fail: Callable[[GymserveError], list[dict[str, Any]]],
+) -> AsyncIterator[dict[str, Any]]:
+    """A stream builder's events for ``first`` and the rest of ``chunks``: its start, what each chunk
+    adds, its finish; a ``GymserveError`` on the way (or in ``finish``, which may find the
+    upstream's token fields unusable) ends the stream with ``fail(exc)`` instead."""
     for event in builder.start():
         yield event
     try:
@@ -166,9 +189,9 @@ async def responses_stream_over_chat(
             async for chunk in chunks:
                 for event in builder.feed(chunk):
                     yield event
-        events = builder.finish()  # may find the upstream's token fields unusable
+        events = builder.finish()
     except GymserveError as exc:
-        for event in builder.fail(exc.message):
+        for event in fail(exc):
             yield event
         return
     for event in events:

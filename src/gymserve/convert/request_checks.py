@@ -146,6 +146,16 @@ def number(
     return value
 
 
+def required_str(obj: dict[str, Any], key: str, where: str) -> str:
+    """``obj[key]`` checked as a non-empty string; raises ``InvalidRequestError`` (param
+    ``where.key``): "``where.key`` is required (a non-empty string), got …"."""
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        got = "" if value is None else f", got {json_type(value) if not isinstance(value, str) else 'an empty string'}"
+        raise InvalidRequestError(f"{where}.{key} is required (a non-empty string){got}", param=f"{where}.{key}")
+    return value
+
+
 def without_nulls(request: dict[str, Any]) -> dict[str, Any]:
     """``request`` without its top-level ``null`` fields (a new dict only when there are some)."""
     if any(v is None for v in request.values()):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gymserve.convert.assistant_turn import assistant_message, new_turn, token_info_at
 from gymserve.convert.field_paths import FieldPaths
 from gymserve.convert.input_content import plain_text, reasoning_text, user_content
 from gymserve.convert.options import ConvertOptions
-from gymserve.convert.request_checks import json_type, without_nulls
+from gymserve.convert.request_checks import json_type, required_str, without_nulls
 from gymserve.convert.responses_fields import (
     check_include,
     convert_text_format,
@@ -17,9 +18,8 @@ from gymserve.convert.responses_fields import (
     copy_sampling,
 )
 from gymserve.errors import InvalidRequestError
-from gymserve.protocol import ChatRequest, ResponsesRequest, get_token_info
+from gymserve.protocol import ChatRequest, ResponsesRequest
 from gymserve.wire.reasoning import REASONING_FIELDS
-from gymserve.wire.think import think_block
 
 
 def responses_to_chat(
@@ -101,10 +101,7 @@ def responses_to_chat(
     if builder.last_tokens is not None:
         # Only the last token record is spliced; check it element by element (see get_token_info).
         info, where = builder.last_tokens
-        try:
-            get_token_info(dict(info))
-        except InvalidRequestError as e:
-            raise InvalidRequestError(f"{where}: {e.message}", param=f"{where}.{e.param}") from None
+        token_info_at(dict(info), where)
     if not messages:
         what = "is empty" if raw_input == [] else "holds no message text"
         raise InvalidRequestError(f"input {what}: give a string or at least one message item", param="input")
@@ -224,7 +221,7 @@ class _MessageBuilder:
         self._take_tokens(item, where)
 
     def _add_function_call(self, item: dict[str, Any], where: str) -> None:
-        call_id, name = _required_str(item, "call_id", where), _required_str(item, "name", where)
+        call_id, name = required_str(item, "call_id", where), required_str(item, "name", where)
         arguments = item.get("arguments")
         if isinstance(arguments, (dict, list)):
             arguments = json.dumps(arguments, ensure_ascii=False)
@@ -242,7 +239,7 @@ class _MessageBuilder:
         self._take_tokens(item, where)
 
     def _add_function_call_output(self, item: dict[str, Any], where: str) -> None:
-        call_id = _required_str(item, "call_id", where)
+        call_id = required_str(item, "call_id", where)
         output = item.get("output")
         if isinstance(output, str):
             content: Any = output
@@ -261,14 +258,11 @@ class _MessageBuilder:
 
     def _open_turn(self, where: str) -> dict[str, Any]:
         if self._turn is None:
-            self._turn = {"texts": [], "reasoning": [], "tool_calls": [], "tokens": None, "origin": {"": where}}
+            self._turn = {**new_turn(), "origin": {"": where}}
         return self._turn
 
     def _take_tokens(self, item: dict[str, Any], where: str) -> None:
-        try:
-            info = get_token_info(item, deep=False)
-        except InvalidRequestError as e:
-            raise InvalidRequestError(f"{where}: {e.message}", param=f"{where}.{e.param}") from None
+        info = token_info_at(item, where, deep=False)
         if info is not None:
             self.last_tokens = (info, where)
             turn = self._open_turn(where)
@@ -280,21 +274,8 @@ class _MessageBuilder:
 
     def _flush(self) -> None:
         turn, self._turn = self._turn, None
-        if turn is None:
-            return
-        content = "\n\n".join(turn["texts"]) or None
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        reasoning = "\n\n".join(turn["reasoning"])
-        mode = self.options.reasoning_mode
-        if reasoning and mode == "think_tags":
-            message["content"] = think_block(reasoning) + (content or "")
-        elif reasoning and mode in REASONING_FIELDS:
-            message[mode] = reasoning
-        if turn["tool_calls"]:
-            message["tool_calls"] = turn["tool_calls"]
-        if turn["tokens"] is not None:
-            message.update(turn["tokens"])
-        self._append(message, turn["origin"])
+        if turn is not None:
+            self._append(assistant_message(turn, self.options), turn["origin"])
 
 
 # -- content helpers -------------------------------------------------------------------------
@@ -303,11 +284,3 @@ class _MessageBuilder:
 def _item_origin(where: str) -> dict[str, str]:
     """The origin of a message built from one message item (``field_paths.FieldPaths``)."""
     return {"": where, "content": f"{where}.content", "role": f"{where}.role"}
-
-
-def _required_str(obj: dict[str, Any], key: str, where: str) -> str:
-    value = obj.get(key)
-    if not isinstance(value, str) or not value:
-        got = "" if value is None else f", got {json_type(value) if not isinstance(value, str) else 'an empty string'}"
-        raise InvalidRequestError(f"{where}.{key} is required (a non-empty string){got}", param=f"{where}.{key}")
-    return value

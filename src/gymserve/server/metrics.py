@@ -26,13 +26,20 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 def usage_tokens(result: Any) -> tuple[int, int]:
-    """``(tokens in, tokens out)`` from a chat completion's or a Response's ``usage`` (0 if absent)."""
+    """``(tokens in, tokens out)`` from a chat completion's, a Response's or an Anthropic Message's
+    ``usage`` (0 if absent); a Message's prompt is ``input_tokens`` plus its cache reads and writes
+    (Anthropic: "total input tokens is the sum of input_tokens, cache_creation_input_tokens and
+    cache_read_input_tokens")."""
     usage = result.get("usage") if isinstance(result, dict) else None
     if not isinstance(usage, dict):
         return 0, 0
     tin = usage.get("prompt_tokens", usage.get("input_tokens"))
     tout = usage.get("completion_tokens", usage.get("output_tokens"))
-    return (tin if isinstance(tin, int) else 0), (tout if isinstance(tout, int) else 0)
+    tin = tin if isinstance(tin, int) else 0
+    for cached in ("cache_read_input_tokens", "cache_creation_input_tokens"):
+        if isinstance(usage.get(cached), int):
+            tin += usage[cached]
+    return tin, (tout if isinstance(tout, int) else 0)
 
 
 class _QueueCollector:

@@ -1,17 +1,25 @@
-"""Request schemas for the OpenAPI document, generated from the openai SDK's own request types.
+"""Request schemas for the OpenAPI document, generated from the official SDKs' own request types.
 
-``CompletionCreateParams`` (chat and legacy completions) and ``ResponseCreateParams`` are the SDK's
-TypedDicts; pydantic turns them into JSON Schema. Their ``$defs`` are moved under
-``components/schemas`` (OpenAPI resolves ``$ref`` against the whole document), prefixed to avoid
-clashes. ``/tokenize`` and ``/detokenize`` have no SDK type: their schemas are vLLM's request models
-(``TokenizeCompletionRequest`` | ``TokenizeChatRequest``, ``DetokenizeRequest``) written here as
-pydantic models with the same fields.
+``CompletionCreateParams`` (chat and legacy completions) and ``ResponseCreateParams`` are the
+openai SDK's TypedDicts; pydantic turns them into JSON Schema when the document is first asked for.
+Their ``$defs`` are moved under ``components/schemas`` (OpenAPI resolves ``$ref`` against the whole
+document), prefixed to avoid clashes. ``/tokenize`` and ``/detokenize`` have no SDK type: their
+schemas are vLLM's request models (``TokenizeCompletionRequest`` | ``TokenizeChatRequest``,
+``DetokenizeRequest``) written here as pydantic models with the same fields.
+
+The Messages schemas (``POST /v1/messages`` and ``/v1/messages/count_tokens``) come from the
+anthropic SDK's ``MessageCreateParams`` and ``MessageCountTokensParams`` the same way, but ahead of
+time: ``scripts/gen_messages_schema.py`` writes them to ``messages_schema.json`` beside this module
+(a test checks it is current), because importing ``anthropic.types`` takes seconds — longer than a
+client waits for ``/openapi.json``. See that script for how they are narrowed to what gymserve
+serves.
 """
 
 from __future__ import annotations
 
 import json
 from functools import lru_cache
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,9 +61,13 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
+MESSAGES_SCHEMA_FILE = "messages_schema.json"
+
+
 @lru_cache(maxsize=1)
 def _schemas() -> dict[str, Any]:
-    """``{"chat", "responses", "completions", "tokenize", "detokenize", "components"}``."""
+    """``{"chat", "responses", "completions", "tokenize", "detokenize", "messages", "count_tokens",
+    "components"}``."""
     from openai.types import CompletionCreateParams as LegacyCompletionCreateParams
     from openai.types.chat import CompletionCreateParams
     from openai.types.responses import ResponseCreateParams
@@ -79,6 +91,9 @@ def _schemas() -> dict[str, Any]:
         out[key] = json.loads(json.dumps(schema))
     # The SDK leaves `input` optional (stored conversations); gymserve stores none, so it is required.
     out["responses"]["required"] = sorted(set(out["responses"].get("required", [])) | {"input"})
+    generated = json.loads((Path(__file__).with_name(MESSAGES_SCHEMA_FILE)).read_text(encoding="utf-8"))
+    components.update(generated["components"])
+    out["messages"], out["count_tokens"] = generated["create"], generated["count_tokens"]
     out["components"] = components
     return out
 
@@ -89,6 +104,10 @@ def chat_request_schema() -> dict[str, Any]:
 
 def responses_request_schema() -> dict[str, Any]:
     return _schemas()["responses"]
+
+
+def messages_request_schema() -> dict[str, Any]:
+    return _schemas()["messages"]
 
 
 def install_openapi(app) -> None:
@@ -109,13 +128,27 @@ def install_openapi(app) -> None:
                 }
             },
         }
+        anthropic_error = {
+            "description": "Anthropic error object",
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "properties": {"type": {"const": "error"}, "error": {"type": "object"}},
+                        "required": ["type", "error"],
+                    }
+                }
+            },
+        }
         for path, schema, summary in (
             ("/v1/chat/completions", schemas["chat"], "Create a chat completion"),
             ("/v1/responses", schemas["responses"], "Create a model response"),
             ("/v1/completions", schemas["completions"], "Create a completion"),
             ("/tokenize", schemas["tokenize"], "Tokenize a prompt or chat messages"),
             ("/detokenize", schemas["detokenize"], "Detokenize token IDs"),
+            ("/v1/messages", schemas["messages"], "Create a message"),
         ):
+            errors = anthropic_error if path == "/v1/messages" else error
             doc["paths"][path] = {
                 "post": {
                     "summary": summary,
@@ -130,15 +163,26 @@ def install_openapi(app) -> None:
                                 "text/event-stream": {"schema": {"type": "string"}},
                             },
                         },
-                        "400": error,
-                        "401": error,
-                        "413": error,
-                        "429": error,
-                        "501": error,
-                        "502": error,
+                        **{status: errors for status in ("400", "401", "413", "429", "501", "502")},
+                        **({"529": errors} if path == "/v1/messages" else {}),
                     },
                 }
             }
+        doc["paths"]["/v1/messages/count_tokens"] = {
+            "post": {
+                "summary": "Count tokens in a message",
+                "operationId": "count_tokens_in_a_message",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": schemas["count_tokens"]}}},
+                "responses": {
+                    "200": {
+                        "description": '{"input_tokens": N}: the prompt as generation would see it',
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    "400": anthropic_error,
+                    "501": anthropic_error,
+                },
+            }
+        }
         app.openapi_schema = doc
         return doc
 

@@ -31,8 +31,8 @@ from gymserve.backends.pool import Limiter
 from gymserve.backends.responses_over_chat import ChatAnswer
 from gymserve.convert import ChunkAccumulator
 from gymserve.engine.base import Engine
-from gymserve.errors import InvalidRequestError
-from gymserve.protocol import ChatCompletionDict, ChatRequest
+from gymserve.errors import ContextLengthExceededError, InvalidRequestError
+from gymserve.protocol import ChatCompletionDict, ChatRequest, MessagesRequest
 from gymserve.wire.ids import new_id
 
 
@@ -193,6 +193,20 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
         completion["choices"] = [c["choices"][0] for c in completions]
         completion["usage"] = _usage(call, outputs)
         return completion
+
+    async def count_tokens(self, request: MessagesRequest, ctx: RequestContext) -> int:
+        """The prompt length of a Messages request as the engine would see it (chat template, tools,
+        the prefix splice), even when it fills the context window; no engine slot is taken."""
+        from gymserve.convert.messages_to_chat import messages_to_chat
+
+        chat = messages_to_chat(request, self.convert_options(), count_only=True)
+        try:
+            call, _ = self._prepare({**chat, "max_tokens": 1})
+        except ContextLengthExceededError as exc:
+            if exc.prompt_tokens is None:
+                raise
+            return exc.prompt_tokens
+        return len(call.prompt.token_ids)
 
     async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         """Chunks of one streamed call (``stream.stream_chunks``); each choice holds an engine slot
