@@ -7,6 +7,8 @@ so NeMo Gym's strict input validation accepts it too) — sent at concurrency 1,
 - ``direct``: the equivalent Chat Completions request (gymserve's own ``responses_to_chat`` of the
   same body, computed once up front) straight to the fake backend — the baseline;
 - ``gymserve``: ``POST /v1/responses`` to ``gymserve serve --backend chat`` (its own process);
+- ``gymserve-messages``: the same conversation as an Anthropic Messages request, ``POST /v1/messages``
+  to the same gymserve (``messages_request``);
 - ``nemo-gym``: ``POST /v1/responses`` to NeMo Gym 0.7.0's ``vllm_model`` server (the peer, its
   own process, ``.venv-nemo``, built on first use by ``bench/common.py``).
 
@@ -121,6 +123,48 @@ def responses_request(target_bytes: int, model: str = "fake") -> dict[str, Any]:
     return req
 
 
+def messages_request(resp_req: dict[str, Any]) -> dict[str, Any]:
+    """The same conversation as ``resp_req`` as an Anthropic Messages create request: instructions →
+    ``system``, function calls → ``tool_use`` blocks of the assistant turn, their outputs →
+    ``tool_result`` blocks of the next user turn."""
+    messages: list[dict[str, Any]] = []
+
+    def add(role: str, block: dict[str, Any]) -> None:
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"].append(block)
+        else:
+            messages.append({"role": role, "content": [block]})
+
+    for item in resp_req["input"]:
+        if item["type"] == "function_call":
+            add(
+                "assistant",
+                {
+                    "type": "tool_use",
+                    "id": item["call_id"],
+                    "name": item["name"],
+                    "input": json.loads(item["arguments"]),
+                },
+            )
+        elif item["type"] == "function_call_output":
+            add("user", {"type": "tool_result", "tool_use_id": item["call_id"], "content": item["output"]})
+        elif item["role"] == "assistant":
+            add("assistant", {"type": "text", "text": "".join(p["text"] for p in item["content"])})
+        else:
+            add("user", {"type": "text", "text": item["content"]})
+    tools = [
+        {"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in resp_req["tools"]
+    ]
+    return {
+        "model": resp_req["model"],
+        "system": resp_req["instructions"],
+        "messages": messages,
+        "tools": tools,
+        "max_tokens": resp_req["max_output_tokens"],
+        "temperature": resp_req["temperature"],
+    }
+
+
 def chat_request(resp_req: dict[str, Any]) -> dict[str, Any]:
     """The Chat Completions request gymserve's chat backend sends for ``resp_req``."""
     from gymserve.convert import ConvertOptions, responses_to_chat
@@ -231,6 +275,7 @@ def run(args) -> dict[str, Any]:
         targets = {
             "direct": (f"{upstream}/chat/completions", fake.pid),
             "gymserve": (f"http://127.0.0.1:{gs.port}/v1/responses", gs.pid),
+            "gymserve-messages": (f"http://127.0.0.1:{gs.port}/v1/messages", gs.pid),
         }
         for spec in args.variant or []:
             vname, _, vcmd = spec.partition("=")
@@ -253,7 +298,11 @@ def run(args) -> dict[str, Any]:
         rows = []
         for kb in sizes:
             req = responses_request(kb * 1024)
-            bodies = {"direct": json.dumps(chat_request(req)).encode(), "gymserve": json.dumps(req).encode()}
+            bodies = {
+                "direct": json.dumps(chat_request(req)).encode(),
+                "gymserve": json.dumps(req).encode(),
+                "gymserve-messages": json.dumps(messages_request(req)).encode(),
+            }
             for c in concs:
                 n = n_c1 if c == 1 else n_cx
                 for name, (url, pid) in targets.items():
@@ -270,7 +319,7 @@ def run(args) -> dict[str, Any]:
                     cell.update(target=name, kb=kb, body_bytes=len(bodies.get(name, bodies["gymserve"])), concurrency=c)
                     rows.append(cell)
                     print(
-                        f"  {kb:>3} KB c={c:<3} {name:<9} {cell['rps']:8.0f} req/s  p50 {cell['p50_ms']:7.2f} ms  "
+                        f"  {kb:>3} KB c={c:<3} {name:<17} {cell['rps']:8.0f} req/s  p50 {cell['p50_ms']:7.2f} ms  "
                         f"p99 {cell['p99_ms']:7.2f} ms  cpu {cell['cpu_s_per_1k']:6.2f} s/1k  (n={cell['n']}, "
                         f"errors={cell['errors']})",
                         file=sys.stderr,
@@ -353,7 +402,7 @@ def report(res: dict[str, Any]) -> str:
                 "server CPU s/1k req",
             ],
             table_rows,
-            "Responses gateway over a fake chat backend (CPU: the measured server process; "
+            "Responses (and Messages) gateway over a fake chat backend (CPU: the measured server process; "
             "for 'direct' the fake itself)",
         )
     )
@@ -388,6 +437,13 @@ def targets(res: dict[str, Any]) -> list[str]:
         )
     elif g64:
         lines.append("n/a   throughput vs peer: the peer was not measured")
+    for c in sorted({r["concurrency"] for r in rows}):
+        g, m = _cell(rows, "gymserve", 10, c), _cell(rows, "gymserve-messages", 10, c)
+        if g and m:
+            lines.append(
+                f"info  /v1/messages ÷ /v1/responses at concurrency {c}: CPU per request "
+                f"{m['cpu_s_per_1k'] / g['cpu_s_per_1k']:.2f}×, req/s {m['rps'] / g['rps']:.2f}×"
+            )
     return lines
 
 

@@ -2,8 +2,9 @@
 
 A streamed generation is fed to ``StreamingParser`` one character at a time (the worst case; a
 token is ~4 characters) for texts of N and 2N characters. Each case stretches one part of the
-text: a tool call's arguments in every format, plain content, a bare JSON answer that is not a
-call, whitespace the scanner waits on, a long call name, reasoning before ``</think>``. Printed:
+text: a tool call's arguments in every format (Qwen3-Coder's parameter values, harmony's channel
+messages included), plain content, a bare JSON answer that is not a call, whitespace the scanner
+waits on, a long call name, reasoning before ``</think>`` or in harmony's analysis channel. Printed:
 seconds at N and 2N and their ratio — about 2 for linear cost, about 4 for quadratic (the
 target: every ratio below 3).
 
@@ -50,6 +51,22 @@ def cases(n: int) -> dict[str, tuple[str, str | None, str]]:
         "long call name": ("qwen2_5_coder", None, '{"name": "' + words + '", "arguments": {}}'),
         "reasoning (pre-filled <think>)": ("hermes", "qwen3", words + "</think>ok"),
         "reasoning (model's <think>)": ("hermes", "qwen3", "<think>" + words + "</think>ok"),
+        "mistral name{...}": ("mistral", None, f"[TOOL_CALLS]get_weather{args}"),
+        "deepseek_v3 arguments": (
+            "deepseek_v3",
+            None,
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+            + args
+            + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        ),
+        "qwen3_coder parameter value": (
+            "qwen3_coder",
+            None,
+            f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{words}\n</parameter>\n</function>\n</tool_call>",
+        ),
+        "harmony analysis": ("openai", "openai_gptoss", f"<|channel|>analysis<|message|>{words}<|end|>"),
+        "harmony call arguments": ("openai", None, f"<|channel|>commentary to=functions.get_weather<|message|>{args}"),
+        "harmony final answer": ("openai", None, f"<|channel|>final<|message|>{words}<|return|>"),
     }
 
 

@@ -1,8 +1,8 @@
 """PNG plots of the benchmark results in ``docs/assets/perf/*.json`` (matplotlib, no display).
 
-Reads the full-mode results (``engine.json``, ``gateway.json``, ``growth.json``), or the
-``*-quick.json`` ones where no full run exists, and writes ``engine.png``, ``gateway.png`` and
-``growth.png`` beside them. Usage: ``python bench/plot.py [--quick]`` (``--quick``: prefer the
+Reads the full-mode results (``engine.json``, ``gateway.json``, ``growth.json``, ``fleet.json``), or
+the ``*-quick.json`` ones where no full run exists, and writes ``engine.png``, ``gateway.png``,
+``growth.png`` and ``fleet.png`` beside them. Usage: ``python bench/plot.py [--quick]`` (``--quick``: prefer the
 quick results).
 """
 
@@ -126,13 +126,69 @@ def plot_growth(res: dict[str, Any], out: Path) -> Path:
     return path
 
 
+def plot_fleet(res: dict[str, Any], out: Path) -> Path:
+    plt = _plt()
+    rows = res["rows"]
+    policies = [r["policy"] for r in rows]
+    colors = ["tab:grey", "tab:orange", "tab:blue"][: len(policies)]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
+    panels = (
+        ("prefix-cache hit rate (%)", [100 * r["hit_rate"] for r in rows], "%.1f", 90.0),
+        ("generated tokens / simulated s", [r["tok_s"] for r in rows], "%.0f", 1.5 * rows[0]["tok_s"]),
+        ("p99 turn latency (simulated s)", [r["p99_s"] for r in rows], "%.1f", None),
+    )
+    for ax, (label, vals, fmt, goal) in zip(axes, panels):
+        bars = ax.bar(range(len(policies)), vals, color=colors)
+        ax.bar_label(bars, fmt=fmt, fontsize=7)
+        ax.set_xticks(range(len(policies)), [p.replace("-", "-\n", 1) for p in policies], fontsize=7)
+        ax.set_title(label, fontsize=9)
+        if goal is not None:
+            ax.axhline(goal, color="green", linestyle="--", linewidth=0.8, label="goal")
+            ax.legend(fontsize=7)
+    ax = axes[3]
+    for policy, color in zip(policies, colors):
+        cells = sorted((r for r in res["scale"] if r["policy"] == policy), key=lambda r: r["replicas"])
+        ax.plot(
+            [r["replicas"] for r in cells],
+            [r["router_us_per_call"] for r in cells],
+            marker="o",
+            color=color,
+            label=policy,
+        )
+    ax.set_xscale("log", base=2)
+    sizes = sorted({r["replicas"] for r in res["scale"]})
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.set_xlabel("replicas (sessions = 8 x replicas)")
+    ax.set_ylabel("µs CPU per call (pick + release)")
+    ax.set_title("router cost", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    wl = res["workload"]
+    fig.suptitle(
+        f"Simulated fleet: {wl['replicas']} replicas, {wl['sessions']} concurrent rollouts, one replica killed at "
+        f"{100 * wl['kill_at']:.0f}% and one {wl['slow_factor']:g}x slower from {100 * wl['slow_at']:.0f}% "
+        f"({_caption(res)})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path = out / "fleet.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="prefer the quick results")
     args = p.parse_args(argv)
     out = common.RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
-    for name, fn in (("engine", plot_engine), ("gateway", plot_gateway), ("growth", plot_growth)):
+    for name, fn in (
+        ("engine", plot_engine),
+        ("gateway", plot_gateway),
+        ("growth", plot_growth),
+        ("fleet", plot_fleet),
+    ):
         res = load(name, args.quick)
         if res is None:
             print(f"no results for {name}; run bench/{name}.py first", file=sys.stderr)

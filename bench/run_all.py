@@ -1,7 +1,7 @@
 """Regenerate everything on the performance page: run the benchmarks, plot, write the docs.
 
 Runs ``bench/growth.py``, ``bench/gateway.py``, ``bench/engine.py``, ``bench/parsers.py``,
-``bench/ttft.py`` and ``bench/control.py`` (each in its own process, one after another, so they never compete for the
+``bench/ttft.py``, ``bench/control.py`` and ``bench/fleet.py`` (each in its own process, one after another, so they never compete for the
 cores), then ``bench/plot.py``, then rewrites
 ``docs/performance.md`` from the JSON results under ``docs/assets/perf/``. ``make bench`` calls this.
 
@@ -23,7 +23,7 @@ import plot  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 DOC = common.ROOT / "docs" / "performance.md"
-ORDER = ("growth", "gateway", "engine", "parsers", "ttft", "control")
+ORDER = ("growth", "gateway", "engine", "parsers", "ttft", "control", "fleet")
 
 
 def run_benchmarks(names: list[str], quick: bool, no_peer: bool) -> list[str]:
@@ -145,6 +145,18 @@ def write_docs(prefer_quick: bool = False) -> Path:
             "the counts (failed, dropped, aborted, tokens thrown away) are what the modes change.",
             prefer_quick,
             plot_image=False,
+        ),
+        _section(
+            "fleet",
+            "Replica routing on a simulated fleet",
+            "gymserve's chat backend and router (policy, sessions, circuit breakers, retry budget, health "
+            "probes: the real code) in front of simulated engine replicas with continuous batching, chunked "
+            "prefill and a bounded LRU prefix cache, on a virtual-time event loop (deterministic for a seed). "
+            "Multi-turn rollouts whose prompts grow by each turn's generation and tool result; one replica is "
+            "killed part way and another slowed. Each policy gets the same rollouts. Then the router's own "
+            "CPU cost per call as the fleet grows. Script: `bench/fleet.py`; the policies: "
+            "[several replicas](model-servers/vllm.md#several-replicas-and-session-affinity).",
+            prefer_quick,
         ),
     ]
     DOC.write_text("\n".join(parts))

@@ -49,11 +49,13 @@ NOTES: dict[tuple[str, str], str] = {
     ("LocalBackendConfig", "engine"): "Inference engine, one of "
     + ", ".join(f"`{n}`" for n in ENGINES.names())
     + " ([engines](../model-servers/local.md#engines)).",
-    ("LocalBackendConfig", "chat_template"): "Jinja template file (or text) replacing the tokenizer's.",
+    ("LocalBackendConfig", "chat_template"): "Jinja template file (or text) replacing the tokenizer's, or "
+    "`harmony` (gymserve's template for gpt-oss, [harmony](../model-servers/local.md#gpt-oss-harmony)).",
     ("LocalBackendConfig", "chat_template_kwargs"): "Default template variables (e.g. `enable_thinking`); a "
     "request's own override them key by key.",
     ("LocalBackendConfig", "tool_parser"): "Tool-call parser name, `auto` (inferred from the model), or `none`.",
-    ("LocalBackendConfig", "reasoning_parser"): "`deepseek_r1` or `qwen3`; None: no reasoning is split off.",
+    ("LocalBackendConfig", "reasoning_parser"): "`deepseek_r1`, `qwen3` or `openai_gptoss` (gpt-oss harmony); "
+    "None: no reasoning is split off.",
     ("LocalBackendConfig", "max_batch_size"): "Sequences decoded together; more requests wait.",
     ("LocalBackendConfig", "context_window"): "Prompt + generation limit in tokens (None: the model's).",
     ("LocalBackendConfig", "num_threads"): "torch threads (None: all cores).",
@@ -63,11 +65,12 @@ NOTES: dict[tuple[str, str], str] = {
     "(usually `/v1`); a comma-separated string works too.",
     ("ChatBackendConfig", "tool_parser"): "Parse tool calls from raw text on gymserve's side (for servers started "
     "without a tool-call parser); `auto` infers it from `model`.",
-    ("ChatBackendConfig", "reasoning_parser"): "Split `<think>` reasoning on gymserve's side when the server "
-    "sends no reasoning field.",
+    ("ChatBackendConfig", "reasoning_parser"): "Split `<think>` reasoning (or harmony's analysis channel: "
+    "`openai_gptoss`) on gymserve's side when the server sends no reasoning field.",
     ("ChatBackendConfig", "return_token_id_information"): "Ask the server for prompt/generation token IDs and "
     "log-probs (vLLM ≥ 0.10.2) and return them as training fields.",
-    ("_RemoteBackendConfig", "api_key"): "Upstream key (`Authorization: Bearer`; Azure: `api-key` header).",
+    ("_RemoteBackendConfig", "api_key"): "Upstream key (`Authorization: Bearer`; Azure: `api-key` header; "
+    "Anthropic: `x-api-key`).",
     ("_RemoteBackendConfig", "model"): "Model name sent upstream (Azure: falls back as the deployment name).",
     ("_RemoteBackendConfig", "num_concurrent_requests"): "Upstream calls in flight at once; more wait (see "
     "`server.max_queue`).",
@@ -87,6 +90,8 @@ NOTES: dict[tuple[str, str], str] = {
     ("_RemoteBackendConfig", "max_tokens_field"): "Where `max_output_tokens` goes (default: `max_tokens` for chat, "
     "`max_completion_tokens` for openai/azure).",
     ("OpenAIBackendConfig", "base_url"): "Where `/responses` and `/chat/completions` are appended.",
+    ("AnthropicBackendConfig", "base_url"): "The server root, where `/v1/messages` is appended (a trailing `/v1` "
+    "is dropped).",
     ("AzureBackendConfig", "endpoint"): "`https://RESOURCE.openai.azure.com` (an `/openai/...` tail is tolerated).",
     ("AzureBackendConfig", "deployment"): "Deployment name (default: one named in a `/deployments/NAME` endpoint, "
     "else `model`).",

@@ -131,6 +131,16 @@ def azure_fake():
         yield s
 
 
+@pytest.fixture
+def anthropic_fake():
+    """A fake Anthropic Messages API on 127.0.0.1 (``fakes.anthropic_handler``), key ``fakes.CLOUD_KEY``,
+    model ``claude-test``."""
+    from helpers.fakes import CLOUD_KEY, FakeServer, anthropic_handler
+
+    with FakeServer(anthropic_handler(CLOUD_KEY, model="claude-test")) as s:
+        yield s
+
+
 # ---------------------------------------------------------------- the model cache (tests/helpers/fake_store.py)
 @pytest.fixture
 def model_cache(tmp_path, monkeypatch) -> Path:
@@ -147,3 +157,63 @@ def fake_wheels(tmp_path, model_cache, monkeypatch) -> dict:
 
     spec = make_wheels(tmp_path / "wheels", os.urandom(1 << 20), prefix=unique_prefix("fake"))
     return install({**spec, "convert": "fake", "delay": 0.05}, monkeypatch)
+
+
+# ---------------------------------------------------------------- a local server and a chat backend in front of it
+@pytest.fixture(scope="session")
+def tiny_local_server(tiny_model_dir):
+    """A gymserve on the tiny model (local backend, seeded sampling, 512-token window), shared by the
+    tests of the token routes (completions, /tokenize, n > 1, required prefix)."""
+    from gymserve.backends.local import LocalBackend
+    from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, ServerConfig
+    from gymserve.server.run import start_background_server
+
+    cfg = GymserveConfig(
+        server=ServerConfig(port=0),
+        backend=LocalBackendConfig(
+            model=str(tiny_model_dir), sampling=SamplingConfig(temperature=1.0, seed=5), context_window=512
+        ),
+    )
+    srv = start_background_server(cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_gateway(tiny_local_server):
+    """A gymserve whose chat backend (``return_token_id_information``) is ``tiny_local_server``: a
+    real OpenAI-compatible upstream that serves /v1/completions, /tokenize and token fields."""
+    from gymserve.config import validate_config
+    from gymserve.server.run import start_background_server
+
+    cfg = validate_config(
+        {
+            "server": {"port": 0},
+            "backend": {
+                "type": "chat",
+                "base_urls": [tiny_local_server.base_url],
+                "return_token_id_information": True,
+                "max_retries": 0,
+                "timeout": 120,
+            },
+        }
+    )
+    srv = start_background_server(cfg)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_local_client(tiny_local_server):
+    """The official openai SDK client of ``tiny_local_server``."""
+    import openai
+
+    return openai.OpenAI(base_url=tiny_local_server.base_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gateway_client(tiny_gateway):
+    """The official openai SDK client of ``tiny_gateway``."""
+    import openai
+
+    return openai.OpenAI(base_url=tiny_gateway.base_url, api_key="unused", max_retries=0)

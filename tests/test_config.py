@@ -296,5 +296,5 @@ def test_every_backend_type_has_a_config_model_and_a_backend_class():
     models = get_args(get_args(BackendConfig)[0])
     assert [get_args(m.model_fields["type"].annotation)[0] for m in models] == list(BACKENDS.names())
     assert all(issubclass(BACKENDS.get(name), Backend) for name in BACKENDS.names())
-    with pytest.raises(ConfigError, match="backend.type must be one of local, chat, openai, azure, ray"):
+    with pytest.raises(ConfigError, match="backend.type must be one of local, chat, openai, azure, anthropic, ray"):
         validate_config({"backend": {"type": "nope"}})

@@ -1,8 +1,9 @@
 """``gymserve check``: probe a configured backend and say what works and what to change.
 
-Three probes, each independent: the model list (``GET {base}/models``), a one-token Chat
-Completions call and a short Responses call (native for openai/azure ``api: responses``, through
-the converter otherwise). Each result carries the upstream error message, which names the URL
+Four probes, each independent: the model list (``GET {base}/models``), a one-token Chat
+Completions call, a short Responses call (native for openai/azure ``api: responses``, through
+the converter otherwise) and a short Anthropic Messages call (native for the anthropic backend,
+through the converter otherwise). Each result carries the upstream error message, which names the URL
 tried, the cause and the fix (see ``gymserve.backends.upstream_errors``); keys never appear.
 """
 
@@ -19,7 +20,7 @@ from gymserve.wire.reasoning import field_reasoning
 
 @dataclass
 class CheckResult:
-    """One probe: ``name`` ("models", "chat", "responses"), ``ok``, what came back or went wrong."""
+    """One probe: ``name`` ("models", "chat", "responses", "messages"), ``ok``, what came back or went wrong."""
 
     name: str
     ok: bool
@@ -74,6 +75,11 @@ def _responses_detail(r: dict[str, Any]) -> str:
     return f"model {r.get('model')!r}, status {r.get('status')}, output {kinds}"
 
 
+def _messages_detail(m: dict[str, Any]) -> str:
+    kinds = [b.get("type") for b in m.get("content") or [] if isinstance(b, dict)]
+    return f"model {m.get('model')!r}, stop_reason {m.get('stop_reason')}, content {kinds}"
+
+
 async def run_check(config: Any) -> CheckReport:
     """Probe the backend of ``config`` (a ``GymserveConfig``) and return what worked.
 
@@ -114,6 +120,15 @@ async def run_check(config: Any) -> CheckReport:
                 lambda: backend.responses(resp_req, ctx),
                 _responses_detail,
                 required=not (b.type == "azure" and b.api == "chat"),
+            )
+        )
+        messages_req = {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": "Say OK."}]}
+        report.results.append(
+            await _probe(
+                "messages",
+                lambda: backend.messages(messages_req, ctx),
+                _messages_detail,
+                required=b.type == "anthropic",  # elsewhere it is the chat call again, converted
             )
         )
     finally:

@@ -3,7 +3,7 @@
 Shape::
 
     server:  {host, port, api_key, admin_api_key, max_body_bytes, capture_path, max_queue, shutdown_timeout}
-    backend: {type: local | chat | openai | azure | ray, ...}
+    backend: {type: local | chat | openai | azure | anthropic | ray, ...}
 
 ``${var}`` in the YAML resolves against the keys of an ``env.yaml`` (beside the config file, or
 given) and ``${oc.env:VAR}`` against environment variables (OmegaConf interpolation, as NeMo Gym
@@ -39,7 +39,7 @@ from pydantic import (
     model_validator,
 )
 
-from gymserve.registry import Registry
+from gymserve.registry import ROUTING_POLICIES, Registry
 from gymserve.wire.reasoning import ReasoningField
 
 
@@ -127,10 +127,17 @@ class LocalBackendConfig(_ServedModelNames):
     type: Literal["local"] = "local"
     model: str = "embedded"
     engine: str = "transformers"
-    chat_template: str | None = None
+    chat_template: str | None = None  # a file, or `harmony` (prompting.harmony_template)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     tool_parser: str | None = "auto"
     reasoning_parser: str | None = None
+    split_special_tokens: bool = Field(
+        True,
+        description="text inside messages and tools (user text, tool outputs, assistant content, tool "
+        "descriptions) that spells a control token (`<|im_start|>`, `[INST]`, `<|start|>`...) is tokenized "
+        "as plain text, so only the chat template writes control tokens; false tokenizes the whole "
+        "rendered prompt as one text, as `vllm serve` does (such text then becomes the token)",
+    )
     max_batch_size: int = Field(8, ge=1)
     context_window: int | None = Field(None, ge=1)
     num_threads: int | None = Field(None, ge=1)
@@ -227,6 +234,65 @@ def _check_url(value: str, key: str) -> str:
     return value.rstrip("/")
 
 
+class RoutingConfig(_Model):
+    """How a backend with several replicas (``chat`` with several ``base_urls``, ``ray``) routes calls
+    and survives a failing replica (``backends.pool.ReplicaPool``; docs/model-servers/vllm.md).
+
+    ``policy``: ``sticky-least-loaded`` keeps a session's turns on one replica (its prefix cache)
+    and places new sessions on the least-loaded one; ``round-robin`` spreads every call;
+    ``consistent-hash`` hashes the session ID onto a ring of the replicas. The circuit breaker and
+    retry budget apply to every remote backend, one replica or many.
+    """
+
+    policy: str = Field(
+        "sticky-least-loaded",
+        description="sticky-least-loaded, round-robin or consistent-hash (gymserve.registry.ROUTING_POLICIES)",
+    )
+    rebalance_ratio: float = Field(
+        2.0,
+        ge=1,
+        description="sticky-least-loaded: a session leaves its replica only when that replica has this many "
+        "times the calls in flight of the least-loaded one ...",
+    )
+    rebalance_min_gap: int = Field(
+        8, ge=1, description="... and at least this many more (both must hold; a move costs one cold prefill)"
+    )
+    session_idle_timeout: float = Field(
+        300.0, gt=0, description="seconds without a call after which a session stops counting as active on its replica"
+    )
+    max_sessions: int = Field(
+        100_000, ge=1, description="sessions remembered (least recently used forgotten); a forgotten one is placed anew"
+    )
+    breaker_failures: int = Field(
+        5,
+        ge=1,
+        description="consecutive failed calls (5xx, timeout, unreadable answer) that open a replica's circuit "
+        "breaker; a refused connection opens it at once",
+    )
+    breaker_cooldown: float = Field(
+        10.0,
+        gt=0,
+        description="seconds an open breaker keeps calls away before one trial call (half-open); doubles "
+        "each time it re-opens in a row, up to 8x",
+    )
+    retry_budget_ratio: float = Field(
+        0.2, ge=0, description="retries allowed per successful call in the last retry_budget_window (Finagle's 20%)"
+    )
+    retry_budget_min_per_s: float = Field(
+        10.0, ge=0, description="retries per second allowed whatever the successes (the budget's floor)"
+    )
+    retry_budget_window: float = Field(
+        10.0, ge=1, le=60, description="seconds a success counts toward the retry budget"
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        if value not in ROUTING_POLICIES:
+            raise ValueError(f"unknown routing policy {value!r}; choices: {', '.join(ROUTING_POLICIES.names())}")
+        return value
+
+
 class ChatBackendConfig(_RemoteBackendConfig):
     """Any OpenAI-compatible Chat Completions server (vLLM, SGLang, TensorRT-LLM, llama.cpp,
     ``transformers serve``, another gymserve), one or more replicas.
@@ -243,6 +309,12 @@ class ChatBackendConfig(_RemoteBackendConfig):
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     return_token_id_information: bool = False
+    tokenizer: str | None = Field(
+        None,
+        description="a Hugging Face tokenizer directory (the served model's, chat template included): "
+        "POST /tokenize and /detokenize are answered from it by gymserve instead of forwarded to the "
+        "upstream's /tokenize (which transformers serve and the clouds lack)",
+    )
     health_check_interval: float = Field(
         10.0,
         ge=0,
@@ -265,6 +337,14 @@ class ChatBackendConfig(_RemoteBackendConfig):
         gt=0,
         description="seconds a pause at the gateway (POST /pause) lasts at most when it names no timeout; then "
         "calls are let through again and the log says so",
+    )
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig, description="replica choice, circuit breakers, retry budget"
+    )
+    forward_session_id: bool = Field(
+        True,
+        description="send the session ID upstream as X-Session-ID, so a router in front of the replicas can "
+        "keep the session's turns together too",
     )
 
     @field_validator("base_urls", mode="before")
@@ -397,6 +477,32 @@ class AzureBackendConfig(_RemoteBackendConfig):
         return f"{self.resource_endpoint}/openai/v1" if v1 else f"{self.resource_endpoint}/openai"
 
 
+class AnthropicBackendConfig(_RemoteBackendConfig):
+    """An Anthropic-compatible Messages API: Anthropic itself, or any server that speaks it.
+
+    ``base_url`` is the server root, as the anthropic SDK takes it (``https://api.anthropic.com``):
+    gymserve appends ``/v1/messages``, ``/v1/messages/count_tokens`` and ``/v1/models`` (a base
+    ending in ``/v1`` is taken as its root). The key travels as ``x-api-key`` (``api_key``; without
+    one the SDK reads ``ANTHROPIC_API_KEY``), with ``anthropic-version``. ``/v1/messages`` passes
+    through; chat and Responses requests are converted, with ``default_max_tokens`` where they give
+    no limit (the Messages API requires one).
+    """
+
+    type: Literal["anthropic"] = "anthropic"
+    base_url: str = Field(
+        "https://api.anthropic.com", validation_alias=AliasChoices("base_url", "policy_base_url", "anthropic_base_url")
+    )
+    anthropic_version: str = Field("2023-06-01", description="the anthropic-version header sent with every call")
+    default_max_tokens: int = Field(
+        4096, ge=1, description="max_tokens for a chat or Responses request that sets no limit"
+    )
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return _check_url(value, "base_url").removesuffix("/v1")
+
+
 class RayResourcesConfig(_Model):
     """What one replica reserves on the Ray cluster (one placement-group bundle per replica).
 
@@ -438,6 +544,9 @@ class RayBackendConfig(_Model):
     health_check_timeout: float = Field(10.0, gt=0, description="seconds a replica has to answer a probe")
     startup_timeout: float = Field(600.0, gt=0, description="seconds to wait for resources and model loading")
     max_concurrent_requests: int = Field(64, ge=1, description="per replica, in flight from the front end")
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig, description="replica choice, circuit breakers, retry budget"
+    )
     runtime_env: dict[str, Any] | None = Field(
         None, description="Ray runtime_env for the replicas (env_vars, pip, ...)"
     )
@@ -486,10 +595,16 @@ BACKENDS.register("local", "gymserve.backends.local:LocalBackend")
 BACKENDS.register("chat", "gymserve.backends.chat:ChatBackend")
 BACKENDS.register("openai", "gymserve.backends.openai_backend:OpenAIBackend")
 BACKENDS.register("azure", "gymserve.backends.azure:AzureBackend")
+BACKENDS.register("anthropic", "gymserve.backends.anthropic:AnthropicBackend")
 BACKENDS.register("ray", "gymserve.ray_cluster.backend:RayBackend")
 
 BackendConfig = Annotated[
-    LocalBackendConfig | ChatBackendConfig | OpenAIBackendConfig | AzureBackendConfig | RayBackendConfig,
+    LocalBackendConfig
+    | ChatBackendConfig
+    | OpenAIBackendConfig
+    | AzureBackendConfig
+    | AnthropicBackendConfig
+    | RayBackendConfig,
     Field(discriminator="type"),
 ]
 

@@ -12,8 +12,10 @@ gymserve adds only the training fields, the names NeMo RL's generation servers u
 - ``generation_token_ids``: ``list[int]``, the tokens it sampled (trailing EOS/stop trimmed);
 - ``generation_log_probs``: ``list[float]``, one log-probability (natural log) per generated token.
 
-They ride on the chat assistant message (``choices[0].message``) and on the last Responses output
-item of a model call, and come back on input items/messages of the next turn for the prefix splice.
+They ride on the chat assistant message (``choices[0].message``), on the last Responses output
+item of a model call and on the Anthropic ``Message`` itself (beside ``content``; streamed, on the
+``message_delta`` event), and come back on input items/messages of the next turn for the prefix
+splice.
 
 Beside them, a backend that knows its weights (the local one) says which weights generated the call
 (``VERSION_FIELDS``, named as SGLang names its ``weight_version``):
@@ -45,6 +47,10 @@ ResponsesRequest = dict[str, Any]
 """A Responses create request (``openai.types.responses.ResponseCreateParams`` shape)."""
 ResponseDict = dict[str, Any]
 """A ``Response`` as JSON (``openai.types.responses.Response`` shape) plus training fields on items."""
+MessagesRequest = dict[str, Any]
+"""An Anthropic Messages create request (``anthropic.types.MessageCreateParams`` shape)."""
+MessageDict = dict[str, Any]
+"""An Anthropic ``Message`` as JSON (``anthropic.types.Message`` shape) plus the training fields."""
 
 
 class TokenInfo(TypedDict):
@@ -106,3 +112,34 @@ def get_token_info(obj: Mapping[str, Any], *, deep: bool = True) -> TokenInfo | 
     if int in set(map(type, lp)):
         lp = [float(x) for x in lp]
     return TokenInfo(prompt_token_ids=p, generation_token_ids=g, generation_log_probs=lp)
+
+
+def check_token_ids(value: Any, *, param: str, vocab_size: int | None = None, allow_empty: bool = False) -> list[int]:
+    """``value`` checked as a list of token IDs: JSON integers (not booleans) in ``[0, vocab_size)``.
+
+    Used for every list of IDs a client sends outside the training fields: ``required_prefix_token_ids``,
+    a ``/v1/completions`` prompt given as IDs, ``/detokenize``'s ``tokens``. Raises
+    ``InvalidRequestError`` (param ``param``, or ``param[i]`` for one bad element) for a value that is
+    not a list, an element that is not a non-negative integer, an ID outside the vocabulary
+    (``vocab_size`` None: not checked), or an empty list unless ``allow_empty``.
+    """
+    from gymserve.errors import InvalidRequestError
+
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{param} must be a list of token IDs (integers)", param=param)
+    if not value:
+        if allow_empty:
+            return value
+        raise InvalidRequestError(f"{param} is empty; give at least one token ID", param=param)
+    if not set(map(type, value)) <= _INT or min(value) < 0:
+        i = next(i for i, t in enumerate(value) if type(t) is not int or t < 0)
+        raise InvalidRequestError(
+            f"{param}[{i}] must be a non-negative integer token ID, got {value[i]!r}", param=f"{param}[{i}]"
+        )
+    if vocab_size is not None and max(value) >= vocab_size:
+        i = next(i for i, t in enumerate(value) if t >= vocab_size)
+        raise InvalidRequestError(
+            f"{param}[{i}] is token ID {value[i]}, outside the model's vocabulary [0, {vocab_size})",
+            param=f"{param}[{i}]",
+        )
+    return value

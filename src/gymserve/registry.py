@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Registry", "UnknownNameError"]
+__all__ = ["ROUTING_POLICIES", "Registry", "UnknownNameError"]
 
 
 class UnknownNameError(ValueError):
@@ -102,3 +102,11 @@ class Registry(Generic[T]):
             self._entries[name] = resolved
             return resolved
         return target
+
+
+# routing.policy -> the RoutingPolicy class (gymserve.backends.routing), by name: the config (which
+# validates the name) sits below the backends, so the entries are imported only when a pool is built.
+ROUTING_POLICIES: Registry[Any] = Registry("routing policy")
+ROUTING_POLICIES.register("sticky-least-loaded", "gymserve.backends.routing.sticky_least_loaded:StickyLeastLoaded")
+ROUTING_POLICIES.register("round-robin", "gymserve.backends.routing.round_robin:RoundRobin")
+ROUTING_POLICIES.register("consistent-hash", "gymserve.backends.routing.consistent_hash:ConsistentHash")

@@ -191,7 +191,12 @@ async def test_azure_wrong_version_404_is_explained(azure_fake, caplog):
 async def test_check_reports_what_works(azure_fake):
     cfg = validate_config({"backend": {**AZ, "endpoint": azure_fake.url, "api": "responses"}})
     report = await run_check(cfg)
-    assert [(r.name, r.ok) for r in report.results] == [("models", True), ("chat", True), ("responses", True)]
+    assert [(r.name, r.ok) for r in report.results] == [
+        ("models", True),
+        ("chat", True),
+        ("responses", True),
+        ("messages", True),  # converted to chat
+    ]
     assert report.ok and KEY not in report.format()
 
 

@@ -10,19 +10,17 @@ must both echo the pinned values, as a Response echoes what ran.
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from gymserve.backends import RequestContext, build_backend
 from gymserve.backends.local import LocalBackend
-from gymserve.config import LocalBackendConfig, RayBackendConfig, SamplingConfig, validate_config
+from gymserve.config import LocalBackendConfig, SamplingConfig, validate_config
 from gymserve.convert import responses_to_chat
 from gymserve.ray_cluster.backend import RayBackend
-from gymserve.ray_cluster.fleet import RayReplica
-from gymserve.ray_cluster.replica import EngineReplica
-from helpers.fakes import FakeServer, ScriptedEngine
+from helpers.fakes import ScriptedEngine
+from helpers.inprocess_ray import ray_over
 from helpers.spec import assert_valid_response
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -43,18 +41,6 @@ CONFIG = LocalBackendConfig(
 )
 
 
-class InProcessActor:
-    """What ``RayBackend`` calls on a Ray actor handle (``handle.method.remote(...)``, awaited),
-    served by an ``EngineReplica`` in this process."""
-
-    def __init__(self, replica: EngineReplica):
-        self._replica = replica
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._replica, name)
-        return SimpleNamespace(remote=lambda *args: method(*args))
-
-
 def _same(obj: Any) -> Any:
     """``obj`` without what differs between two calls by design: ids and timestamps."""
     if isinstance(obj, list):
@@ -65,11 +51,7 @@ def _same(obj: Any) -> Any:
 
 
 async def _ray_over(local: LocalBackend) -> RayBackend:
-    config = RayBackendConfig.model_validate({"type": "ray", "health_check_interval": 0, "local": CONFIG.model_dump()})
-    replica = EngineReplica.serving("replica-0", local)
-    return RayBackend(
-        config, [RayReplica(base_url="replica-0", client=InProcessActor(replica))], [await replica.info()]
-    )
+    return await ray_over(local, CONFIG)
 
 
 def _chat_backend(start_server, answer: tuple[int, dict[str, Any]]):
@@ -78,20 +60,6 @@ def _chat_backend(start_server, answer: tuple[int, dict[str, Any]]):
     return build_backend(
         validate_config({"backend": {"type": "chat", "base_urls": [server.url + "/v1"], "model": "policy"}})
     )
-
-
-@pytest.fixture
-def servers():
-    started: list[FakeServer] = []
-
-    def start(handler):
-        server = FakeServer(handler).start()
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 @pytest.mark.parametrize(

@@ -163,6 +163,18 @@ def test_null_means_absent(api):
             "tools[0].function.parameters",
             "tools[0].function.parameters must be a JSON Schema object, got a string",
         ),
+        (
+            {"max_tokens": 1e30},
+            "max_tokens",
+            "max_tokens=1e+30 is out of range: it must be a 64-bit integer, at most 9223372036854775807",
+        ),
+        ({"seed": 2**64}, "seed", "seed=18446744073709551616 is out of range"),
+        # Messages are checked as strictly as input items (message_checks; its tests have the rest).
+        (
+            {"messages": [*MSG, {"role": "tool", "content": "18 C"}]},
+            "messages[1].tool_call_id",
+            "messages[1].tool_call_id is required",
+        ),
     ],
 )
 def test_bad_chat_requests_name_the_field(body, param, message):
@@ -189,3 +201,8 @@ def test_other_tool_types_are_for_the_upstream_unless_only_functions_run():
 def test_body_must_be_an_object():
     with pytest.raises(InvalidRequestError, match="must be a JSON object, got an array"):
         check_request([1], "chat")
+
+
+def test_whole_numbers_for_integer_fields_go_on_as_integers():
+    out = check_request({"messages": MSG, "max_tokens": 3.0, "seed": 1e3}, "chat")
+    assert out["max_tokens"] == 3 and isinstance(out["max_tokens"], int) and out["seed"] == 1000

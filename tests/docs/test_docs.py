@@ -24,7 +24,8 @@ Conventions (what the docs may contain, and what this file does with it):
 - ``json``: must parse (whole block, or one JSON value per line).
 - ``python``: runs for real, in-process, against a gymserve server started by this file over the
   tiny random-weight model (``tiny_model_dir``); ``http://127.0.0.1:8000/v1`` in the snippet is
-  rewritten to that server's URL. ``azure``/``openai`` snippets get the fake's URL instead of
+  rewritten to that server's URL (and ``http://127.0.0.1:8000``, the anthropic SDK's base URL, to
+  its root). ``azure``/``openai`` snippets get the fake's URL instead of
   ``https://RESOURCE.openai.azure.com`` / ``https://api.openai.com/v1`` and its key in
   ``AZURE_OPENAI_API_KEY`` / ``OPENAI_API_KEY``.
 
@@ -63,6 +64,7 @@ from helpers.docs_markdown import (
 
 LANGUAGES = {"bash", "python", "yaml", "json", "text"}
 LOCAL_URL = "http://127.0.0.1:8000/v1"
+LOCAL_ROOT = "http://127.0.0.1:8000"  # the anthropic SDK's base URL: it appends /v1/messages itself
 AZURE_URL = "https://RESOURCE.openai.azure.com"
 OPENAI_URL = "https://api.openai.com/v1"
 FAKE_KEY = "docs-test-key-0123456789"
@@ -337,7 +339,8 @@ def test_python_block(block, request, monkeypatch):
         return
     assert not block.mark, f"{block.where}: unknown test mark {block.mark!r}"
     server = request.getfixturevalue("docs_server")
-    _run_snippet(block, code.replace(LOCAL_URL, server.base_url), monkeypatch)
+    code = code.replace(LOCAL_URL, server.base_url).replace(LOCAL_ROOT, server.base_url.removesuffix("/v1"))
+    _run_snippet(block, code, monkeypatch)
 
 
 def _get(server, path: str):
@@ -381,8 +384,16 @@ ERROR_MODULES = (
     "backends/azure.py",
     "backends/pool.py",
     "backends/openai_backend.py",
+    "backends/anthropic.py",
     "backends/local/request.py",
+    "backends/local/completions.py",
+    "backends/completion_tokens.py",
+    "backends/remote_completions.py",
+    "backends/remote_tokens.py",
+    "convert/completions_request.py",
+    "convert/tokenize_request.py",
     "prompting/splice.py",
+    "prompting/prefix.py",
     "engine/model_cache.py",
     "engine/model_store.py",
     "server/app.py",

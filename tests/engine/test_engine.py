@@ -87,6 +87,12 @@ def test_top_logprobs_include_sampled_when_greedy(engine):
         assert [x[1] for x in tops] == sorted((x[1] for x in tops), reverse=True)
 
 
+def test_top_logprobs_leave_the_sampled_tokens_and_log_probs_unchanged(engine):
+    from helpers.engine_contract import assert_top_logprobs_leave_sampling_unchanged
+
+    assert_top_logprobs_leave_sampling_unchanged(engine, _prompts()[1])
+
+
 def test_cancel_frees_the_slot(engine):
     async def run():
         sp = SamplingParams(max_tokens=2000, temperature=0)

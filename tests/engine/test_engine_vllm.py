@@ -1025,3 +1025,10 @@ def test_serve_policy_around_the_trainers_own_async_llm(fake_vllm, model_dir, to
     finally:
         srv.stop()
     assert llm.shut_down is False  # the trainer's engine, left running
+
+
+def test_top_logprobs_leave_the_sampled_tokens_and_log_probs_unchanged(engine):
+    """The adapter reads the sampled token's own entry whatever the alternatives asked for."""
+    from helpers.engine_contract import assert_top_logprobs_leave_sampling_unchanged
+
+    assert_top_logprobs_leave_sampling_unchanged(engine, [1, 2, 3], max_tokens=4, top_n=2)

@@ -1,11 +1,12 @@
-"""In-process fake upstreams: OpenAI, Azure OpenAI (and gateways in front of it), and scriptable
-OpenAI-compatible chat servers.
+"""In-process fake upstreams: OpenAI, Azure OpenAI (and gateways in front of it), Anthropic's
+Messages API, and scriptable OpenAI-compatible chat servers.
 
 Each runs a Starlette app under uvicorn on 127.0.0.1 and a free port, in a daemon thread, records
 every request (method, path, query, headers, JSON body) and checks it the way the cloud would:
 OpenAI wants ``Authorization: Bearer <key>``; Azure wants the ``api-key`` header and the
 ``api-version`` query parameter and answers a bare 404 ``Resource not found`` for a missing
-api-version or a path it does not serve (e.g. a deployment-scoped Responses URL).
+api-version or a path it does not serve (e.g. a deployment-scoped Responses URL); Anthropic wants
+``x-api-key`` and ``anthropic-version`` and refuses unknown fields.
 """
 
 from __future__ import annotations
@@ -354,6 +355,136 @@ def azure_handler(
     return handle
 
 
+# ---------------------------------------------------------------------------------- Anthropic
+ANTHROPIC_VERSION = "2023-06-01"
+_ANTHROPIC_FIELDS = {
+    "model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k", "tools",
+    "tool_choice", "metadata", "stream", "thinking", "output_config", "service_tier", "cache_control",
+}  # fmt: skip
+
+
+def anthropic_error(status: int, kind: str, message: str) -> tuple[int, dict[str, Any]]:
+    """Anthropic's error body (``{"type": "error", "error": {"type", "message"}, "request_id"}``)."""
+    return status, {"type": "error", "error": {"type": kind, "message": message}, "request_id": "req_fake"}
+
+
+def _extra_input(obj: Any, path: str, allowed: set[str] | None = None) -> str | None:
+    """Where ``obj`` holds a key the Messages API does not take (gymserve's training fields)."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if (allowed is not None and key not in allowed) or key in ("prompt_token_ids", "generation_token_ids"):
+                return f"{path}.{key}".lstrip(".")
+            found = _extra_input(value, f"{path}.{key}")
+            if found:
+                return found
+    if isinstance(obj, list):
+        for i, value in enumerate(obj):
+            found = _extra_input(value, f"{path}.{i}")
+            if found:
+                return found
+    return None
+
+
+def anthropic_message(body: dict[str, Any], model: str) -> dict[str, Any]:
+    """What the fake answers: a thinking block and a ``tool_use`` of the first tool when tools are
+    given (``stop_reason: tool_use``), else a text (``stop_sequence`` when asked for ``END``)."""
+    stops = body.get("stop_sequences") or []
+    if body.get("tools") and (body.get("tool_choice") or {}).get("type") != "none":
+        content = [
+            {"type": "thinking", "thinking": "The user wants the weather.", "signature": "sig-1"},
+            {"type": "text", "text": "Let me check."},
+            {"type": "tool_use", "id": "toolu_01", "name": body["tools"][0]["name"], "input": {"city": "Paris"}},
+        ]
+        stop, sequence = "tool_use", None
+    elif "END" in stops:
+        content, stop, sequence = [{"type": "text", "text": "hello"}], "stop_sequence", "END"
+    else:
+        content, stop, sequence = [{"type": "text", "text": "hello from anthropic"}], "end_turn", None
+    return {
+        "id": "msg_01fake" + uuid.uuid4().hex[:8],
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop,
+        "stop_sequence": sequence,
+        "usage": {
+            "input_tokens": 10,
+            "output_tokens": 5,
+            "cache_read_input_tokens": 3,
+            "cache_creation_input_tokens": 0,
+        },
+    }
+
+
+def anthropic_events(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """The event stream Anthropic sends for ``message`` ("Streaming Messages"): start, ping, each
+    block's start / deltas in two pieces / stop (thinking with its signature_delta), message_delta,
+    message_stop."""
+    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None}
+    start["usage"] = {**message["usage"], "output_tokens": 1}
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": start}, {"type": "ping"}]
+    for i, block in enumerate(message["content"]):
+        kind = block["type"]
+        empty = {"tool_use": {**block, "input": {}}, "text": {"type": "text", "text": ""}}
+        empty["thinking"] = {"type": "thinking", "thinking": "", "signature": ""}
+        events.append({"type": "content_block_start", "index": i, "content_block": empty[kind]})
+        if kind == "tool_use":
+            whole, key, delta_type = json.dumps(block["input"]), "partial_json", "input_json_delta"
+        else:
+            whole, key, delta_type = block[kind], kind, f"{kind}_delta"
+        for piece in _pieces(whole, 2):
+            events.append({"type": "content_block_delta", "index": i, "delta": {"type": delta_type, key: piece}})
+        if kind == "thinking":
+            signature = {"type": "signature_delta", "signature": block["signature"]}
+            events.append({"type": "content_block_delta", "index": i, "delta": signature})
+        events.append({"type": "content_block_stop", "index": i})
+    delta = {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}
+    events.append(
+        {"type": "message_delta", "delta": delta, "usage": {"output_tokens": message["usage"]["output_tokens"]}}
+    )
+    events.append({"type": "message_stop"})
+    return events
+
+
+def anthropic_handler(api_key: str, model: str = "claude-test") -> Callable[[Recorded], Answer]:
+    """Like api.anthropic.com: ``x-api-key`` (never ``Authorization``) and ``anthropic-version``
+    headers, ``POST /v1/messages`` (strict fields: "Extra inputs are not permitted"; ``max_tokens``
+    required; an unknown model is a 404; the user text ``overflow`` is "prompt is too long"),
+    ``POST /v1/messages/count_tokens`` and ``GET /v1/models``."""
+
+    def handle(r: Recorded) -> Answer:
+        if r.headers.get("anthropic-version") != ANTHROPIC_VERSION:
+            return anthropic_error(400, "invalid_request_error", "anthropic-version: header is required")
+        if r.headers.get("x-api-key") != api_key or "authorization" in r.headers:
+            return anthropic_error(401, "authentication_error", "invalid x-api-key")
+        if r.method == "GET" and r.path == "/v1/models":
+            row = {"type": "model", "id": model, "display_name": "Claude Test", "created_at": "2025-01-01T00:00:00Z"}
+            return 200, {"data": [row], "has_more": False, "first_id": model, "last_id": model}
+        if r.method != "POST" or r.path not in ("/v1/messages", "/v1/messages/count_tokens"):
+            return anthropic_error(404, "not_found_error", f"Not found: {r.method} {r.path}")
+        body = r.body if isinstance(r.body, dict) else {}
+        allowed = _ANTHROPIC_FIELDS - ({"max_tokens", "stream", "stop_sequences"} if "count" in r.path else set())
+        extra = _extra_input(body, "", allowed)
+        if extra:
+            return anthropic_error(400, "invalid_request_error", f"{extra}: Extra inputs are not permitted")
+        if body.get("model") != model:
+            return anthropic_error(404, "not_found_error", f"model: {body.get('model')}")
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            return anthropic_error(400, "invalid_request_error", "messages: Field required")
+        if "count" in r.path:
+            return 200, {"input_tokens": 42}
+        if not isinstance(body.get("max_tokens"), int):
+            return anthropic_error(400, "invalid_request_error", "max_tokens: Field required")
+        last = body["messages"][-1].get("content")
+        if last == "overflow" or (isinstance(last, list) and last[-1:] == [{"type": "text", "text": "overflow"}]):
+            return anthropic_error(400, "invalid_request_error", "prompt is too long: 250000 tokens > 200000 maximum")
+        message = anthropic_message(body, model)
+        return sse_events(anthropic_events(message)) if body.get("stream") else (200, message)
+
+    return handle
+
+
 # ---------------------------------------------------------------------------------- chat servers
 @dataclass
 class ChatScript:
@@ -523,13 +654,24 @@ class RawServer:
 
 class ScriptedEngine:
     """An ``Engine`` that "generates" the token IDs of a fixed text, one token per step, then the
-    end-of-turn token (``repeat``: the text over and over until ``max_tokens``). Records each
+    end-of-turn token, the first of ``eos_tokens`` (``repeat``: the text over and over until
+    ``max_tokens``); a text holding an end-of-turn token stops there. ``text_ids`` may be replaced
+    between calls to script the next turn. Records each
     stream's end: ``finished`` (ran to its finish reason) or ``cancelled`` (closed early)."""
 
-    def __init__(self, tokenizer, text: str, *, delay: float = 0.0, repeat: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        text: str,
+        *,
+        delay: float = 0.0,
+        repeat: bool = False,
+        eos_tokens: tuple[str, ...] = ("<|im_end|>",),
+        model_type: str = "qwen2",
+    ):
         self.model_name = "scripted"
-        self.model_type = "qwen2"  # the tokenizer's model
-        self.eos_token_ids = (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+        self.model_type = model_type  # the tokenizer's model
+        self.eos_token_ids = tuple(tokenizer.convert_tokens_to_ids(t) for t in eos_tokens)
         self.context_window = 32768
         self.vocab_size = len(tokenizer)
         self.text_ids = tokenizer.encode(text, add_special_tokens=False)

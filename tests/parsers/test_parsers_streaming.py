@@ -68,6 +68,16 @@ TEXTS = [
     '<tool_call>{"name": "get_time", "arguments": {} junk }</tool_call>x',
     '<tool_call>{"name": "get_time", "arguments": {}, "id": 12, "n": [1, "]"]}</tool_call>',
     "x</think>\x0b\u2028" + TIME,
+    # named-call heads and XML calls (Mistral v11 forms, DeepSeek V3/V3.1, Qwen3-Coder)
+    '[TOOL_CALLS]get_weather{"city": "Lyon"}[TOOL_CALLS]get_time[CALL_ID]abcdefghi[ARGS]{}',
+    "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+    '{"city": "}```"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{",
+    "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis </parameter> x\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call> done",
+    "<tool_call>\n<function=get_time>\n<parameter=a>\nno end tag\n<parameter=b>\n2\n</function>",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\ncut",
+    "<tool_call>not xml</tool_call><tool_call><function=get_time></function></tool_call>",
 ]
 
 

@@ -183,9 +183,89 @@ def test_mistral_v11_name_args_form():
     assert parse("mistral", text) == (None, [call("get_weather", city="Lyon"), call("get_time")])
 
 
-@pytest.mark.parametrize("text", ["[TOOL_CALLS] oops", '[TOOL_CALLS][{"name": "x", "arguments": 3}]', "[TOOL_CALLS]["])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[TOOL_CALLS]get_weather{"city": "Lyon"}',  # v11 as vLLM's parser sees it ([ARGS] skipped)
+        '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Lyon"}',  # v11 with a call id
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}',
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Lyon"}}]',
+    ],
+)
+def test_mistral_every_call_form(text):
+    assert parse("mistral", text) == (None, [call("get_weather", city="Lyon")])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[TOOL_CALLS] oops",
+        '[TOOL_CALLS][{"name": "x", "arguments": 3}]',
+        "[TOOL_CALLS][",
+        "[TOOL_CALLS]get_weather[ARGS]nope",
+        "[TOOL_CALLS]get weather{}",
+    ],
+)
 def test_mistral_malformed_stays_text(text):
     assert parse("mistral", text) == (text, [])
+
+
+def test_mistral_call_ids_are_nine_alphanumerics_in_output_and_history():
+    parser = get_tool_call_parser("mistral")
+    ids = {parser.new_call_id() for _ in range(50)}
+    assert len(ids) == 50 and all(len(i) == 9 and i.isascii() and i.isalnum() for i in ids)
+    assert parser.history_call_id("a1B2c3D4e") == "a1B2c3D4e"  # already Mistral's form: kept
+    mapped = parser.history_call_id("call_9f8e7d6c5b4a")
+    assert len(mapped) == 9 and mapped.isalnum() and mapped == parser.history_call_id("call_9f8e7d6c5b4a")
+    history = [
+        {"role": "assistant", "tool_calls": [{"id": "call_x", "type": "function", "function": {"name": "f"}}]},
+        {"role": "tool", "tool_call_id": "call_x", "content": "1"},
+    ]
+    out = parser.history(history)
+    assert out[0]["tool_calls"][0]["id"] == out[1]["tool_call_id"] == parser.history_call_id("call_x")
+    assert history[1]["tool_call_id"] == "call_x"  # the request itself is not modified
+    body = parser.adjust_request({"messages": history, "tools": TOOLS})
+    assert body["skip_special_tokens"] is False and body["messages"] == out
+    # Other formats keep the caller's ids.
+    assert get_tool_call_parser("hermes").history(history) == history
+
+
+# ---------------------------------------------------------------------------------------- deepseek
+
+DS_CALL = '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜>'
+DS_TIME = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜>"
+
+
+def test_deepseek_v3_calls_and_the_text_before_them():
+    text = f"Checking both.<｜tool▁calls▁begin｜>{DS_CALL}\n{DS_TIME}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+    assert parse("deepseek_v3", text) == (
+        "Checking both.<｜end▁of▁sentence｜>",
+        [call("get_weather", city="Rome"), call("get_time")],
+    )
+
+
+def test_deepseek_v31_form_without_the_json_fence():
+    text = (
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome"}<｜tool▁call▁end｜>'
+        "<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    )
+    assert parse("deepseek_v3", text) == (None, [call("get_weather", city="Rome"), call("get_time")])
+
+
+def test_deepseek_call_cut_by_the_end_of_the_text_keeps_what_was_written():
+    text = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Ro'
+    assert parse("deepseek_v3", text) == (None, [ParsedToolCall("get_weather", '{"city": "Ro')])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<｜tool▁calls▁begin｜>not a call<｜tool▁calls▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n[1]\n```",
+    ],
+)
+def test_deepseek_malformed_block_stays_text(text):
+    assert parse("deepseek_v3", text) == (text, [])
 
 
 # ---------------------------------------------------------------------------------- qwen2_5_coder
@@ -402,6 +482,11 @@ def test_register_adds_a_parser_and_refuses_a_taken_name(monkeypatch):
         ("llama", "meta-llama/Llama-3.1-8B-Instruct", None, "llama3_json"),
         (None, None, "<|python_tag|>", "llama3_json"),
         (None, "NousResearch/Hermes-3-Llama-3.1-8B", "<tool_call>", "hermes"),
+        ("qwen3_moe", "Qwen/Qwen3-Coder-30B-A3B-Instruct", "{{ '<tool_call>\\n<function=' }}", "qwen3_coder"),
+        ("deepseek_v3", "deepseek-ai/DeepSeek-V3", None, "deepseek_v3"),
+        (None, "deepseek-ai/DeepSeek-R1", None, "deepseek_v3"),
+        (None, None, "{{ '<｜tool▁calls▁begin｜>' }}", "deepseek_v3"),
+        ("gpt_oss", "openai/gpt-oss-20b", None, "openai"),
     ],
 )
 def test_infer_tool_call_parser(model_type, model_name, template, expected):
@@ -411,7 +496,7 @@ def test_infer_tool_call_parser(model_type, model_name, template, expected):
 
 @pytest.mark.parametrize(
     ("model_type", "model_name", "template"),
-    [("gpt2", "gpt2", None), (None, None, None), ("qwen3", "Qwen/Qwen3-Coder-30B", "<function=x>")],
+    [("gpt2", "gpt2", None), (None, None, None)],
 )
 def test_infer_tool_call_parser_refuses_to_guess(model_type, model_name, template):
     with pytest.raises(ValueError) as err:

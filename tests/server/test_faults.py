@@ -11,6 +11,7 @@ another replica, or fails with an error naming the replica and why.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 
 import httpx
@@ -252,6 +253,79 @@ async def test_every_replica_down_fails_with_each_reason(raw):
     status = (await b.health())["replicas"]
     assert all(not r["healthy"] and r["last_error"] for r in status)
     await b.close()
+
+
+def test_a_replica_dying_mid_rollout_keeps_the_rollout_token_contiguous(tiny_model_dir):
+    """Three gymserve replicas on the tiny model behind a gymserve chat front end: the replica
+    serving a rollout is killed between turns; the next turn fails over to another replica without
+    an error, its prompt token IDs start with the previous turn's prompt + generation (the prefix
+    splice runs on whichever replica gets the turn), and the rollout stays on its new replica."""
+    import openai
+
+    from gymserve.server.run import start_background_server
+
+    def local():
+        return validate_config(
+            {
+                "server": {"port": 0},
+                "backend": {"type": "local", "model": str(tiny_model_dir), "num_threads": 1, "context_window": 512},
+            }
+        )
+
+    # Imported here once: transformers' lazy attribute imports are not safe to race from threads.
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool_:
+        replicas = list(pool_.map(lambda _: start_background_server(local()), range(3)))
+    front_cfg = validate_config(
+        {
+            "server": {"port": 0},
+            "backend": {
+                "type": "chat",
+                "base_urls": [r.base_url for r in replicas],
+                "model": tiny_model_dir.name,
+                "health_check_interval": 0,
+                "timeout": 60,
+            },
+        }
+    )
+    try:
+        with start_background_server(front_cfg) as front:
+            client = openai.OpenAI(base_url=front.base_url, api_key="x", max_retries=0, timeout=60)
+            pool = front.backend.pool
+            messages: list[dict] = [{"role": "user", "content": "Count to three."}]
+            turns, homes = [], []
+            for t in range(3):
+                out = client.chat.completions.create(
+                    model=tiny_model_dir.name,
+                    messages=messages,
+                    max_tokens=6,
+                    extra_headers={"X-Session-ID": "rollout-7"},
+                )
+                msg = out.choices[0].message.model_dump()
+                turns.append(msg)
+                homes.append(pool.sessions.home("rollout-7"))
+                messages += [
+                    {
+                        "role": "assistant",
+                        "content": msg["content"],
+                        **{k: msg[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")},
+                    },
+                    {"role": "user", "content": f"Go on ({t + 2})."},
+                ]
+                if t == 0:  # the rollout's replica dies between its turns
+                    dead = next(r for r in replicas if r.base_url == homes[0].base_url)
+                    dead.stop(timeout=30)
+            for prev, nxt in zip(turns, turns[1:]):
+                prefix = prev["prompt_token_ids"] + prev["generation_token_ids"]
+                assert nxt["prompt_token_ids"][: len(prefix)] == prefix
+            assert homes[1] is not homes[0] and homes[2] is homes[1]
+            row = pool.status()["replicas"][pool.replicas.index(homes[0])]
+            assert row["breaker"] == "open" and "cannot reach upstream host" in row["last_error"]
+            assert homes[1].stats.moves_in == 1 and homes[1].stats.affinity_hits == 1
+    finally:
+        for r in replicas:
+            r.stop(timeout=30)
 
 
 # ------------------------------------------------------------------------------- through the server

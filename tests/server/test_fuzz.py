@@ -1,13 +1,16 @@
-"""Schema fuzzing: schemathesis generates requests for ``POST /v1/chat/completions`` and
-``POST /v1/responses`` from the server's own OpenAPI document (the openai SDK's request types),
-valid ones and invalid ones, and sends them to a live gymserve over the chat backend (a fast fake
-upstream) and over the local backend (the tiny model). Every answer must be a 2xx, or a 4xx with an
-OpenAI error object; no 5xx, and nothing may take longer than ``HANG_S``.
+"""Schema fuzzing: schemathesis generates requests for ``POST /v1/chat/completions``,
+``POST /v1/responses``, ``POST /v1/completions``, ``POST /tokenize``, ``POST /detokenize`` and
+``POST /v1/messages`` from the server's own OpenAPI document (the openai and anthropic SDKs' request
+types; vLLM's for the tokenizer routes), valid ones and invalid ones, and sends them to a live
+gymserve over the chat backend (a fast fake upstream) and over the local backend (the tiny model).
+Every answer must be a 2xx, or a 4xx with an OpenAI error object (Anthropic's on ``/v1/messages``);
+no 5xx, and nothing may take longer than ``HANG_S``.
 
 Generation is the expensive part (tens to hundreds of ms per case for these large schemas on 2
 cores), so each endpoint's cases are generated once, with a fixed derandomized seed, and replayed
 against both backends. ``GYMSERVE_FUZZ_EXAMPLES`` sets the number of cases per endpoint (default
-1000: 70 % schema-valid, 30 % schema-invalid).
+1000: 70 % schema-valid, 30 % schema-invalid); ``GYMSERVE_FUZZ_MESSAGES_EXAMPLES`` that of
+``/v1/messages`` (default half as many: its cases cost twice as much to generate).
 """
 
 from __future__ import annotations
@@ -32,12 +35,15 @@ from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, 
 from gymserve.server.run import start_background_server  # noqa: E402
 
 EXAMPLES = int(os.environ.get("GYMSERVE_FUZZ_EXAMPLES", "1000"))
+# A Messages case costs about twice a Responses one to generate (measured here: ~0.6 s against
+# ~0.3 s on 2 shared cores), so its route gets half as many unless told otherwise.
+MESSAGES_EXAMPLES = int(os.environ.get("GYMSERVE_FUZZ_MESSAGES_EXAMPLES", str(EXAMPLES // 2)))
 # The local backend replays every LOCAL_STRIDE-th case (each one that passes validation runs the
 # tiny model): 500 per route by default keeps the suite's time in budget on 2 cores.
 LOCAL_STRIDE = int(os.environ.get("GYMSERVE_FUZZ_LOCAL_STRIDE", "2"))
 POSITIVE_SHARE = 0.7
 HANG_S = 30.0
-ROUTES = ("/v1/chat/completions", "/v1/responses")
+ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/completions", "/tokenize", "/detokenize", "/v1/messages")
 
 
 def _upstream_answer(r):
@@ -50,9 +56,38 @@ def _upstream_answer(r):
     return 200, done
 
 
+def _legacy_answer(r):
+    """vLLM's /v1/completions stand-in: one choice per prompt and n, whole or as chunks."""
+    body = r.body if isinstance(r.body, dict) else {}
+    head = {"id": "cmpl-fuzz", "object": "text_completion", "created": 1, "model": str(body.get("model"))}
+    prompt = body.get("prompt")
+    count = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    choices = [
+        {"index": i, "text": "fuzzed", "logprobs": None, "finish_reason": "stop"}
+        for i in range(count * (body.get("n") or 1))
+    ]
+    if body.get("stream"):
+        return sse([{**head, "choices": [c]} for c in choices])
+    return 200, {**head, "choices": choices, "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+def _upstream(r):
+    """The chat stand-in, plus /v1/completions, /tokenize and /detokenize as vLLM answers them."""
+    if r.path == "/v1/completions":
+        return _legacy_answer(r)
+    if r.path == "/tokenize":
+        return 200, {"count": 3, "max_model_len": 4096, "tokens": [1, 2, 3], "token_strs": None}
+    if r.path == "/detokenize":
+        return 200, {"prompt": "fuzzed"}
+    return _CHAT(r)
+
+
+_CHAT = ChatScript(name="fuzz", default=_upstream_answer)
+
+
 @pytest.fixture(scope="module")
 def upstream():
-    with FakeServer(ChatScript(name="fuzz", default=_upstream_answer)) as s:
+    with FakeServer(_upstream) as s:
         yield s
 
 
@@ -117,14 +152,19 @@ def local_server(tiny_model_dir):
     srv.stop()
 
 
+def _examples(route: str) -> int:
+    return MESSAGES_EXAMPLES if route == "/v1/messages" else EXAMPLES
+
+
 @functools.cache
 def _cases(root: str, route: str) -> tuple:
-    """``EXAMPLES`` schemathesis cases for ``route`` (positive, then negative), generated once.
+    """``_examples(route)`` schemathesis cases for ``route`` (positive, then negative), generated once.
 
     The SDK's ``ResponseCreateParams`` leaves ``input`` optional (OpenAI can continue a stored
     conversation); gymserve stores nothing and requires it, so without help more than half the
     "valid" Responses cases stop at "input is required". Positive cases are therefore generated
-    from the served schema with ``input`` marked required; negative ones from the schema as served.
+    from the served schema with ``input`` marked required (and Messages' ``messages`` non-empty);
+    negative ones from the schema as served.
     """
     from schemathesis import GenerationMode
 
@@ -132,12 +172,16 @@ def _cases(root: str, route: str) -> tuple:
     positive_doc = copy.deepcopy(doc)
     body = positive_doc["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     body["required"] = sorted({*body.get("required", []), "input"})
+    # Likewise the SDK's `messages` may be empty; Anthropic (and gymserve) need one message at least.
+    for name in ("MessagesMessageCreateParamsNonStreaming", "MessagesMessageCreateParamsStreaming"):
+        positive_doc["components"]["schemas"][name]["properties"]["messages"]["minItems"] = 1
     out: list = []
     unsupported: list = []
-    n_pos = round(EXAMPLES * POSITIVE_SHARE)
+    n_all = _examples(route)
+    n_pos = round(n_all * POSITIVE_SHARE)
     for mode, n, d in (
         (GenerationMode.POSITIVE, n_pos, positive_doc),
-        (GenerationMode.NEGATIVE, EXAMPLES - n_pos, doc),
+        (GenerationMode.NEGATIVE, n_all - n_pos, doc),
     ):
         strategy = schemathesis.openapi.from_dict(d)[route]["POST"].as_strategy(generation_mode=mode)
 
@@ -164,10 +208,25 @@ def _cases(root: str, route: str) -> tuple:
     return tuple(out)
 
 
-def _problem(status: int, stream: bool, text: str) -> str | None:
-    """Why this answer breaks the contract (None when it is fine)."""
+def _problem(status: int, stream: bool, text: str, *, anthropic: bool = False) -> str | None:
+    """Why this answer breaks the contract (None when it is fine); ``anthropic``: a Messages API
+    route, whose errors are ``{"type": "error", "error": {"type", "message"}}``."""
     if status >= 500:
         return f"{status} server error"
+    if status >= 400 and anthropic:
+        try:
+            body = orjson.loads(text)
+            err = body["error"]
+        except Exception:  # noqa: BLE001
+            return f"{status} without an Anthropic error object"
+        if body.get("type") != "error" or not (
+            isinstance(err, dict)
+            and isinstance(err.get("message"), str)
+            and err["message"]
+            and isinstance(err.get("type"), str)
+        ):
+            return f"{status} Anthropic error object incomplete: {body}"
+        return None
     if status >= 400:
         try:
             err = orjson.loads(text)["error"]
@@ -214,7 +273,10 @@ def _fuzz(server, route: str, cases) -> dict[int, int]:
             slowest = max(slowest, time.monotonic() - t0)
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
             why = _problem(
-                r.status_code, bool((case.body or {}).get("stream")) if isinstance(case.body, dict) else False, r.text
+                r.status_code,
+                bool((case.body or {}).get("stream")) if isinstance(case.body, dict) else False,
+                r.text,
+                anthropic=route == "/v1/messages",
             )
             if 400 <= r.status_code < 500 and not why:
                 msg = orjson.loads(r.text)["error"]["message"][:70]
@@ -234,10 +296,10 @@ def _fuzz(server, route: str, cases) -> dict[int, int]:
 @pytest.mark.parametrize("route", ROUTES)
 def test_fuzz_chat_backend(chat_server, route):
     cases = _cases(chat_server.base_url.removesuffix("/v1"), route)
-    assert len(cases) >= EXAMPLES * 0.9
+    assert len(cases) >= _examples(route) * 0.9
     statuses = _fuzz(chat_server, route, cases)
     assert sum(v for k, v in statuses.items() if 400 <= k < 500) > 0
-    if route == "/v1/chat/completions" or EXAMPLES >= 500:
+    if route in ("/v1/chat/completions", "/tokenize", "/detokenize") or EXAMPLES >= 500:
         assert statuses.get(200, 0) > 0
 
 
@@ -265,6 +327,17 @@ BAD_REQUESTS = [
     ("POST", "/v1/responses", b'{"input": 5}', 400),
     ("POST", "/v1/responses", b'{"input": [{"type": "nope"}]}', 400),
     ("POST", "/v1/responses", b'{"input": "x", "stream": 1}', 400),
+    ("POST", "/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400),
+    ("POST", "/v1/completions", b'{"prompt": [[1], [2, "x"]]}', 400),
+    ("POST", "/tokenize", b'{"prompt": 5}', 400),
+    ("POST", "/tokenize", b"[1]", 400),
+    ("POST", "/detokenize", b'{"tokens": "1"}', 400),
+    ("GET", "/tokenize", None, 405),
+    ("POST", "/v1/messages", b"{oops", 400),
+    ("POST", "/v1/messages", b'{"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": 7}]}]}', 400),
+    ("POST", "/v1/messages", b'{"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "stream": 1}', 400),
+    ("POST", "/v1/messages/count_tokens", b'{"messages": "x"}', 400),
+    ("GET", "/v1/messages", None, 405),
     ("GET", "/v1/chat/completions", None, 405),
     ("GET", "/v1/responses", None, 405),
     ("POST", "/v1/models", b"{}", 405),
@@ -282,4 +355,5 @@ def test_bad_requests_get_openai_errors(chat_server, local_server, method, path,
         local_only = b"stream_options" in (body or b"") and srv is chat_server  # the chat upstream decides that one
         if not local_only:
             assert r.status_code == status, (srv.backend.name, r.text)
-        assert _problem(r.status_code, b'"stream": true' in (body or b""), r.text) is None, r.text
+        anthropic = path.startswith("/v1/messages")
+        assert _problem(r.status_code, b'"stream": true' in (body or b""), r.text, anthropic=anthropic) is None, r.text

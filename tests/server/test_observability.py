@@ -106,6 +106,83 @@ def test_metrics_per_backend_and_replica(two_replicas, tmp_path):
     assert KEY not in r.text
 
 
+def test_routing_state_per_replica_in_metrics_and_gymserve_status(two_replicas, capsys):
+    """Load, sessions, affinity, the prefix-hit estimate, the breaker and the retry budget, as
+    /metrics and `gymserve status` show them after real calls (the fakes report 5 prompt tokens
+    and 1 completion token per answer)."""
+    from gymserve.ray_cluster.cli import main_status
+
+    a, b = two_replicas
+    cfg = validate_config(
+        {
+            "server": {"port": 0},
+            "backend": {
+                "type": "chat",
+                "base_urls": [a.url + "/v1", b.url + "/v1"],
+                "model": "policy",
+                "max_retries": 1,
+                "health_check_interval": 0,
+                "routing": {"breaker_failures": 1, "breaker_cooldown": 60},
+            },
+        }
+    )
+    with start_background_server(cfg) as srv:
+        root = srv.base_url.removesuffix("/v1")
+
+        def turn(session):
+            r = httpx.post(
+                srv.base_url + "/chat/completions", json={"messages": MSG}, headers={"X-Session-ID": session}
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        assert [turn("s0"), turn("s1")] == ["from r0", "from r1"]
+        for _ in range(2):
+            assert [turn("s0"), turn("s1")] == ["from r0", "from r1"]
+        b.handler.default = lambda r: (500, {"error": {"message": "engine died"}})
+        assert turn("s1") == "from r0"  # failed on r1, retried on r0; r1's breaker opens
+        m = _samples(httpx.get(root + "/metrics").text)
+        code = main_status(srv.base_url)
+    ra, rb = a.url + "/v1", b.url + "/v1"
+
+    def v(name, replica, **labels):
+        return _value(m, name, backend="chat", replica=replica, **labels)
+
+    assert (v("gymserve_replica_routed_total", ra), v("gymserve_replica_routed_total", rb)) == (4, 4)
+    assert (v("gymserve_replica_failures_total", ra), v("gymserve_replica_failures_total", rb)) == (0, 1)
+    assert v("gymserve_replica_breaker_state", rb, state="open") == 1 and v("gymserve_replica_healthy", rb) == 0
+    assert (
+        v("gymserve_replica_breaker_state", ra, state="closed") == 1
+        and v("gymserve_replica_breaker_opens_total", rb) == 1
+    )
+    assert v("gymserve_replica_session_moves_total", ra) == 1 and v("gymserve_replica_sessions", ra) == 2
+    assert v("gymserve_replica_active_sessions", ra) == 2 and v("gymserve_replica_in_flight", ra) == 0
+    # r0: s0's turns 2 and 3 found their prefix (5 + 1 tokens, capped at the 5-token prompt); s1's 4th did not.
+    assert v("gymserve_replica_later_turns_total", ra) == 3 and v("gymserve_replica_affinity_hits_total", ra) == 2
+    assert v("gymserve_replica_prompt_tokens_total", ra) == 20
+    assert v("gymserve_replica_estimated_cached_tokens_total", ra) == 10
+    assert v("gymserve_replica_prefix_hit_estimate", ra) == 0.5
+    assert _value(m, "gymserve_retries_total", backend="chat") == 1
+    assert _value(m, "gymserve_retries_denied_total", backend="chat") == 0
+    assert _value(m, "gymserve_retry_budget_balance", backend="chat") == 100 - 1 + 0.2 * 7
+    out = capsys.readouterr().out.splitlines()
+    assert code == 1 and "status: degraded" in out[0] and "routing: sticky-least-loaded" in out[0]
+    assert "retry budget: 100.4 left, 1 used, 0 denied" in out[0]
+    assert out[1].split() == [
+        "NAME",
+        "STATE",
+        "BREAKER",
+        "IN_FLIGHT",
+        "SESSIONS",
+        "PREFIX_HIT",
+        "FAILURES",
+        "NODE",
+        "RESTARTS",
+    ]
+    assert out[2].split() == [ra, "alive", "closed", "0", "2/2", "50%", "0", "-", "-"]
+    assert out[3].split() == [rb, "unhealthy", "open", "0", "0/0", "67%", "1", "-", "-"]  # 10 of 15
+
+
 def test_capture_records_every_call_redacted(two_replicas, tmp_path):
     a, b = two_replicas
     path = tmp_path / "calls.jsonl"
@@ -144,6 +221,36 @@ def test_capture_records_every_call_redacted(two_replicas, tmp_path):
     assert lines[2]["response"]["chunks"] and lines[2]["response"]["chunks"][0]["object"] == "chat.completion.chunk"
     assert lines[4]["status"] == 502 and lines[4]["error"]["error"]["code"] == "upstream_unreachable"
     assert KEY not in path.read_text()
+
+
+def test_messages_calls_are_measured_and_captured(two_replicas, tmp_path):
+    """``/v1/messages``, streamed or not, counts in the metrics with its usage (Anthropic's
+    ``input_tokens`` / ``output_tokens``; streamed, the ``message_delta``'s) and is captured."""
+    a, _ = two_replicas
+    path = tmp_path / "calls.jsonl"
+    body = {"model": "policy", "max_tokens": 4, "messages": MSG}
+    with _chat_server([a.url + "/v1"], capture_path=str(path)) as srv:
+        root = srv.base_url.removesuffix("/v1")
+        assert httpx.post(root + "/v1/messages", json=body).status_code == 200
+        r = httpx.post(root + "/v1/messages", json={**body, "stream": True})
+        assert r.status_code == 200 and "event: message_stop" in r.text
+        assert httpx.post(root + "/v1/messages", json={"messages": MSG}).status_code == 400  # no max_tokens
+        m = _samples(httpx.get(root + "/metrics").text)
+    route = "/v1/messages"
+    assert _value(m, "gymserve_requests_total", route=route, status="200") == 2
+    assert _value(m, "gymserve_requests_total", route=route, status="400") == 1
+    assert _value(m, "gymserve_tokens_total", direction="in") == 10  # fake usage: 5 in, 1 out
+    assert _value(m, "gymserve_tokens_total", direction="out") == 2
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(x["route"], x["status"], x["stream"]) for x in lines] == [
+        (route, 200, False),
+        (route, 200, True),
+        (route, 400, False),
+    ]
+    assert lines[0]["response"]["type"] == "message" and lines[0]["response"]["content"][0]["text"] == "from r0"
+    assert lines[1]["response"]["usage"]["output_tokens"] == 1
+    assert [e["type"] for e in lines[1]["response"]["events"]][-2:] == ["message_delta", "message_stop"]
+    assert "max_tokens is required" in lines[2]["error"]["error"]["message"]
 
 
 def test_capture_flag_and_config():

@@ -50,6 +50,9 @@ def locked(upstream):
     [
         ("POST", "/v1/chat/completions"),
         ("POST", "/v1/responses"),
+        ("POST", "/v1/completions"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
         ("GET", "/v1/models"),
         ("GET", "/metrics"),
         ("GET", "/openapi.json"),

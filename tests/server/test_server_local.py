@@ -142,7 +142,7 @@ def test_standard_logprobs_with_token_ids(client):
             None,
         ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 129}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 5}, "frequency_penalty"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"12": 3}}, "logit_bias"),
         (
@@ -374,3 +374,50 @@ def test_a_system_prompt_alone_is_answered(client, tokenizer, item):
         model="tiny", messages=[{"role": "system", "content": "Say hello."}], max_tokens=3
     )
     assert chat.choices[0].message.model_extra["prompt_token_ids"] == prompt
+
+
+# ------------------------------------------------------------------ errors in the caller's vocabulary
+
+
+def test_a_bad_responses_request_is_named_with_responses_fields(server):
+    """The local engine checks the converted chat request; its errors name the input items."""
+    item = {
+        "type": "function_call",
+        "call_id": "c1",
+        "name": "get_weather",
+        "arguments": "{}",
+        "prompt_token_ids": [1, 2],
+        "generation_token_ids": [10**9],
+        "generation_log_probs": [-1.0],
+    }
+    body = {"model": "m", "input": [{"role": "user", "content": "x"}, item]}
+    for stream in (False, True):
+        r = httpx.post(server.base_url + "/responses", json={**body, "stream": stream}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "input[1].generation_token_ids", err
+        assert err["message"].startswith("input[1].generation_token_ids holds token id 1000000000"), err
+        assert "messages" not in err["message"]
+
+
+def test_out_of_range_numbers_say_out_of_range(server):
+    r = httpx.post(
+        server.base_url + "/responses",
+        content=b'{"model": "m", "input": "hi", "max_output_tokens": 1e30}',
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
+    assert "out of range" in r.json()["error"]["message"]
+
+
+def test_a_tool_message_without_tool_call_id_is_refused_on_chat_as_on_responses(server):
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "18 C"}]}
+    r = httpx.post(server.base_url + "/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_call_id", r.text
+    responses = {
+        "model": "m",
+        "input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "output": "18 C"}],
+    }
+    r = httpx.post(server.base_url + "/responses", json=responses, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[1].call_id", r.text

@@ -70,13 +70,13 @@ class AzureUpstream(Upstream):
 
     def url(self, base: str, kind: str) -> str:
         cfg = self.config
-        if kind == "chat":
+        if kind in ("chat", "completions"):  # both deployment-scoped
             if cfg.chat_base_url is None and (cfg.resource_endpoint is None or cfg.deployment_name is None):
                 raise InvalidRequestError(
                     "this Azure backend is configured for the Responses API only; set endpoint and deployment "
-                    "(or chat_base_url) to serve /v1/chat/completions"
+                    f"(or chat_base_url) to serve /v1/{'chat/completions' if kind == 'chat' else 'completions'}"
                 )
-            return f"{cfg.chat_base}/chat/completions"
+            return f"{cfg.chat_base}/{'chat/completions' if kind == 'chat' else 'completions'}"
         if kind == "responses":
             if cfg.responses_base_url is None and cfg.endpoint is None:
                 raise InvalidRequestError("set endpoint or responses_base_url to use the Azure Responses API")

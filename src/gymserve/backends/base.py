@@ -1,7 +1,8 @@
 """The backend contract: everything the server (and ``gymserve check``) may use of a backend.
 
-``chat`` answers a Chat Completions request; ``responses`` answers a Responses request, by default
-by converting to chat and back (Responses-native clouds override it). Streaming variants yield
+``chat`` answers a Chat Completions request; ``responses`` answers a Responses request and
+``messages`` an Anthropic Messages request, by default by converting to chat and back (Responses-
+native clouds override ``responses``, the Anthropic backend ``messages``). Streaming variants yield
 already-shaped chunks/events. Replica pools, session affinity, retries and concurrency limits live
 in the backends, once. Nothing outside ``gymserve.backends`` (and ``gymserve.ray_cluster``) reads
 a backend attribute this class does not declare.
@@ -15,13 +16,21 @@ from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gymserve.backends.context import RequestContext
+from gymserve.backends.messages_over_chat import messages_over_chat, messages_stream_over_chat
 from gymserve.backends.responses_over_chat import ChatAnswer, responses_over_chat, responses_stream_over_chat
-from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest
+from gymserve.protocol import (
+    ChatCompletionDict,
+    ChatRequest,
+    MessageDict,
+    MessagesRequest,
+    ResponseDict,
+    ResponsesRequest,
+)
 
 __all__ = ["Backend", "RequestContext"]
 
 if TYPE_CHECKING:
-    from gymserve.backends.pool import Limiter
+    from gymserve.backends.pool import Limiter, ReplicaPool
     from gymserve.convert import ConvertOptions
     from gymserve.engine.base import PauseMode
 
@@ -36,7 +45,8 @@ class Backend(ABC):
 
     Declared state: ``name`` (the registry name: ``/health``, metrics labels, logs); ``limiter``
     (the ``pool.Limiter`` bounding calls in flight, read by the queue-depth metrics; None when the
-    backend has none); ``secrets`` (credentials the server must redact from logs and capture). The
+    backend has none); ``pool`` (the ``pool.ReplicaPool`` routing its calls across replicas, read by
+    the per-replica metrics; None without one); ``secrets`` (credentials the server must redact from logs and capture). The
     control plane of a policy being trained (``pause_generation``, ``resume_generation``,
     ``is_paused``, ``update_weights``, ``update_weight_version``, ``control_status``; vLLM's names,
     served by ``server.control``) answers ``NotSupportedError`` (501) by default; the local backend
@@ -49,6 +59,7 @@ class Backend(ABC):
 
     name: ClassVar[str] = "backend"
     limiter: Limiter | None = None
+    pool: ReplicaPool | None = None
 
     @classmethod
     @abstractmethod
@@ -86,6 +97,36 @@ class Backend(ABC):
         yielded, so a request the backend rejects fails as a plain 4xx, not inside a 200 stream."""
         return responses_stream_over_chat(self, request, ctx)
 
+    # ---- Anthropic Messages API ----------------------------------------------------------------
+
+    async def messages(self, request: MessagesRequest, ctx: RequestContext) -> MessageDict:
+        """An Anthropic ``Message`` dict (training fields beside ``content``): by default convert →
+        ``answer`` → convert back (see ``messages_over_chat``); a prompt that fills the context
+        window gives the empty Message with ``stop_reason: model_context_window_exceeded``."""
+        return await messages_over_chat(self, request, ctx)
+
+    def messages_stream(self, request: MessagesRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """Messages streaming events (``message_start`` … ``message_stop``): by default built from
+        ``chat_stream`` (see ``messages_over_chat``); the first chat chunk is awaited first, so a
+        rejected request fails as a plain 4xx."""
+        return messages_stream_over_chat(self, request, ctx)
+
+    async def count_tokens(self, request: MessagesRequest, ctx: RequestContext) -> int:
+        """The prompt tokens a Messages request (``POST /v1/messages/count_tokens``: no
+        ``max_tokens``) would have, as generation would see them. Raises ``NotSupportedError`` (501)
+        by default (after the request is checked, so bad input is still a 400): only a backend
+        that holds the tokenizer (local) or an upstream that counts (anthropic) can answer."""
+        from gymserve.convert.messages_to_chat import messages_to_chat
+        from gymserve.errors import NotSupportedError
+
+        messages_to_chat(request, self.convert_options(), count_only=True)
+        raise NotSupportedError(
+            f"POST /v1/messages/count_tokens is not supported by the {self.name} backend: it does not hold the "
+            "model's tokenizer. Use the local backend (backend.type: local), or an anthropic backend, whose "
+            "upstream counts",
+            code="count_tokens_not_supported",
+        )
+
     async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
         """The whole answer to a chat request, for the Responses path: ``chat``'s completion by
         default; the local engine (and Ray) give its chunks, which keep the generation order. Raises
@@ -103,6 +144,38 @@ class Backend(ABC):
         from gymserve.convert import ConvertOptions
 
         return ConvertOptions()
+
+    # ---- Completions (legacy, for base models) and tokenization -------------------------------
+
+    async def completions(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        """A ``Completion`` dict (training fields on each choice) for a ``/v1/completions`` request
+        already checked by ``convert.completions_request``. Raises ``NotSupportedError`` (501) by
+        default."""
+        raise self._not_served("POST /v1/completions")
+
+    def completions_stream(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """``Completion`` chunk dicts for a streamed ``/v1/completions`` request; the training fields
+        ride on each choice's finish chunk. Raises ``NotSupportedError`` (501) by default."""
+        raise self._not_served("POST /v1/completions")
+
+    async def tokenize(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        """vLLM's ``POST /tokenize``: ``{"count", "max_model_len", "tokens", "token_strs"}`` for a
+        prompt or chat messages, as generation would see them. ``NotSupportedError`` (501) by default."""
+        raise self._not_served("POST /tokenize")
+
+    async def detokenize(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        """vLLM's ``POST /detokenize``: ``{"prompt": text}`` for ``tokens``. ``NotSupportedError``
+        (501) by default."""
+        raise self._not_served("POST /detokenize")
+
+    def _not_served(self, route: str):
+        from gymserve.errors import NotSupportedError
+
+        return NotSupportedError(
+            f"{route} is not served by the {self.name} backend; use the local backend, or a chat backend "
+            "whose upstream serves it (vLLM, SGLang, another gymserve)",
+            code="route_not_supported",
+        )
 
     # ---- models, health, lifetime --------------------------------------------------------------
 

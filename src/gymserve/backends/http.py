@@ -76,10 +76,11 @@ class JSONClient:
             )
         return self._session
 
-    async def post(self, url: str, body: dict[str, Any]) -> Any:
-        """The parsed JSON answer; raises ``HTTPStatusFailure`` for status >= 400, aiohttp's errors
-        for connection failures and ``orjson.JSONDecodeError`` for an answer that is not JSON."""
-        async with self._get_session().post(url, data=orjson.dumps(body), params=self._params) as resp:
+    async def post(self, url: str, body: dict[str, Any], *, headers: dict[str, str] | None = None) -> Any:
+        """The parsed JSON answer (``headers`` added to the client's own); raises ``HTTPStatusFailure``
+        for status >= 400, aiohttp's errors for connection failures and ``orjson.JSONDecodeError``
+        for an answer that is not JSON."""
+        async with self._get_session().post(url, data=orjson.dumps(body), params=self._params, headers=headers) as resp:
             raw = await resp.read()
             if resp.status >= 400:
                 text = raw.decode("utf-8", "replace")

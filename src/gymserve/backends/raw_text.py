@@ -28,7 +28,9 @@ def apply_parsers(
     into ``content``."""
     msg = choice["message"]
     text = msg.get("content")
-    tool_parser = tool_parser if tools and not msg.get("tool_calls") else None
+    tools = tools if not msg.get("tool_calls") else None
+    # A channel format (harmony) frames reasoning and content too, so it runs with no tools to call.
+    tool_parser = tool_parser if tools or getattr(tool_parser, "channels", False) else None
     reasoning_parser = reasoning_parser if not any(msg.get(k) for k in REASONING_FIELDS) else None
     if not isinstance(text, str) or not text or (tool_parser is None and reasoning_parser is None):
         return
@@ -45,7 +47,11 @@ def apply_parsers(
         msg.update(dict.fromkeys(REASONING_FIELDS, parsed.reasoning))
     if parsed.tool_calls:
         msg["tool_calls"] = [
-            {"id": new_id("call"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            {
+                "id": tool_parser.new_call_id() if tool_parser else new_id("call"),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
             for c in parsed.tool_calls
         ]
         if choice.get("finish_reason") == "stop":
@@ -70,7 +76,7 @@ class ParsedChunkStream:
         reasoning_parser: ReasoningParser | None,
     ) -> None:
         self.tools = tools
-        self.tool_parser = tool_parser if tools else None
+        self.tool_parser = tool_parser if tools or getattr(tool_parser, "channels", False) else None
         self.reasoning_parser = reasoning_parser
         self._parsers: dict[int, ChatDeltas] = {}
         self._upstream: dict[int, set[str]] = {}  # per choice: "tool_calls" / "reasoning" the server sent
@@ -80,10 +86,10 @@ class ParsedChunkStream:
             seen = self._upstream.get(index, set())
             self._parsers[index] = ChatDeltas(
                 StreamingParser(
-                    None if "tool_calls" in seen else self.tool_parser,
+                    self.tool_parser,
                     None if "reasoning" in seen else self.reasoning_parser,
                     "",
-                    self.tools,
+                    None if "tool_calls" in seen else self.tools,
                 ),
                 REASONING_FIELDS,
             )

@@ -4,7 +4,8 @@ An ``upstream.Upstream`` holds what differs between a self-hosted chat server, O
 (URLs, credentials, HTTP clients, body rules); a ``caller.UpstreamCaller`` calls it (replica pool,
 limiter, retries, error translation). Everything else is written here once: the chat endpoint,
 streaming, token IDs, client-side parsing, and the Responses API — passed to the upstream's own
-when it has one (``Upstream.native_responses``), else through ``responses_over_chat``. The three
+when it has one (``Upstream.native_responses``), else through ``responses_over_chat``; the
+completions route (``remote_completions``) and ``/tokenize`` (``remote_tokens``) in mixins. The three
 registered kinds (``chat``, ``openai``, ``azure``) are this class with a different upstream.
 
 Upstream behaviour followed:
@@ -31,16 +32,18 @@ import contextlib
 import copy
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.caller import UpstreamCaller, replica_label
 from gymserve.backends.chat_wire import checked_chunk, completion_to_chunks, normalize_tool_call_arguments
-from gymserve.backends.pool import Limiter
+from gymserve.backends.pool import Limiter, ReplicaPool
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
+from gymserve.backends.remote_completions import RemoteCompletions
+from gymserve.backends.remote_tokens import RemoteTokens
 from gymserve.backends.responses_over_chat import ChatAnswer, overflow_events
-from gymserve.backends.token_stream import StreamedTokens, attach_token_info
+from gymserve.backends.token_stream import StreamedTokens, attach_token_info, stream_cut_short
 from gymserve.backends.upstream import Upstream
 from gymserve.convert import (
     ConvertOptions,
@@ -51,9 +54,8 @@ from gymserve.convert import (
 from gymserve.engine.pause_gate import Call, CallAborted, PauseGate
 from gymserve.errors import (
     ContextLengthExceededError,
-    UpstreamBadResponseError,
+    InvalidRequestError,
     UpstreamError,
-    UpstreamTokenIdsError,
 )
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest
 from gymserve.redaction import redact_url
@@ -62,7 +64,7 @@ from gymserve.wire.reasoning import mirror_reasoning
 log = logging.getLogger("gymserve.backends")
 
 
-class RemoteBackend(Backend):
+class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
     """A remote API (``upstream``) behind the server's routes; see the module docstring.
 
     ``max_queue`` bounds the requests waiting for one of ``num_concurrent_requests`` slots
@@ -73,12 +75,14 @@ class RemoteBackend(Backend):
     upstream_type: type[Upstream]
     limiter: Limiter
     gate: PauseGate | None = None  # set by a backend that pauses at its door (chat_control)
+    pool: ReplicaPool
 
     def __init__(self, upstream: Upstream, *, max_queue: int = 1024):
         self.upstream = upstream
         self.config = config = upstream.config
         self.caller = UpstreamCaller(upstream, max_queue=max_queue)
         self.limiter = self.caller.limiter
+        self.pool = self.caller.pool
         self._wants_token_ids = bool(getattr(config, "return_token_id_information", False))
         self._tool_parser = self._reasoning_parser = None
         if getattr(config, "tool_parser", None):
@@ -111,8 +115,18 @@ class RemoteBackend(Backend):
         return self.upstream.convert_options()
 
     # ------------------------------------------------------------------ chat
+    def _refuse_token_prefix(self, request: dict[str, Any]) -> None:
+        """A cloud API takes no token IDs: ``required_prefix_token_ids`` is a 400 before anything is sent."""
+        if self.upstream.cloud and request.get("required_prefix_token_ids") is not None:
+            raise InvalidRequestError(
+                f"required_prefix_token_ids cannot be honoured by the {self.name} backend: the API takes no token "
+                "IDs; leave it out, or serve the policy with the local backend or a chat backend",
+                param="required_prefix_token_ids",
+            )
+
     def _chat_body(self, request: ChatRequest) -> dict[str, Any]:
         cfg = self.config
+        self._refuse_token_prefix(request)
         body = {**copy.deepcopy(cfg.extra_body), **request}
         body.pop("stream", None)
         body.pop("stream_options", None)
@@ -124,6 +138,8 @@ class RemoteBackend(Backend):
         if self._wants_token_ids:
             body.update(return_token_ids=True, logprobs=True, return_tokens_as_token_ids=True)
             body.setdefault("top_logprobs", 0)
+        if self._tool_parser is not None:  # an upstream that returns the format's raw text
+            body = self._tool_parser.adjust_request(body)
         return self.upstream.chat_body(body)
 
     def _admitted(self) -> contextlib.AbstractAsyncContextManager[Call | None]:
@@ -201,54 +217,37 @@ class RemoteBackend(Backend):
                 ):
                     yield chunk
                 return
-            got_chunk = False
+            where = redact_url(self.caller.url(replica, "chat"))
             last: dict[str, Any] = {}
-            try:
-                call_index: dict[tuple[int, str], int] = {}  # (choice, call id) -> index, for servers that omit it
-                async for chunk in call.until_aborted(stream) if call is not None else stream:
-                    got_chunk = True
-                    chunk = checked_chunk(chunk, redact_url(self.caller.url(replica, "chat")), call_index)
+            call_index: dict[tuple[int, str], int] = {}  # (choice, call id) -> index, for servers that omit it
+            async with contextlib.aclosing(self.caller.events(stream, replica, "chat", ctx)) as events:
+                async for chunk in call.until_aborted(events) if call is not None else events:
+                    chunk = checked_chunk(chunk, where, call_index)
                     if self.config.served_model_name:
                         chunk["model"] = self.config.served_model_name
                     if tokens is not None:
                         tokens.take(chunk)
                     last = chunk
                     for piece in parsed.process(chunk) if parsed is not None else [chunk]:
-                        if tokens is not None and tokens.is_finish(piece):
-                            await attach_token_info(
-                                self.caller, tokens.completion(piece), request, plain_body, replica, ctx
-                            )
+                        if tokens is not None:
+                            for index in tokens.finishing(piece):
+                                await attach_token_info(
+                                    self.caller, tokens.completion(piece, index), request, plain_body, replica, ctx
+                                )
                         yield piece
-                if call is not None and call.aborted.is_set() and not (tokens is not None and tokens.finished):
-                    # An abort pause ended the stream: what was streamed stays, and the call ends
-                    # like an aborted call on the local engine (finish_reason "abort", training fields).
-                    piece = abort_chunk(last, self.config.served_model_name or body.get("model") or "")
-                    if tokens is not None:
-                        done = tokens.completion(piece)
-                        done["choices"][0].setdefault("token_ids", [])
-                        done["choices"][0].setdefault("logprobs", {"content": []})
-                        await attach_token_info(self.caller, done, request, plain_body, replica, ctx)
-                    yield piece
-                    return
-                if not got_chunk:
-                    where = redact_url(self.caller.url(replica, "chat"))
-                    raise UpstreamBadResponseError(
-                        f"{where} answered a streaming request without any events (not server-sent events, or an "
-                        "empty stream); does the server support stream=true?",
-                        url=where,
-                    )
-                if tokens is not None and not tokens.finished:
-                    where = redact_url(self.caller.url(replica, "chat"))
-                    raise UpstreamTokenIdsError(
-                        f"{where} ended the stream without a finish_reason, so the token IDs of the generation are "
-                        "incomplete; is the server cutting streams short?",
-                        url=where,
-                    )
-            except Exception as exc:
-                raise self.caller.translate(exc, self.caller.url(replica, "chat"), "chat") from None
-            finally:
-                with contextlib.suppress(Exception):
-                    await stream.close()
+            if call is not None and call.aborted.is_set() and not (tokens is not None and tokens.finished):
+                # An abort pause ended the stream: what was streamed stays, and the call ends
+                # like an aborted call on the local engine (finish_reason "abort", training fields).
+                piece = abort_chunk(last, self.config.served_model_name or body.get("model") or "")
+                if tokens is not None:
+                    done = tokens.completion(piece)
+                    done["choices"][0].setdefault("token_ids", [])
+                    done["choices"][0].setdefault("logprobs", {"content": []})
+                    await attach_token_info(self.caller, done, request, plain_body, replica, ctx)
+                yield piece
+                return
+            if tokens is not None and not tokens.finished:
+                raise stream_cut_short(where)
 
     async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
         """The upstream's completion for the Responses path, which answers an overflow itself
@@ -286,6 +285,7 @@ class RemoteBackend(Backend):
         gives ``context_exceeded_response``. Otherwise ``responses_over_chat``."""
         if not self.upstream.native_responses:
             return await super().responses(request, ctx)
+        self._refuse_token_prefix(request)
         try:
             async with self.limiter.slot():
                 response, _ = await self.caller.call("responses", self.upstream.responses_body(request), ctx)
@@ -302,33 +302,42 @@ class RemoteBackend(Backend):
         Otherwise ``responses_over_chat``."""
         if not self.upstream.native_responses:
             return super().responses_stream(request, ctx)
+        self._refuse_token_prefix(request)
         return self._native_responses_stream(request, ctx)
 
-    async def _native_responses_stream(
-        self, request: ResponsesRequest, ctx: RequestContext
-    ) -> AsyncIterator[dict[str, Any]]:
+    def _native_responses_stream(self, request: ResponsesRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         body = {**self.upstream.responses_body(request), "stream": True}
+        return self._native_stream(
+            "responses", body, ctx, lambda: overflow_events(request), lambda e: e.get("response")
+        )
+
+    async def _native_stream(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        ctx: RequestContext,
+        overflow: Callable[[], list[dict[str, Any]]],
+        named: Callable[[dict[str, Any]], Any],
+    ) -> AsyncIterator[dict[str, Any]]:
+        """An upstream's own event stream for ``body`` on its ``kind`` API, passed through: an error
+        before the first event raises (a plain 4xx/5xx), a context-window overflow yields
+        ``overflow()``, and ``named(event)`` — the object in an event that names the model, if any —
+        gets ``served_model_name``."""
         async with self.limiter.slot():
             try:
-                stream, replica = await self.caller.call("responses", body, ctx, stream=True)
+                stream, replica = await self.caller.call(kind, body, ctx, stream=True)
             except ContextLengthExceededError:
-                for event in overflow_events(request):
+                for event in overflow():
                     yield event
                 return
-            try:
-                async for event in stream:
-                    if (
-                        self.config.served_model_name
-                        and isinstance(event, dict)
-                        and isinstance(event.get("response"), dict)
-                    ):
-                        event["response"]["model"] = self.config.served_model_name
+            async with contextlib.aclosing(
+                self.caller.events(stream, replica, kind, ctx, require_events=False)
+            ) as events:
+                async for event in events:
+                    holder = named(event) if self.config.served_model_name and isinstance(event, dict) else None
+                    if isinstance(holder, dict):
+                        holder["model"] = self.config.served_model_name
                     yield event
-            except Exception as exc:
-                raise self.caller.translate(exc, self.caller.url(replica, "responses"), "responses") from None
-            finally:
-                with contextlib.suppress(Exception):
-                    await stream.close()
 
 
 def abort_chunk(last: dict[str, Any], model: str) -> dict[str, Any]:

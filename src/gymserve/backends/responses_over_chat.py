@@ -19,7 +19,7 @@ context-window overflow:
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,7 +34,8 @@ from gymserve.convert import (
     context_exceeded_response,
     responses_to_chat,
 )
-from gymserve.errors import ContextLengthExceededError, GymserveError
+from gymserve.convert.field_paths import FieldPaths
+from gymserve.errors import ContextLengthExceededError, GymserveError, InvalidRequestError
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponseDict, ResponsesRequest
 from gymserve.wire.reasoning import REASONING_FIELDS, ReasoningField
 
@@ -103,9 +104,10 @@ class ChatSide(Protocol):
     def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]: ...
 
 
-def _as_chat(backend: ChatSide, request: ResponsesRequest) -> tuple[ResponsesRequest, ChatRequest]:
+def _as_chat(backend: ChatSide, request: ResponsesRequest) -> tuple[ResponsesRequest, ChatRequest, FieldPaths]:
     request = backend.fill_responses_defaults(request)
-    return request, responses_to_chat(request, backend.convert_options())
+    paths = FieldPaths()
+    return request, responses_to_chat(request, backend.convert_options(), paths), paths
 
 
 def overflow_events(request: ResponsesRequest) -> list[dict[str, Any]]:
@@ -121,12 +123,14 @@ def overflow_events(request: ResponsesRequest) -> list[dict[str, Any]]:
 async def responses_over_chat(backend: ChatSide, request: ResponsesRequest, ctx: RequestContext) -> ResponseDict:
     """Convert → ``backend.answer`` → convert back; an overflow gives
     ``convert.context_exceeded_response`` (the chat endpoint of the local backend keeps its 400)."""
-    request, chat_request = _as_chat(backend, request)
+    request, chat_request, paths = _as_chat(backend, request)
     try:
         answer = await backend.answer(chat_request, ctx)
     except ContextLengthExceededError as exc:
         log.info("context window exceeded; answering with an empty incomplete response: %s", exc.message)
         return context_exceeded_response(request)
+    except InvalidRequestError as exc:  # named with the chat request's fields: tell them in the caller's
+        raise paths.translate(exc) from None
     return answer.response(request)
 
 
@@ -140,7 +144,7 @@ async def responses_stream_over_chat(
     gives :func:`overflow_events`. A failure after the first event ends the stream with
     ``response.failed``.
     """
-    request, chat_request = _as_chat(backend, request)
+    request, chat_request, paths = _as_chat(backend, request)
     chat_request = {**chat_request, "stream": True, "stream_options": {"include_usage": True}}
     chunks = aiter(backend.chat_stream(chat_request, ctx))
     try:
@@ -150,7 +154,32 @@ async def responses_stream_over_chat(
         for event in overflow_events(request):
             yield event
         return
+    except InvalidRequestError as exc:
+        raise paths.translate(exc) from None
     builder = ResponseStreamBuilder(request)
+    async for event in built_events(builder, first, chunks, lambda exc: builder.fail(exc.message)):
+        yield event
+
+
+class StreamBuilder(Protocol):
+    """What :func:`built_events` drives: ``ResponseStreamBuilder``, ``MessageStreamBuilder``."""
+
+    def start(self) -> list[dict[str, Any]]: ...
+
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def finish(self) -> list[dict[str, Any]]: ...
+
+
+async def built_events(
+    builder: StreamBuilder,
+    first: dict[str, Any] | None,
+    chunks: AsyncIterator[dict[str, Any]],
+    fail: Callable[[GymserveError], list[dict[str, Any]]],
+) -> AsyncIterator[dict[str, Any]]:
+    """A stream builder's events for ``first`` and the rest of ``chunks``: its start, what each chunk
+    adds, its finish; a ``GymserveError`` on the way (or in ``finish``, which may find the
+    upstream's token fields unusable) ends the stream with ``fail(exc)`` instead."""
     for event in builder.start():
         yield event
     try:
@@ -160,9 +189,9 @@ async def responses_stream_over_chat(
             async for chunk in chunks:
                 for event in builder.feed(chunk):
                     yield event
-        events = builder.finish()  # may find the upstream's token fields unusable
+        events = builder.finish()
     except GymserveError as exc:
-        for event in builder.fail(exc.message):
+        for event in fail(exc):
             yield event
         return
     for event in events:

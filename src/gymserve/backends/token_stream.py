@@ -22,25 +22,32 @@ from gymserve.protocol import get_token_info
 from gymserve.redaction import redact_url
 
 
-class StreamedTokens:
-    """Collects choice 0's streamed token metadata.
+class _ChoiceTokens:
+    """One streamed choice's token metadata so far."""
 
-    ``StreamedTokens(keep_logprobs)``: ``keep_logprobs`` False removes the ``logprobs`` that
-    gymserve asked for on the client's behalf from the chunks it forwards. Call :meth:`take` on each
-    upstream chunk before forwarding it (it removes vLLM's ``prompt_token_ids`` / ``token_ids``),
-    :meth:`is_finish` to find the chunk that ends choice 0, and :meth:`completion` to get a
-    ``ChatCompletion``-shaped dict whose ``choices[0]["message"]`` *is* that chunk's delta (the
-    training fields set on it land in the chunk).
-    """
-
-    def __init__(self, keep_logprobs: bool) -> None:
-        self.keep_logprobs = keep_logprobs
-        self.prompt: list[int] | None = None
+    def __init__(self) -> None:
         self.ids: list[int] = []
         self.saw_ids = False
         self.entries: list[Any] = []
         self.saw_logprobs = False
         self.finished = False
+
+
+class StreamedTokens:
+    """Collects the streamed token metadata of every choice (``n > 1`` streams interleave them).
+
+    ``StreamedTokens(keep_logprobs)``: ``keep_logprobs`` False removes the ``logprobs`` that
+    gymserve asked for on the client's behalf from the chunks it forwards. Call :meth:`take` on each
+    upstream chunk before forwarding it (it removes vLLM's ``prompt_token_ids`` / ``token_ids``),
+    :meth:`finishing` to find the choices a chunk ends, and :meth:`completion` to get a
+    ``ChatCompletion``-shaped dict whose ``choices[0]["message"]`` *is* that choice's delta in the
+    chunk (the training fields set on it land in the chunk).
+    """
+
+    def __init__(self, keep_logprobs: bool) -> None:
+        self.keep_logprobs = keep_logprobs
+        self.prompt: list[int] | None = None
+        self._choices: dict[int, _ChoiceTokens] = {}
 
     def take(self, chunk: dict[str, Any]) -> None:
         prompt = chunk.pop("prompt_token_ids", None)
@@ -52,32 +59,53 @@ class StreamedTokens:
             logprobs = choice.get("logprobs")
             if not self.keep_logprobs:
                 choice["logprobs"] = None
-            if choice.get("index", 0) != 0:
-                continue
+            state = self._choices.setdefault(_index(choice), _ChoiceTokens())
             prompt = prompt if prompt is not None else choice_prompt
             if isinstance(ids, list):
-                self.ids += ids
-                self.saw_ids = True
+                state.ids += ids
+                state.saw_ids = True
             content = logprobs.get("content") if isinstance(logprobs, dict) else None
             if isinstance(content, list):
-                self.entries += content
-                self.saw_logprobs = True
+                state.entries += content
+                state.saw_logprobs = True
         if prompt is not None and self.prompt is None:
             self.prompt = prompt
 
     @staticmethod
-    def is_finish(chunk: dict[str, Any]) -> bool:
-        choices = chunk.get("choices") or []
-        return bool(choices) and choices[0].get("index", 0) == 0 and bool(choices[0].get("finish_reason"))
+    def finishing(chunk: dict[str, Any]) -> list[int]:
+        """The indices of the choices ``chunk`` ends (those with a ``finish_reason``)."""
+        return [_index(c) for c in chunk.get("choices") or [] if isinstance(c, dict) and c.get("finish_reason")]
 
-    def completion(self, finish_chunk: dict[str, Any]) -> dict[str, Any]:
-        self.finished = True
-        choice: dict[str, Any] = {"message": finish_chunk["choices"][0].setdefault("delta", {})}
-        if self.saw_ids:
-            choice["token_ids"] = self.ids
-        if self.saw_logprobs:
-            choice["logprobs"] = {"content": self.entries}
+    @property
+    def finished(self) -> bool:
+        """Whether every choice seen so far has ended (and at least one was seen)."""
+        return bool(self._choices) and all(c.finished for c in self._choices.values())
+
+    def completion(self, finish_chunk: dict[str, Any], index: int = 0) -> dict[str, Any]:
+        state = self._choices.setdefault(index, _ChoiceTokens())
+        state.finished = True
+        raw = next(c for c in finish_chunk["choices"] if isinstance(c, dict) and _index(c) == index)
+        choice: dict[str, Any] = {"message": raw.setdefault("delta", {})}
+        if state.saw_ids:
+            choice["token_ids"] = state.ids
+        if state.saw_logprobs:
+            choice["logprobs"] = {"content": state.entries}
         return {"prompt_token_ids": self.prompt, "choices": [choice]}
+
+
+def stream_cut_short(where: str) -> UpstreamTokenIdsError:
+    """The 502 for an upstream stream that ended before every choice had its finish reason: the
+    generation's token IDs are incomplete (chat and completions streams alike)."""
+    return UpstreamTokenIdsError(
+        f"{where} ended the stream without a finish_reason for every choice, so the token IDs of the "
+        "generation are incomplete; is the server cutting streams short?",
+        url=where,
+    )
+
+
+def _index(choice: dict[str, Any]) -> int:
+    index = choice.get("index", 0)
+    return index if isinstance(index, int) else 0
 
 
 def vllm_token_fields(
@@ -113,49 +141,78 @@ async def attach_token_info(
     replica: Replica,
     ctx: RequestContext,
 ) -> None:
-    """Put the three training fields on ``completion["choices"][0]["message"]`` (``return_token_id_information``):
-    taken as given when the upstream sent them (another gymserve, NeMo RL), else from vLLM's forms
-    (``vllm_token_fields``), the prompt from ``/tokenize`` on the same replica when missing. The
-    ``logprobs`` gymserve asked for on the client's behalf are removed unless the client asked.
+    """Put the three training fields on every ``completion["choices"][i]["message"]``
+    (``return_token_id_information``): taken as given when the upstream sent them (another gymserve,
+    NeMo RL), else from vLLM's forms (``vllm_token_fields``), the prompt from ``/tokenize`` on the
+    same replica when missing (asked once for all choices). The ``logprobs`` gymserve asked for on
+    the client's behalf are removed unless the client asked. With ``required_prefix_token_ids`` in
+    the request, every prompt must start with them (an upstream that ignores the field is caught).
     Raises ``UpstreamTokenIdsError`` (502) for missing or inconsistent metadata: IDs are never made up."""
     where = redact_url(caller.url(replica, "chat"))
-    choice = completion["choices"][0]
-    msg = choice.setdefault("message", {})
-    try:
-        if get_token_info(msg) is not None:
-            return
-        prompt, gen, logprobs = vllm_token_fields(completion, choice)
-        if gen is None or logprobs is None:
-            missing = "generation token IDs" if gen is None else "log-probs"
-            raise InvalidRequestError(
-                f"no {missing} in the answer; return_token_id_information needs a server that honours "
-                "return_token_ids or logprobs + return_tokens_as_token_ids (vLLM ≥ 0.10.2), or set "
-                "return_token_id_information: false"
-            )
-        if prompt is None:
-            prompt = await _tokenize(caller, body, replica, ctx)
-        msg.update(prompt_token_ids=prompt, generation_token_ids=gen, generation_log_probs=logprobs)
-        get_token_info(msg)
-    except InvalidRequestError as exc:
-        raise UpstreamTokenIdsError(f"token metadata from {where} is unusable: {exc.message}", url=where) from None
-    if not request.get("logprobs"):
-        choice["logprobs"] = None
+    tokenized: list[int] | None = None
+    for i, choice in enumerate(completion["choices"]):
+        if not isinstance(choice, dict):
+            continue
+        msg = choice.setdefault("message", {})
+        try:
+            if get_token_info(msg) is None:
+                prompt, gen, logprobs = vllm_token_fields(completion, choice)
+                if gen is None or logprobs is None:
+                    missing = "generation token IDs" if gen is None else "log-probs"
+                    raise InvalidRequestError(
+                        f"no {missing} in the answer (choice {i}); return_token_id_information needs a server "
+                        "that honours return_token_ids or logprobs + return_tokens_as_token_ids (vLLM ≥ 0.10.2), "
+                        "or set return_token_id_information: false"
+                    )
+                if prompt is None:
+                    tokenized = tokenized if tokenized is not None else await _tokenize(caller, body, replica, ctx)
+                    prompt = tokenized
+                msg.update(prompt_token_ids=prompt, generation_token_ids=gen, generation_log_probs=logprobs)
+                get_token_info(msg)
+            check_required_prefix(request, msg["prompt_token_ids"], where)
+        except InvalidRequestError as exc:
+            raise UpstreamTokenIdsError(f"token metadata from {where} is unusable: {exc.message}", url=where) from None
+        if not request.get("logprobs"):
+            choice["logprobs"] = None
+
+
+def check_required_prefix(request: dict[str, Any], prompt_ids: list[int], where: str) -> None:
+    """Raise ``UpstreamTokenIdsError`` when ``request`` has ``required_prefix_token_ids`` and the
+    prompt the upstream reports does not start with them: the upstream ignored NeMo RL's field."""
+    prefix = request.get("required_prefix_token_ids")
+    if prefix and prompt_ids[: len(prefix)] != prefix:
+        at = next((i for i, (a, b) in enumerate(zip(prefix, prompt_ids)) if a != b), min(len(prefix), len(prompt_ids)))
+        raise UpstreamTokenIdsError(
+            f"{where} generated from a prompt that does not start with required_prefix_token_ids (they part "
+            f"at position {at}): the server ignores the field; use an upstream that honours it (another "
+            "gymserve, NeMo RL's vLLM server) or leave it out",
+            url=where,
+        )
 
 
 async def _tokenize(caller: UpstreamCaller, body: dict[str, Any], replica: Replica, ctx: RequestContext) -> list[int]:
-    """Prompt IDs from vLLM's ``POST {root}/tokenize`` (root = base URL without ``/v1``), same replica."""
-    root = replica.base_url.removesuffix("/v1")
+    """Prompt IDs of a chat ``body`` from the upstream's ``/tokenize`` (chat form), same replica."""
     tbody = {"model": body.get("model"), "messages": body.get("messages"), "add_generation_prompt": True}
-    for key in ("tools", "chat_template_kwargs"):
+    for key in ("tools", "chat_template_kwargs", "required_prefix_token_ids"):
         if body.get(key):
             tbody[key] = body[key]
+    return await upstream_tokenize(caller, tbody, replica, ctx)
+
+
+async def upstream_tokenize(
+    caller: UpstreamCaller, body: dict[str, Any], replica: Replica, ctx: RequestContext
+) -> list[int]:
+    """``tokens`` of vLLM's ``POST {root}/tokenize`` (root = base URL without ``/v1``) on ``replica``
+    for ``body`` (either form): the fallback when an answer carries no prompt IDs. Raises
+    ``InvalidRequestError`` (made a 502 by the caller) when it fails or answers no token list."""
+    root = replica.base_url.removesuffix("/v1")
     try:
-        result, _ = await caller.call("tokenize", tbody, ctx, replica=replica, url=f"{root}/tokenize")
+        result, _ = await caller.call("tokenize", body, ctx, replica=replica, url=f"{root}/tokenize")
     except GymserveError as exc:
         raise InvalidRequestError(
             f"no prompt_token_ids in the answer and the /tokenize fallback failed: {exc.message}"
         ) from None
     tokens = result.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-        raise InvalidRequestError(f"{root}/tokenize returned no token list")
+        raise InvalidRequestError(f"{redact_url(root)}/tokenize returned no token list")
     return tokens

@@ -18,7 +18,7 @@ from gymserve.backends.chat_wire import strip_training_fields
 from gymserve.convert import ConvertOptions
 
 PLACEHOLDER_KEY = "EMPTY"  # what vLLM's docs use; never let the SDK pick up OPENAI_API_KEY for a self-hosted server
-_PATHS = {"chat": "/chat/completions", "responses": "/responses", "models": "/models"}
+_PATHS = {"chat": "/chat/completions", "completions": "/completions", "responses": "/responses", "models": "/models"}
 
 
 def secret_value(secret: Any) -> str | None:
@@ -40,16 +40,24 @@ class Transport:
     async def get(self, url: str, *, timeout: float | None = None) -> Any:
         return await self.sdk.get(url, cast_to=object, options={"timeout": timeout} if timeout else {})
 
-    async def post(self, url: str, body: dict[str, Any]) -> Any:
+    async def post(self, url: str, body: dict[str, Any], *, headers: dict[str, str] | None = None) -> Any:
+        """The parsed JSON answer to POST ``body``; ``headers`` are added to the client's own."""
         if self.lean is not None:
-            return await self.lean.post(url, body)
-        return await self.sdk.post(url, body=body, cast_to=object)
+            return await self.lean.post(url, body, headers=headers)
+        return await self.sdk.post(url, body=body, cast_to=object, options={"headers": headers} if headers else {})
 
-    async def stream(self, url: str, body: dict[str, Any]) -> Any:
+    async def stream(self, url: str, body: dict[str, Any], *, headers: dict[str, str] | None = None) -> Any:
         """The SDK's ``AsyncStream`` of server-sent events, each parsed as JSON."""
         from openai import AsyncStream
 
-        return await self.sdk.post(url, body=body, cast_to=object, stream=True, stream_cls=AsyncStream[object])
+        return await self.sdk.post(
+            url,
+            body=body,
+            cast_to=object,
+            stream=True,
+            stream_cls=AsyncStream[object],
+            options={"headers": headers} if headers else {},
+        )
 
     async def close(self) -> None:
         for client in (self.sdk, self.lean):
@@ -84,7 +92,7 @@ class Upstream(ABC):
         """The base URL of each replica (``/chat/completions`` etc. are appended to it)."""
 
     def url(self, base: str, kind: str) -> str:
-        """The URL of ``kind`` (``chat``, ``responses``, ``models``) on the replica at ``base``;
+        """The URL of ``kind`` (``chat``, ``completions``, ``responses``, ``models``) on the replica at ``base``;
         raises ``InvalidRequestError`` (400) for an API this upstream is not configured for."""
         return base + _PATHS[kind]
 
@@ -105,6 +113,12 @@ class Upstream(ABC):
     @property
     def api_version(self) -> str | None:
         return getattr(self.config, "api_version", None)
+
+    @property
+    def session_header(self) -> bool:
+        """Whether calls carry the session ID upstream as ``X-Session-ID`` (``forward_session_id``;
+        self-hosted servers and the routers in front of them use it, clouds have no use for it)."""
+        return bool(getattr(self.config, "forward_session_id", False))
 
     @property
     def health_interval(self) -> float:

@@ -90,6 +90,11 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 def _not_found_hint(url: str, kind: str, backend: str, api_version: str | None) -> str:
     path = urlsplit(url).path
+    if backend == "anthropic":
+        return (
+            "base_url must be the server root (https://api.anthropic.com, or http://host:port for a server that "
+            "speaks the Messages API); gymserve appends /v1/messages. Check the model name too."
+        )
     if backend == "azure":
         hint = (
             "Azure answers a bare 404 'Resource not found' when api-version is missing or wrong, or the path is wrong. "
@@ -106,6 +111,13 @@ def _not_found_hint(url: str, kind: str, backend: str, api_version: str | None) 
             "transformers serve) speak only Chat Completions; use backend type 'chat', which converts Responses "
             "requests to Chat Completions, or fix base_url."
         )
+    if kind in ("tokenize", "detokenize"):
+        return (
+            f"The server has no /{kind} beside its /v1 (vLLM and SGLang serve one; transformers serve and the "
+            "clouds do not): set backend.tokenizer to a tokenizer directory so gymserve answers it itself."
+        )
+    if kind == "completions":
+        return "The server serves no /completions (legacy Completions API) here: use /v1/chat/completions."
     if "/v1" not in path:
         return "The base URL probably lacks /v1 (e.g. http://host:8000/v1); gymserve appends /chat/completions to it."
     return (
@@ -147,8 +159,8 @@ def translate_error(
 ) -> GymserveError:
     """The ``GymserveError`` that explains ``exc`` raised while calling ``url``.
 
-    ``kind``: what was called ("chat", "responses", "models", "tokenize"); ``backend``: "chat",
-    "openai" or "azure" (selects the hints). Returns (never raises) one of the ``gymserve.errors``
+    ``kind``: what was called ("chat", "responses", "messages", "models", "tokenize"); ``backend``:
+    "chat", "openai", "azure" or "anthropic" (selects the hints). Returns (never raises) one of the ``gymserve.errors``
     classes: ``ContextLengthExceededError`` (400), ``UpstreamRejectedError`` with the upstream's 4xx
     status and message for other 4xx, ``UpstreamRateLimitedError`` (429, ``retry_after`` from the
     header), ``UpstreamNotFoundError`` / ``UpstreamAuthError`` / ``UpstreamServerError`` (502),
@@ -184,11 +196,10 @@ def translate_error(
                 url=shown,
             )
         if status in (401, 403):
-            fix = (
-                "the key goes in the api-key header (api_key) or an Entra token in azure_ad_token"
-                if backend == "azure"
-                else "set api_key (sent as Authorization: Bearer)"
-            )
+            fix = {
+                "azure": "the key goes in the api-key header (api_key) or an Entra token in azure_ad_token",
+                "anthropic": "set api_key or ANTHROPIC_API_KEY (sent as x-api-key)",
+            }.get(backend, "set api_key (sent as Authorization: Bearer)")
             return UpstreamAuthError(
                 f"upstream rejected the credentials ({status}) for {where}: {msg}. Check the key: {fix}.", url=shown
             )
@@ -196,6 +207,8 @@ def translate_error(
             return UpstreamRateLimitedError(
                 f"upstream is rate limiting ({where}): {msg}", upstream_retry_after=_retry_after(response)
             )
+        if status < 400:  # an error event inside a 200 stream (Anthropic's `event: error`)
+            return UpstreamError(f"upstream failed mid-stream ({where}): {msg}", url=shown, code="upstream_error")
         if 400 <= status < 500:
             return UpstreamRejectedError(
                 msg, url=shown, status_code=status if status != 408 else 504, param=param, code=code

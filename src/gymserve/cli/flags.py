@@ -24,7 +24,7 @@ from gymserve.engine import ENGINES
 from gymserve.parsers import reasoning_parser_names, tool_call_parser_names
 
 LOCAL = frozenset({"local", "ray"})
-REMOTE = frozenset({"chat", "openai", "azure"})
+REMOTE = frozenset({"chat", "openai", "azure", "anthropic"})
 PARSING = LOCAL | {"chat"}
 GPU_ENGINES = frozenset({"vllm", "trtllm"})
 BACKEND_TYPES = BACKENDS.names()
@@ -114,15 +114,20 @@ UPSTREAM = (
     ),
     Flag(
         ("--base-url",),
-        {"chat": "backend.base_urls", "openai": "backend.base_url", "azure": "backend.endpoint"},
+        {
+            "chat": "backend.base_urls",
+            "openai": "backend.base_url",
+            "azure": "backend.endpoint",
+            "anthropic": "backend.base_url",
+        },
         {
             "action": "append",
             "metavar": "URL",
             "help": "upstream base URL ending in /v1 (implies --backend chat); repeat for replicas; azure: the "
-            "resource endpoint",
+            "resource endpoint; anthropic: the server root (https://api.anthropic.com)",
         },
         kinds=REMOTE,
-        convert=lambda urls, kind: _one_url(urls, kind) if kind in ("openai", "azure") else urls,
+        convert=lambda urls, kind: _one_url(urls, kind) if kind in ("openai", "azure", "anthropic") else urls,
     ),
     Flag(
         ("--api-version",),
@@ -149,6 +154,16 @@ UPSTREAM = (
             "default": None,
             "help": "ask the chat server for prompt/generation token IDs and log-probs (vLLM >= 0.10.2) and return "
             "them as training fields; the local backend always returns them",
+        },
+        kinds=frozenset({"chat"}),
+    ),
+    Flag(
+        ("--tokenizer",),
+        "backend.tokenizer",
+        {
+            "metavar": "DIR",
+            "help": "the served model's Hugging Face tokenizer directory (vLLM's --tokenizer): /tokenize and "
+            "/detokenize are answered from it instead of forwarded to the chat server",
         },
         kinds=frozenset({"chat"}),
     ),
@@ -184,7 +199,7 @@ ENGINE = (
     Flag(
         ("--chat-template",),
         "backend.chat_template",
-        {"metavar": "FILE", "help": "Jinja chat template file overriding the tokenizer's"},
+        {"metavar": "FILE", "help": "Jinja chat template file overriding the tokenizer's, or harmony (gpt-oss)"},
         kinds=LOCAL,
     ),
     Flag(

@@ -13,7 +13,7 @@ from gymserve.wire.reasoning import REASONING_FIELDS, ReasoningField, field_reas
 
 
 class ChunkAccumulator:
-    """Folds ``ChatCompletionChunk`` dicts (choice 0) into one ``ChatCompletion`` dict.
+    """Folds ``ChatCompletionChunk`` dicts (choice ``index``, 0 by default) into one ``ChatCompletion`` dict.
 
     Accepts full chunks (``{"id", "model", "choices": [{"delta", "finish_reason"}], "usage"}``) and
     bare choices (``{"delta", "finish_reason"}``). Reasoning comes from ``delta.reasoning_content``
@@ -22,7 +22,8 @@ class ChunkAccumulator:
     lists are extended, so both "all on the last chunk" and "per-chunk pieces" servers work.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
         self.id: str | None = None
         self.model: str | None = None
         self.created: int | None = None
@@ -50,8 +51,10 @@ class ChunkAccumulator:
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         self._take_tokens(chunk)
-        # Choice 0 only, by its index (a server streaming n > 1 interleaves the choices).
-        choice = next((c for c in chunk.get("choices") or [] if isinstance(c, dict) and c.get("index", 0) == 0), {})
+        # One choice, by its index (a server streaming n > 1 interleaves the choices).
+        choice = next(
+            (c for c in chunk.get("choices") or [] if isinstance(c, dict) and c.get("index", 0) == self.index), {}
+        )
         self._take_tokens(choice)
         if choice.get("finish_reason"):
             self.finish_reason = choice["finish_reason"]
@@ -135,7 +138,7 @@ class ChunkAccumulator:
             "model": self.model or "",
             "choices": [
                 {
-                    "index": 0,
+                    "index": self.index,
                     "finish_reason": self.finish_reason or "stop",
                     "logprobs": {"content": self.logprobs, "refusal": None} if self.logprobs is not None else None,
                     "message": message,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from gymserve.convert.message_checks import check_messages, json_type
 from gymserve.errors import InvalidRequestError
 
 Api = Literal["responses", "chat"]
@@ -90,21 +91,9 @@ _CHAT_NUMBERS = (
 )
 
 
-def json_type(value: Any) -> str:
-    """The JSON name of ``value``'s type, with an article ("a string", "an object", "null")."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
+INT_MAX = 2**63 - 1
+"""The largest integer a request field may hold: JSON parsers in most languages (and numpy, and
+vLLM's sampling params on their way to C++) keep integers in 64 bits."""
 
 
 def number(
@@ -118,20 +107,34 @@ def number(
 ) -> int | float | None:
     """``obj[key]`` checked as a JSON number (``integer``: a whole number) within ``[low, high]``.
 
-    Returns None when absent or null. Raises ``InvalidRequestError`` (param ``where`` or ``key``):
-    "must be an integer, got a string" for a wrong type (booleans are not numbers), and
-    "``key=value`` is out of range: it must be ..." for a value outside the bounds.
+    Returns the value (None when absent or null); for ``integer``, a whole number written with a
+    decimal point or exponent (``3.0``, ``1e3``: JSON has one number type) as an ``int``. Raises
+    ``InvalidRequestError`` (param ``where`` or ``key``): "must be an integer, got a string" for a
+    wrong type (booleans are not numbers) or a fractional number, and "``key=value`` is out of
+    range: it must be ..." for a value outside the bounds; integers are also bounded by
+    :data:`INT_MAX` (``max_output_tokens: 1e30`` is out of range, not "not an integer").
     """
     value = obj.get(key)
     if value is None:
         return None
     path = where or key
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequestError(
             f"{path} must be {'an integer' if integer else 'a number'}, got {json_type(value)}"
             f"{'' if isinstance(value, (dict, list)) else f' ({value!r})'}",
             param=path,
         )
+    if value != value:  # NaN: Python's json reads it, but it is no number
+        raise InvalidRequestError(f"{path} must be a number, got NaN", param=path)
+    if integer:
+        if not -INT_MAX - 1 <= value <= INT_MAX:  # inf included
+            raise InvalidRequestError(
+                f"{path}={value!r} is out of range: it must be a 64-bit integer, at most {INT_MAX}", param=path
+            )
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        elif isinstance(value, float):
+            raise InvalidRequestError(f"{path} must be an integer, got a number ({value!r})", param=path)
     if (low is not None and value < low) or (high is not None and value > high):
         if high is None:
             bound = f"at least {low}"
@@ -140,6 +143,16 @@ def number(
         else:
             bound = f"from {low} to {high}"
         raise InvalidRequestError(f"{path}={value!r} is out of range: it must be {bound}", param=path)
+    return value
+
+
+def required_str(obj: dict[str, Any], key: str, where: str) -> str:
+    """``obj[key]`` checked as a non-empty string; raises ``InvalidRequestError`` (param
+    ``where.key``): "``where.key`` is required (a non-empty string), got …"."""
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        got = "" if value is None else f", got {json_type(value) if not isinstance(value, str) else 'an empty string'}"
+        raise InvalidRequestError(f"{where}.{key} is required (a non-empty string){got}", param=f"{where}.{key}")
     return value
 
 
@@ -157,8 +170,9 @@ def check_request(request: Any, api: Api) -> dict[str, Any]:
     Raises ``InvalidRequestError`` (400, ``param`` naming the field) for: a body that is not an
     object; a field of the other API (``code: unsupported_parameter``, the message names the field
     to use); a ``model`` that is not a string. On the chat route also: ``messages`` missing or not a
-    non-empty list, numbers of the wrong type or out of range, malformed function tools
-    (``chat_tools``). Items, content and tools of Responses requests are checked by the converter
+    non-empty list or holding a malformed message (``check_messages``: as strict as the Responses
+    converter is with input items), numbers of the wrong type or out of range, malformed function
+    tools (``chat_tools``). Items, content and tools of Responses requests are checked by the converter
     (``responses_to_chat``) or the native upstream.
     """
     if not isinstance(request, dict):
@@ -187,8 +201,11 @@ def check_request(request: Any, api: Api) -> dict[str, Any]:
                 f"{'an empty array' if messages == [] else json_type(messages)}",
                 param="messages",
             )
+        check_messages(messages)
         for key, integer, low, high in _CHAT_NUMBERS:
-            number(request, key, integer=integer, low=low, high=high)
+            value = number(request, key, integer=integer, low=low, high=high)
+            if value is not None and value is not request[key]:
+                request = {**request, key: value}  # 3.0 sent for an integer field goes on as 3
         if "logprobs" in request and not isinstance(request["logprobs"], bool):
             raise InvalidRequestError(
                 f"logprobs must be a boolean, got {json_type(request['logprobs'])}", param="logprobs"

@@ -78,21 +78,25 @@ _CARRIED = (
     ("stop", (str, list), "a string or a list of strings"),
     ("parallel_tool_calls", (bool,), "a boolean"),
     ("chat_template_kwargs", (dict,), "an object"),  # engine extra (vLLM, SGLang), e.g. enable_thinking
+    ("required_prefix_token_ids", (list,), "a list of token IDs"),  # NeMo RL's: the prompt starts with them
 )
 
 
 def copy_sampling(request: dict[str, Any], chat: ChatRequest, options: ConvertOptions) -> None:
     for key, integer, low, high in _CARRIED_NUMBERS:
-        if number(request, key, integer=integer, low=low, high=high) is not None:
-            chat[key] = request[key]
+        value = number(request, key, integer=integer, low=low, high=high)
+        if value is not None:
+            chat[key] = value
     for key, types, what in _CARRIED:
         if _check(request, key, types, what) is not None:
             chat[key] = request[key]
-    if number(request, "max_output_tokens", integer=True, low=1) is not None:
-        chat[options.max_tokens_field] = request["max_output_tokens"]
-    if number(request, "top_logprobs", integer=True, low=0, high=20) is not None:
+    max_output = number(request, "max_output_tokens", integer=True, low=1)
+    if max_output is not None:
+        chat[options.max_tokens_field] = max_output
+    top = number(request, "top_logprobs", integer=True, low=0, high=20)
+    if top is not None:
         chat["logprobs"] = True
-        chat["top_logprobs"] = request["top_logprobs"]
+        chat["top_logprobs"] = top
     if _check(request, "stream", (bool,), "a boolean"):
         chat["stream"] = True
         # The Responses stream must end with usage; chat servers send it only when asked.

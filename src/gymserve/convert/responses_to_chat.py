@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gymserve.convert.assistant_turn import assistant_message, new_turn, token_info_at
+from gymserve.convert.field_paths import FieldPaths
+from gymserve.convert.input_content import plain_text, reasoning_text, user_content
 from gymserve.convert.options import ConvertOptions
-from gymserve.convert.request_checks import json_type, without_nulls
+from gymserve.convert.request_checks import json_type, required_str, without_nulls
 from gymserve.convert.responses_fields import (
     check_include,
     convert_text_format,
@@ -15,14 +18,13 @@ from gymserve.convert.responses_fields import (
     copy_sampling,
 )
 from gymserve.errors import InvalidRequestError
-from gymserve.protocol import ChatRequest, ResponsesRequest, get_token_info
+from gymserve.protocol import ChatRequest, ResponsesRequest
 from gymserve.wire.reasoning import REASONING_FIELDS
-from gymserve.wire.think import think_block
-
-_TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
-def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None = None) -> ChatRequest:
+def responses_to_chat(
+    request: ResponsesRequest, options: ConvertOptions | None = None, paths: FieldPaths | None = None
+) -> ChatRequest:
     """Translate a Responses create request into a Chat Completions create request.
 
     Input: a ``ResponseCreateParams``-shaped dict (``input`` a string or a list of items; items may
@@ -45,6 +47,9 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
     Raises ``InvalidRequestError`` with ``param`` naming the offending field (e.g.
     ``input[3].call_id``) for malformed input and for features a chat backend cannot honour
     (hosted tools, file/audio inputs, ``previous_response_id``, item references).
+
+    ``paths``: filled with where each chat message came from (``field_paths.FieldPaths``), so an
+    error a later step raises about the chat request can be told in Responses fields.
     """
     options = options or ConvertOptions()
     if not isinstance(request, dict):
@@ -67,7 +72,7 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
         )
     check_include(request.get("include"))
 
-    builder = _MessageBuilder(options)
+    builder = _MessageBuilder(options, paths if paths is not None else FieldPaths())
     instructions = request.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -75,7 +80,7 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
                 f"instructions must be a string, got {json_type(instructions)}", param="instructions"
             )
         if instructions:
-            builder.system_texts.append(instructions)
+            builder.add_system(instructions, "instructions")
 
     raw_input = request.get("input")
     if isinstance(raw_input, str):
@@ -96,10 +101,7 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
     if builder.last_tokens is not None:
         # Only the last token record is spliced; check it element by element (see get_token_info).
         info, where = builder.last_tokens
-        try:
-            get_token_info(dict(info))
-        except InvalidRequestError as e:
-            raise InvalidRequestError(f"{where}: {e.message}", param=f"{where}.{e.param}") from None
+        token_info_at(dict(info), where)
     if not messages:
         what = "is empty" if raw_input == [] else "holds no message text"
         raise InvalidRequestError(f"input {what}: give a string or at least one message item", param="input")
@@ -124,9 +126,11 @@ def responses_to_chat(request: ResponsesRequest, options: ConvertOptions | None 
 class _MessageBuilder:
     """Walks input items in order, merging each model turn into one assistant message."""
 
-    def __init__(self, options: ConvertOptions):
+    def __init__(self, options: ConvertOptions, paths: FieldPaths):
         self.options = options
+        self.paths = paths
         self.system_texts: list[str] = []
+        self.system_origin = ""
         self.messages: list[dict[str, Any]] = []
         self._turn: dict[str, Any] | None = None
         self.last_tokens: tuple[Any, str] | None = None  # the last token record and where it was
@@ -159,9 +163,21 @@ class _MessageBuilder:
                 param=f"{where}.type",
             )
 
+    def add_system(self, text: str, where: str) -> None:
+        self.system_texts.append(text)
+        self.system_origin = self.system_origin or where
+
+    def _append(self, message: dict[str, Any], origin: dict[str, str]) -> None:
+        self.messages.append(message)
+        self.paths.origins.append(origin)
+
     def finish(self) -> list[dict[str, Any]]:
         self._flush()
         if self.system_texts:
+            origin = self.system_origin
+            self.paths.origins.insert(
+                0, {"": origin, "content": origin if origin == "instructions" else f"{origin}.content"}
+            )
             return [{"role": "system", "content": "\n\n".join(self.system_texts)}, *self.messages]
         return self.messages
 
@@ -172,22 +188,23 @@ class _MessageBuilder:
         content = item.get("content")
         if role == "assistant":
             # The OpenAI API accepts output_text parts without id/annotations; so do we.
-            text = "" if content is None else _plain_text(content, f"{where}.content")
-            turn = self._open_turn()
+            text = "" if content is None else plain_text(content, f"{where}.content")
+            turn = self._open_turn(where)
             if text:
                 turn["texts"].append(text)
+                turn["origin"].setdefault("content", f"{where}.content")
             self._take_tokens(item, where)
         elif role in ("system", "developer"):
-            text = _plain_text(content, f"{where}.content")
+            text = plain_text(content, f"{where}.content")
             if role == "developer" and self.options.developer_role == "keep":
                 self._flush()
-                self.messages.append({"role": "developer", "content": text})
+                self._append({"role": "developer", "content": text}, _item_origin(where))
             elif text:
                 # Templates want exactly one leading system message; hoisting keeps every word.
-                self.system_texts.append(text)
+                self.add_system(text, where)
         elif role == "user":
             self._flush()
-            self.messages.append({"role": "user", "content": _user_content(content, f"{where}.content")})
+            self._append({"role": "user", "content": user_content(content, f"{where}.content")}, _item_origin(where))
         else:
             problem = "is required" if role is None else f"{role!r} is not a role"
             raise InvalidRequestError(
@@ -195,14 +212,16 @@ class _MessageBuilder:
             )
 
     def _add_reasoning(self, item: dict[str, Any], where: str) -> None:
-        text = _reasoning_text(item, where)
-        turn = self._open_turn()
+        text = reasoning_text(item, where)
+        turn = self._open_turn(where)
         if text:
             turn["reasoning"].append(text)
+            for key in REASONING_FIELDS:
+                turn["origin"].setdefault(key, where)
         self._take_tokens(item, where)
 
     def _add_function_call(self, item: dict[str, Any], where: str) -> None:
-        call_id, name = _required_str(item, "call_id", where), _required_str(item, "name", where)
+        call_id, name = required_str(item, "call_id", where), required_str(item, "name", where)
         arguments = item.get("arguments")
         if isinstance(arguments, (dict, list)):
             arguments = json.dumps(arguments, ensure_ascii=False)
@@ -212,176 +231,56 @@ class _MessageBuilder:
             raise InvalidRequestError(
                 f"{where}.arguments must be a JSON string, got {json_type(arguments)}", param=f"{where}.arguments"
             )
-        turn = self._open_turn()
+        turn = self._open_turn(where)
+        turn["origin"][f"tool_calls[{len(turn['tool_calls'])}]"] = where
         turn["tool_calls"].append(
             {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         )
         self._take_tokens(item, where)
 
     def _add_function_call_output(self, item: dict[str, Any], where: str) -> None:
-        call_id = _required_str(item, "call_id", where)
+        call_id = required_str(item, "call_id", where)
         output = item.get("output")
         if isinstance(output, str):
             content: Any = output
         elif isinstance(output, list):
-            content = _user_content(output, f"{where}.output")
+            content = user_content(output, f"{where}.output")
         else:
             raise InvalidRequestError(
                 f"{where}.output must be a string or a list of content parts, got {json_type(output)}",
                 param=f"{where}.output",
             )
         self._flush()
-        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
+        origin = {"": where, "tool_call_id": f"{where}.call_id", "content": f"{where}.output"}
+        self._append({"role": "tool", "tool_call_id": call_id, "content": content}, origin)
 
     # -- turns -------------------------------------------------------------------------------
 
-    def _open_turn(self) -> dict[str, Any]:
+    def _open_turn(self, where: str) -> dict[str, Any]:
         if self._turn is None:
-            self._turn = {"texts": [], "reasoning": [], "tool_calls": [], "tokens": None}
+            self._turn = {**new_turn(), "origin": {"": where}}
         return self._turn
 
     def _take_tokens(self, item: dict[str, Any], where: str) -> None:
-        try:
-            info = get_token_info(item, deep=False)
-        except InvalidRequestError as e:
-            raise InvalidRequestError(f"{where}: {e.message}", param=f"{where}.{e.param}") from None
+        info = token_info_at(item, where, deep=False)
         if info is not None:
             self.last_tokens = (info, where)
-            self._open_turn()["tokens"] = info
+            turn = self._open_turn(where)
+            turn["tokens"] = info
+            turn["origin"].update({field: f"{where}.{field}" for field in info})
             # Training fields sit on the last item of a model call: whatever follows is a new call,
             # and must stay a separate assistant message so each carries its own token record.
             self._flush()
 
     def _flush(self) -> None:
         turn, self._turn = self._turn, None
-        if turn is None:
-            return
-        content = "\n\n".join(turn["texts"]) or None
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        reasoning = "\n\n".join(turn["reasoning"])
-        mode = self.options.reasoning_mode
-        if reasoning and mode == "think_tags":
-            message["content"] = think_block(reasoning) + (content or "")
-        elif reasoning and mode in REASONING_FIELDS:
-            message[mode] = reasoning
-        if turn["tool_calls"]:
-            message["tool_calls"] = turn["tool_calls"]
-        if turn["tokens"] is not None:
-            message.update(turn["tokens"])
-        self.messages.append(message)
+        if turn is not None:
+            self._append(assistant_message(turn, self.options), turn["origin"])
 
 
 # -- content helpers -------------------------------------------------------------------------
 
 
-def _required_str(obj: dict[str, Any], key: str, where: str) -> str:
-    value = obj.get(key)
-    if not isinstance(value, str) or not value:
-        got = "" if value is None else f", got {json_type(value) if not isinstance(value, str) else 'an empty string'}"
-        raise InvalidRequestError(f"{where}.{key} is required (a non-empty string){got}", param=f"{where}.{key}")
-    return value
-
-
-def _parts(content: Any, path: str) -> list[dict[str, Any]]:
-    """``content`` checked as a list of part objects; ``path`` names it in errors."""
-    if content is None:
-        raise InvalidRequestError(f"{path} is required: a string or a list of content parts", param=path)
-    if not isinstance(content, list):
-        raise InvalidRequestError(
-            f"{path} must be a string or a list of content parts, got {json_type(content)}", param=path
-        )
-    for j, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise InvalidRequestError(
-                f"{path}[{j}] must be a content part object, got {json_type(part)}", param=f"{path}[{j}]"
-            )
-    return content
-
-
-def _part_text(part: dict[str, Any], where: str) -> str | None:
-    """Text of a text-like part; None when the part is not text-like."""
-    kind = part.get("type")
-    if kind in _TEXT_PART_TYPES:
-        key = "text"
-    elif kind == "refusal":
-        key = "refusal"
-    else:
-        return None
-    value = part.get(key)
-    if not isinstance(value, str):
-        raise InvalidRequestError(f"{where}.{key} must be a string, got {json_type(value)}", param=f"{where}.{key}")
-    return value
-
-
-def _unsupported_part(part: dict[str, Any], where: str) -> InvalidRequestError:
-    kind = part.get("type")
-    if kind in ("input_file", "input_audio", "input_video"):
-        return InvalidRequestError(
-            f"{where}: content part type '{kind}' is not supported by chat backends; send text or input_image",
-            param=f"{where}.type",
-        )
-    return InvalidRequestError(f"{where}: unknown content part type {kind!r}", param=f"{where}.type")
-
-
-def _plain_text(content: Any, path: str) -> str:
-    """System/developer/assistant content: text only (templates take no images there)."""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(_parts(content, path)):
-        text = _part_text(part, f"{path}[{j}]")
-        if text is None:
-            raise _unsupported_part(part, f"{path}[{j}]")
-        texts.append(text)
-    return "\n".join(texts)
-
-
-def _user_content(content: Any, path: str) -> Any:
-    """A string, or chat content parts when images are present.
-
-    All-text parts collapse to one string joined with newlines, as vLLM's "string" content format
-    does, because many HF chat templates cannot render a list of parts.
-    """
-    if isinstance(content, str):
-        return content
-    parts: list[dict[str, Any]] = []
-    for j, part in enumerate(_parts(content, path)):
-        at = f"{path}[{j}]"
-        text = _part_text(part, at)
-        if text is not None:
-            parts.append({"type": "text", "text": text})
-        elif part.get("type") == "input_image":
-            url = part.get("image_url")
-            if not isinstance(url, str) or not url:
-                raise InvalidRequestError(
-                    f"{at}.image_url is required (a URL or data URL; file_id is not supported)", param=f"{at}.image_url"
-                )
-            image: dict[str, Any] = {"url": url}
-            if part.get("detail") is not None:
-                image["detail"] = part["detail"]
-            parts.append({"type": "image_url", "image_url": image})
-        else:
-            raise _unsupported_part(part, at)
-    if all(p["type"] == "text" for p in parts):
-        return "\n".join(p["text"] for p in parts)
-    return parts
-
-
-def _reasoning_text(item: dict[str, Any], where: str) -> str:
-    """reasoning_text content if any, else the summaries; "" for encrypted-only items."""
-    for key in ("content", "summary"):
-        value = item.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, list):
-            raise InvalidRequestError(
-                f"{where}.{key} must be a list of text parts, got {json_type(value)}", param=f"{where}.{key}"
-            )
-        texts = []
-        for j, part in enumerate(value):
-            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-                raise InvalidRequestError(f"{where}.{key}[{j}].text must be a string", param=f"{where}.{key}[{j}].text")
-            texts.append(part["text"])
-        if texts:
-            return "\n\n".join(texts)
-    return ""
+def _item_origin(where: str) -> dict[str, str]:
+    """The origin of a message built from one message item (``field_paths.FieldPaths``)."""
+    return {"": where, "content": f"{where}.content", "role": f"{where}.role"}

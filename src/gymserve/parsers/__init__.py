@@ -17,6 +17,8 @@ from gymserve.parsers.base import (
     ParsedToolCall,
     ReasoningParser,
     ToolCallParser,
+    channel_scanner,
+    collect_all,
     get_reasoning_parser,
     get_tool_call_parser,
     reasoning_parser_names,
@@ -74,7 +76,16 @@ def parse_output(
     cannot be executed, and vLLM also runs no tool parser then; tag text stays in content.
     Content is stripped of leading/trailing whitespace (None when empty). Never raises on model
     output.
+
+    A parser of a format that structures the whole generation in channels (harmony: either of the
+    pair, ``openai`` / ``openai_gptoss``) parses everything at once instead (``channel_scanner``):
+    reasoning, content and, with tools declared, calls.
     """
+    channels = channel_scanner(tool_parser, reasoning_parser, tools)
+    if channels is not None:
+        reasoning, content, calls = collect_all(channels.feed(text) + channels.finish())
+        incomplete = (finish_reason or "stop") in ("length", "abort") and channels.open_kind == "reasoning"
+        return ParsedOutput(reasoning=reasoning, content=content, tool_calls=calls, reasoning_incomplete=incomplete)
     if reasoning_parser is not None:
         reasoning, rest, incomplete = reasoning_parser.split(text, prompt_tail, finish_reason or "stop")
     else:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
-from gymserve.parsers.call_scan import CallScanner, CallStart, CallSyntax, ScanEvent
+from gymserve.parsers.call_scan import CallScanner, CallStart, CallSyntax, ReasoningText, ScanEvent
 from gymserve.parsers.json_scan import declared_tool_names
 from gymserve.registry import Registry
+from gymserve.wire.ids import new_id
 
 
 @dataclass
@@ -57,19 +58,54 @@ class ParsedOutput:
     reasoning_incomplete: bool = False
 
 
-def collect_events(events: Iterable[ScanEvent]) -> tuple[str | None, list[ParsedToolCall]]:
-    """``(content, calls)`` of a scanner's events: content pieces joined and stripped (None when
-    blank); each :class:`CallStart` with the :class:`CallArguments` after it is one call."""
+def collect_all(events: Iterable[ScanEvent]) -> tuple[str | None, str | None, list[ParsedToolCall]]:
+    """``(reasoning, content, calls)`` of a scanner's events: reasoning and content pieces each
+    joined and stripped (None when blank); each :class:`CallStart` with the :class:`CallArguments`
+    after it is one call."""
     content: list[str] = []
+    reasoning: list[str] = []
     calls: list[ParsedToolCall] = []
     for event in events:
         if isinstance(event, str):
             content.append(event)
+        elif isinstance(event, ReasoningText):
+            reasoning.append(event.text)
         elif isinstance(event, CallStart):
             calls.append(ParsedToolCall(event.name, ""))
         else:
             calls[-1].arguments += event.text
-    return "".join(content).strip() or None, calls
+    return "".join(reasoning).strip() or None, "".join(content).strip() or None, calls
+
+
+def collect_events(events: Iterable[ScanEvent]) -> tuple[str | None, list[ParsedToolCall]]:
+    """``(content, calls)`` of a scanner's events (:func:`collect_all` without the reasoning)."""
+    _, content, calls = collect_all(events)
+    return content, calls
+
+
+class ChannelScanner(Protocol):
+    """The scanner of a format that structures the whole generation in channels (harmony):
+    ``feed``/``finish`` return every kind of :data:`ScanEvent`, reasoning included; after
+    ``finish``, ``open_kind == "reasoning"`` when the text ended inside reasoning."""
+
+    open_kind: str | None
+
+    def feed(self, delta: str) -> list[ScanEvent]: ...
+
+    def finish(self) -> list[ScanEvent]: ...
+
+
+def channel_scanner(
+    tool_parser: ToolCallParser | None, reasoning_parser: ReasoningParser | None, tools: list[dict[str, Any]] | None
+) -> ChannelScanner | None:
+    """The whole-generation scanner when either parser is a channel format (``channels``), else
+    None. Calls are parsed only when the tool parser is that format and tools are declared (a
+    call to an undeclared tool cannot be executed: its arguments stay content)."""
+    owner = next((p for p in (tool_parser, reasoning_parser) if p is not None and p.channels), None)
+    if owner is None:
+        return None
+    parse_calls = tool_parser is not None and tool_parser.channels and bool(declared_tool_names(tools))
+    return owner.channel_scanner(parse_calls)
 
 
 class WholeTextScanner:
@@ -101,6 +137,58 @@ class ToolCallParser:
 
     name: ClassVar[str]
     syntax: ClassVar[CallSyntax | None] = None
+    channels: ClassVar[bool] = False
+    """True for a format that structures the whole generation (harmony): then
+    :meth:`channel_scanner` parses reasoning, content and calls at once (``channel_scanner()``)."""
+
+    def channel_scanner(self, parse_calls: bool) -> ChannelScanner:
+        """The whole-generation scanner of a ``channels`` format."""
+        raise NotImplementedError
+
+    def new_call_id(self) -> str:
+        """An id for a call this parser found (``call_…``; a format may require its own form)."""
+        return new_id("call")
+
+    def history_call_id(self, call_id: str) -> str:
+        """The id a call of the history (and the tool message answering it) is rendered with for
+        this format: ``call_id`` unchanged unless the format restricts ids (Mistral)."""
+        return call_id
+
+    def history(self, messages: list[Any]) -> list[Any]:
+        """Chat ``messages`` with every tool-call id and ``tool_call_id`` passed through
+        :meth:`history_call_id` (a new list; messages are copied only when an id changes)."""
+        out = []
+        for msg in messages:
+            if isinstance(msg, dict):
+                msg = self._history_message(msg)
+            out.append(msg)
+        return out
+
+    def _history_message(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(msg.get("tool_call_id"), str):
+            mapped = self.history_call_id(msg["tool_call_id"])
+            if mapped != msg["tool_call_id"]:
+                msg = {**msg, "tool_call_id": mapped}
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list):
+            new_calls = [
+                {**c, "id": self.history_call_id(c["id"])}
+                if isinstance(c, dict) and isinstance(c.get("id"), str)
+                else c
+                for c in calls
+            ]
+            if new_calls != calls:
+                msg = {**msg, "tool_calls": new_calls}
+        return msg
+
+    def adjust_request(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A chat request for an upstream that speaks this format (the chat backend's raw-text
+        path), as vLLM's ``ToolParser.adjust_request``: the history's ids in the format's form
+        (:meth:`history`); a format may add what its raw text needs."""
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            body = {**body, "messages": self.history(messages)}
+        return body
 
     def scanner(self, tools: list[dict[str, Any]] | None) -> CallScanner | WholeTextScanner:
         """A fresh scanner for one generation: ``feed(delta)`` and ``finish()`` return
@@ -132,6 +220,12 @@ class ReasoningParser:
     """
 
     name: ClassVar[str]
+    channels: ClassVar[bool] = False
+    """As :attr:`ToolCallParser.channels`."""
+
+    def channel_scanner(self, parse_calls: bool) -> ChannelScanner:
+        """The whole-generation scanner of a ``channels`` format."""
+        raise NotImplementedError
 
     def split(self, text: str, prompt_tail: str, finish_reason: str) -> tuple[str | None, str, bool]:
         raise NotImplementedError
@@ -168,10 +262,14 @@ for _name, _cls in (
     ("qwen2_5_coder", "Qwen25CoderToolCallParser"),
     ("llama3_json", "Llama3JsonToolCallParser"),
     ("mistral", "MistralToolCallParser"),
+    ("deepseek_v3", "DeepSeekV3ToolCallParser"),
 ):
     TOOL_CALL_PARSERS.register(_name, f"gymserve.parsers.tool_calls:{_cls}")
+TOOL_CALL_PARSERS.register("openai", "gymserve.parsers.harmony:HarmonyToolCallParser")
+TOOL_CALL_PARSERS.register("qwen3_coder", "gymserve.parsers.xml_calls:Qwen3CoderToolCallParser")
 for _name, _cls in (("deepseek_r1", "DeepSeekR1ReasoningParser"), ("qwen3", "Qwen3ReasoningParser")):
     REASONING_PARSERS.register(_name, f"gymserve.parsers.reasoning:{_cls}")
+REASONING_PARSERS.register("openai_gptoss", "gymserve.parsers.harmony:HarmonyReasoningParser")
 
 
 def _registry_of(cls: type) -> Registry[Any]:

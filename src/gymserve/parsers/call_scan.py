@@ -33,9 +33,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from gymserve.parsers.call_heads import HeadPattern, match_head, skip_literals
 from gymserve.parsers.json_scan import Brackets, call_in_object, skip_ws, valid_name
+from gymserve.parsers.step_scan import StepScanner
 from gymserve.text import partial_tag_len
 
 
@@ -46,7 +49,10 @@ class CallSyntax:
     ``tag``: the literal that opens a region (None: no tagged regions). ``close_tag``: the literal
     that ends one (None: the region runs to the end of its values). ``separator``: the character
     between call values (``""``: whitespace only). ``one_value``: a region holds a single JSON
-    value (Mistral). ``name_args``: a region may be ``name[ARGS]{...}`` (Mistral v11+).
+    value (Mistral). ``heads``: named-call head patterns (``call_heads``): a value may be a head
+    then the arguments object (Mistral v11+ ``name[ARGS]{...}``, DeepSeek V3's
+    ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name`` + a ```json block); ``call_tail``: literals
+    that close such a call (each skipped when present, whitespace allowed before it).
     ``bare``: a message starting with ``{``/``[`` is a region of declared-tool calls. ``fence``: a
     message starting with a ```json (or bare ```) fence is such a region, ended by the fence.
     """
@@ -55,7 +61,8 @@ class CallSyntax:
     close_tag: str | None = None
     separator: str = ""
     one_value: bool = False
-    name_args: bool = False
+    heads: tuple[HeadPattern, ...] = ()
+    call_tail: tuple[str, ...] = ()
     bare: bool = False
     fence: bool = False
 
@@ -74,9 +81,17 @@ class CallArguments:
     text: str
 
 
-ScanEvent = str | CallStart | CallArguments
+@dataclass(frozen=True)
+class ReasoningText:
+    """``text`` extends the reasoning (only formats whose scanner parses the whole generation,
+    such as harmony's, emit it)."""
+
+    text: str
+
+
+ScanEvent = str | CallStart | CallArguments | ReasoningText
 """What a scanner decides: a ``str`` is content (verbatim; the caller strips the whole), or a
-call's start, or a piece of its arguments."""
+call's start, or a piece of its arguments, or reasoning text."""
 
 _HEAD = re.compile(
     r'\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\\x00-\x1f]|\\.)*")[ \t\n\r]*,'
@@ -85,9 +100,6 @@ _HEAD = re.compile(
 _FENCE_HEAD = re.compile(r"```[ \t]*(?:json)?[ \t]*\n?", re.I)
 _FENCE_PARTIAL = re.compile(r"`{0,3}|```[ \t]*(?:j(?:s(?:o(?:n)?)?)?)?[ \t]*\n?", re.I)
 _FENCE = "```"
-# Names are bounded so that waiting on a partial one costs O(1) per delta, not O(name).
-_NAME_ARGS = re.compile(r"([A-Za-z0-9_.\-]{1,256})\[ARGS\]")
-_NAME_ARGS_PARTIAL = re.compile(r"[A-Za-z0-9_.\-]{0,256}(?:\[(?:A(?:R(?:G(?:S)?)?)?)?)?")
 _SCALAR = re.compile(r"[-+0-9.eEa-zA-Z]+")
 
 
@@ -101,7 +113,7 @@ class _Region:
     after_value: bool = False  # a value ended; a separator, the close or the end must follow
 
 
-class CallScanner:
+class CallScanner(StepScanner):
     """Scans one generation for calls in the format ``syntax`` describes.
 
     ``declared``: the request's declared function names (bare-JSON regions need them). Call
@@ -111,9 +123,9 @@ class CallScanner:
     """
 
     def __init__(self, syntax: CallSyntax, declared: set[str]) -> None:
+        super().__init__()
         self.syntax = syntax
         self.declared = declared
-        self.text = ""
         self.pos = 0  # text before it is decided; a failing region restarts content here
         self.cur = 0  # scan position inside the current value
         self.mode = "start" if (syntax.bare or syntax.fence) and declared else "content"
@@ -128,22 +140,9 @@ class CallScanner:
         self.tail_expect = ""  # after the arguments: "end", "key", "in_key", "colon", "value", "in_value"
         self.tail_ok = 0  # end of the last complete piece of the object's tail
         self._skipped = (-1, -1)  # (from, to) of the last whitespace skip, so waiting never rescans
-        self._out: list[ScanEvent] = []
-        self._final = False
 
-    def feed(self, delta: str) -> list[ScanEvent]:
-        """Add generated text; returns the events it decided."""
-        self.text += delta
-        return self._run()
-
-    def finish(self) -> list[ScanEvent]:
-        """The text is complete; returns the remaining events."""
-        self._final = True
-        return self._run()
-
-    def _run(self) -> list[ScanEvent]:
-        self._out = []
-        handlers = {
+    def _steps(self) -> dict[str, Callable[[], bool]]:
+        return {
             "start": self._start,
             "content": self._content,
             "region": self._region_step,
@@ -151,10 +150,8 @@ class CallScanner:
             "head": self._head,
             "args": self._args,
             "tail": self._tail,
+            "call_tail": self._call_tail,
         }
-        while handlers[self.mode]():
-            pass
-        return self._out
 
     # ---------------------------------------------------------------------------- outside regions
 
@@ -256,7 +253,7 @@ class CallScanner:
                     return self._fail()
                 self.pos, region.after_value = j + 1, False
                 return True
-            if t[j] not in "{[":
+            if t[j] not in "{[" and not self.syntax.heads:
                 return self._fail()
             region.after_value = False
         if t[j] == "[":
@@ -264,8 +261,8 @@ class CallScanner:
             return True
         if t[j] == "{":
             return self._open_object(j)
-        if self.syntax.name_args:
-            return self._name_args(j)
+        if self.syntax.heads:
+            return self._named_call(j)
         return self._fail()
 
     def _value_done(self, end: int) -> bool:
@@ -354,6 +351,9 @@ class CallScanner:
         self.cur = end
         if outcome == "closed":
             if not self.object_tail:
+                if self.syntax.call_tail:
+                    self.mode = "call_tail"
+                    return True
                 return self._value_done(end)
             self.tail_expect, self.tail_ok, self.mode = "end", end, "tail"
             return True
@@ -407,17 +407,19 @@ class CallScanner:
                 return True
         return self._value_done(self.tail_ok)
 
-    def _name_args(self, at: int) -> bool:
-        """Mistral v11+ ``name[ARGS]{...}``: committed once ``{`` follows ``[ARGS]``."""
-        t, n = self.text, len(self.text)
-        match = _NAME_ARGS.match(t, at)
-        if match is None:
-            if not self._final and _NAME_ARGS_PARTIAL.fullmatch(t, at):
-                return False
+    def _named_call(self, at: int) -> bool:
+        """A named-call head (``CallSyntax.heads``): committed once ``{`` follows it."""
+        outcome, name, args_at = match_head(self.text, at, self.syntax.heads, self._final)
+        if outcome == "wait":
+            return False
+        if outcome == "fail" or not valid_name(name, self.region.declared if self.region else None):
             return self._fail()
-        args_at = self._skip(match.end())
-        if args_at == n:
-            return self._fail() if self._final else False
-        if t[args_at] != "{":
-            return self._fail()
-        return self._commit(match.group(1), args_at, object_tail=False)
+        assert name is not None
+        return self._commit(name, args_at, object_tail=False)
+
+    def _call_tail(self) -> bool:
+        """After a named call's arguments: its closing literals, when the model wrote them."""
+        end = skip_literals(self.text, self.cur, self.syntax.call_tail, self._final)
+        if end is None:
+            return False
+        return self._value_done(end)

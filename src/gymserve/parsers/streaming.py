@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gymserve.parsers.base import ReasoningParser, ToolCallParser
-from gymserve.parsers.call_scan import CallStart, ScanEvent
+from gymserve.parsers.base import ReasoningParser, ToolCallParser, channel_scanner
+from gymserve.parsers.call_scan import CallStart, ReasoningText, ScanEvent
 from gymserve.parsers.json_scan import declared_tool_names
 from gymserve.text import partial_tag_len
 from gymserve.wire.ids import new_id
@@ -91,7 +91,10 @@ class StreamingParser:
         prompt_tail: str = "",
         tools: list[dict[str, Any]] | None = None,
     ) -> None:
+        self._tool_parser = tool_parser
         self._scanner = tool_parser.scanner(tools) if tool_parser and declared_tool_names(tools) else None
+        # A channel format (harmony) parses the whole generation itself, reasoning included.
+        self._channels = channel_scanner(tool_parser, reasoning_parser, tools)
         self._reasoning_parser = reasoning_parser
         self._prompt_tail = prompt_tail
         self._text = ""
@@ -106,12 +109,19 @@ class StreamingParser:
         self._finished = False
         self.reasoning_incomplete = False
 
+    def new_call_id(self) -> str:
+        """An id for the next call, in the tool-call format's form (``ToolCallParser.new_call_id``)."""
+        return self._tool_parser.new_call_id() if self._tool_parser is not None else new_id("call")
+
     def feed(self, text_delta: str) -> list[Delta]:
         """Add generated text; returns the deltas it decided."""
         if self._finished:
             raise RuntimeError("feed() after finish()")
         self._text += text_delta
         out: list[Delta] = []
+        if self._channels is not None:
+            self._deltas(self._channels.feed(text_delta), out)
+            return out
         if self._rest_start is None:
             assert self._reasoning_parser is not None
             rp, search_from = self._reasoning_parser, self._close_absent_before
@@ -131,6 +141,12 @@ class StreamingParser:
             raise RuntimeError("finish() called twice")
         self._finished = True
         out: list[Delta] = []
+        if self._channels is not None:
+            self._deltas(self._channels.finish(), out)
+            self.reasoning_incomplete = (finish_reason or "stop") in ("length", "abort") and (
+                self._channels.open_kind == "reasoning"
+            )
+            return out
         if self._rest_start is None:
             assert self._reasoning_parser is not None
             reasoning, rest, incomplete = self._reasoning_parser.split(
@@ -174,8 +190,15 @@ class StreamingParser:
             events = self._scanner.feed(piece)
             if final:
                 events += self._scanner.finish()
+        self._deltas(events, out)
+
+    def _deltas(self, events: list[ScanEvent], out: list[Delta]) -> None:
         for event in events:
-            if isinstance(event, str):
+            if isinstance(event, ReasoningText):
+                text = self._reasoning.push(event.text)
+                if text:
+                    out.append(Delta("reasoning", text))
+            elif isinstance(event, str):
                 text = self._content.push(event)
                 if text:
                     out.append(Delta("content", text))
@@ -218,7 +241,7 @@ class ChatDeltas:
         if d.kind == "reasoning":
             return dict.fromkeys(self.reasoning_fields, d.text)
         if d.kind == "tool_call_start":
-            self.call_ids.append(new_id("call"))
+            self.call_ids.append(self.parser.new_call_id())
             return {
                 "tool_calls": [
                     {

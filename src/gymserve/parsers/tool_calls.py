@@ -10,15 +10,23 @@ common and must stay content.
 
 from __future__ import annotations
 
+import hashlib
 import re
+import secrets
+import string
+from typing import Any
 
 from gymserve.parsers.base import ToolCallParser, get_tool_call_parser, tool_call_parser_names
+from gymserve.parsers.call_heads import ID, NAME
 from gymserve.parsers.call_scan import CallSyntax
 
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_TAG = "[TOOL_CALLS]"
+DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END, DEEPSEEK_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_ALNUM = string.ascii_letters + string.digits
 
 
 class HermesToolCallParser(ToolCallParser):
@@ -67,16 +75,76 @@ class Llama3JsonToolCallParser(ToolCallParser):
 
 
 class MistralToolCallParser(ToolCallParser):
-    """Mistral: ``[TOOL_CALLS]`` followed by a JSON array of ``{"name", "arguments"}`` objects, or
-    (v11+ tokenizers) ``[TOOL_CALLS]name[ARGS]{...}`` per call.
+    """Mistral: ``[TOOL_CALLS]`` followed by a JSON array of ``{"name", "arguments"}`` objects
+    (tokenizers up to v7, e.g. Mistral-7B-Instruct-v0.3), or per call ``[TOOL_CALLS]name[ARGS]{...}``
+    (v11+: Mistral Small 3.x, Magistral, Devstral), ``name[CALL_ID]id[ARGS]{...}`` (v11 with call
+    ids), or ``name{...}`` (how vLLM's parser sees v11 output once the ``[ARGS]`` control token is
+    skipped in decoding).
 
-    Source: mistral-common's tokenizer formats; vLLM ``--tool-call-parser mistral``. Text before
-    the tag is content; a malformed call leaves the tag and its text in content.
+    Tool-call ids are 9 alphanumerics (:meth:`new_call_id`), and ids in the history are mapped to
+    that form (:meth:`history_call_id`): mistral-common's validator and the Mistral chat templates
+    refuse any other. Source: mistral-common's tokenizer formats and ``validator.py``; vLLM
+    ``--tool-call-parser mistral`` (its ``MistralToolCall`` ids). Text before the tag is content; a
+    malformed call leaves the tag and its text in content.
     """
 
     name = "mistral"
 
-    syntax = CallSyntax(tag=MISTRAL_TAG, one_value=True, name_args=True)
+    syntax = CallSyntax(
+        tag=MISTRAL_TAG,
+        one_value=True,
+        heads=((NAME, "[ARGS]"), (NAME, "[CALL_ID]", ID, "[ARGS]"), (NAME,)),
+    )
+
+    def new_call_id(self) -> str:
+        """9 random alphanumerics, the only ids Mistral's formats accept."""
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+    def history_call_id(self, call_id: str) -> str:
+        """``call_id`` itself when it is 9 alphanumerics, else 9 alphanumerics derived from it (the
+        same for the call and the tool message that answers it, and on every turn)."""
+        if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+            return call_id
+        digest = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+        out = []
+        for _ in range(9):
+            digest, r = divmod(digest, len(_ALNUM))
+            out.append(_ALNUM[r])
+        return "".join(out)
+
+    def adjust_request(self, body: dict[str, Any]) -> dict[str, Any]:
+        """History ids mapped (:meth:`history_call_id`) and, when tools are offered,
+        ``skip_special_tokens: false`` so ``[TOOL_CALLS]`` reaches the raw text (as vLLM's
+        parser's ``adjust_request`` does for HF-tokenizer Mistral models)."""
+        body = super().adjust_request(body)
+        if body.get("tools") and body.get("tool_choice") != "none":
+            body.setdefault("skip_special_tokens", False)
+        return body
+
+
+class DeepSeekV3ToolCallParser(ToolCallParser):
+    """DeepSeek V3 / R1: ``<｜tool▁calls▁begin｜>``, then per call
+    ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>``, then
+    ``<｜tool▁calls▁end｜>``; V3.1's ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``
+    is read too.
+
+    Source: the DeepSeek-V3 / R1 / V3.1 chat templates and model cards; vLLM
+    ``--tool-call-parser deepseek_v3`` (and ``deepseek_v31``). Text before the calls is content; a
+    call cut by the end of the text keeps the arguments written; a malformed block stays content.
+    """
+
+    name = "deepseek_v3"
+
+    syntax = CallSyntax(
+        tag=DEEPSEEK_CALLS_BEGIN,
+        close_tag=DEEPSEEK_CALLS_END,
+        heads=(
+            (DEEPSEEK_CALL_BEGIN + "function" + DEEPSEEK_SEP, NAME, "\n```json\n"),
+            (DEEPSEEK_CALL_BEGIN + "function" + DEEPSEEK_SEP, NAME, "\n```\n"),
+            (DEEPSEEK_CALL_BEGIN, NAME, DEEPSEEK_SEP),
+        ),
+        call_tail=("```", DEEPSEEK_CALL_END),
+    )
 
 
 # ------------------------------------------------------------------------------------ inference
@@ -89,9 +157,10 @@ def infer_tool_call_parser(
 
     ``model_type`` is the HF config's ``model_type`` (e.g. ``qwen2``), ``model_name`` a repo id,
     path or GGUF ``general.name``, ``chat_template`` the template text. Rules, first match wins:
-    Qwen2.5-Coder (qwen family + "coder", not Qwen3) → ``qwen2_5_coder`` even though its template
+    gpt-oss (``model_type`` ``gpt_oss`` or a harmony template) → ``openai``; Qwen2.5-Coder (qwen
+    family + "coder", not Qwen3) → ``qwen2_5_coder`` even though its template
     mentions ``<tool_call>`` (the model never uses the tags); a template using ``<function=`` XML
-    (Qwen3-Coder) → ValueError (not supported); Mistral → ``mistral``; a template with
+    (Qwen3-Coder) → ``qwen3_coder``; DeepSeek V3/R1 → ``deepseek_v3``; Mistral → ``mistral``; a template with
     ``<tool_call>`` → ``hermes``; Llama 3.x → ``llama3_json``; other Qwen2/Qwen3 or Hermes →
     ``hermes``. Raises ValueError naming the choices when nothing matches.
     """
@@ -101,11 +170,12 @@ def infer_tool_call_parser(
     choices = ", ".join(tool_call_parser_names())
     qwen = mtype.startswith("qwen") or "qwen" in name
     qwen3 = mtype.startswith("qwen3") or "qwen3" in name
+    if "<|channel|>" in template or mtype == "gpt_oss" or re.search(r"gpt[-_]?oss", name):
+        return "openai", "gpt-oss model or harmony template (<|channel|>)"
     if "<function=" in template:
-        raise ValueError(
-            f"the chat template uses the <function=...> XML tool format (Qwen3-Coder), which no parser "
-            f"here reads; pass a tool-call parser explicitly, one of: {choices}"
-        )
+        return "qwen3_coder", "chat template uses the <function=...> XML tool format (Qwen3-Coder)"
+    if DEEPSEEK_CALLS_BEGIN in template or mtype.startswith("deepseek_v3") or re.search(r"deepseek[-_ ]?(v3|r1)", name):
+        return "deepseek_v3", "DeepSeek V3/R1 model or template with <｜tool▁calls▁begin｜>"
     if qwen and "coder" in name and not qwen3:
         return "qwen2_5_coder", f"Qwen2.5-Coder model ({model_name!r}) answers tool requests with bare JSON"
     if "[TOOL_CALLS]" in template or mtype in ("mistral", "mixtral") or re.search(r"mi[sx]tral", name):

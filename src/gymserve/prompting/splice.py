@@ -143,6 +143,9 @@ def find_turn_suffix(
     tools: Sequence[Mapping[str, Any]] | None,
     kwargs: Mapping[str, Any] | None,
     eos_token_ids: Sequence[int],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> TurnSuffix:
     """The template's text and tokens after assistant turn ``k`` of prepared ``messages``.
 
@@ -151,7 +154,8 @@ def find_turn_suffix(
 
     - A = messages[:k] + [turn k], no generation prompt: ``closing`` = what A renders after S (tool
       calls, end of turn).
-    - B = A's messages + messages[k+1:], with the generation prompt: the new prompt's text.
+    - B = A's messages + messages[k+1:], with the generation prompt (``add_generation_prompt``;
+      or the final message left open, ``continue_final_message``): the new prompt's text.
 
     B must contain S exactly once, followed by ``closing`` at least through the end-of-turn token:
     the turn's end is the LAST EOS text inside the common prefix of ``closing`` and what follows S
@@ -173,7 +177,13 @@ def find_turn_suffix(
     turn["content"] = sentinel
     head = list(messages[:k]) + [turn]
     text_a = template.render_text(head, tools, kwargs, add_generation_prompt=False)
-    text_b = template.render_text(head + list(messages[k + 1 :]), tools, kwargs, add_generation_prompt=True)
+    text_b = template.render_text(
+        head + list(messages[k + 1 :]),
+        tools,
+        kwargs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
 
     where = f"the end of assistant turn messages[{k}]"
     if text_a.count(sentinel) != 1:

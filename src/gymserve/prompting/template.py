@@ -13,7 +13,10 @@
   most open-model templates reject or silently drop.
 
 Token IDs come from tokenizing the rendered text with ``add_special_tokens=False``: chat templates
-already write the special tokens (``<|im_start|>``…), so adding a BOS would double it.
+already write the special tokens (``<|im_start|>``…), so adding a BOS would double it. Control
+tokens come only from the template: text inside messages and tools that spells one is tokenized as
+plain text (``message_text``; ``split_special_tokens=False`` restores the tokenizer's plain
+behaviour, in which such text becomes the token).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gymserve.errors import InvalidRequestError
+from gymserve.prompting.message_text import MessageText
 from gymserve.protocol import TRAINING_FIELDS
 
 TAIL_CHARS = 64
@@ -66,15 +70,33 @@ class ChatTemplate:
     path of a file holding one (as ``vllm serve --chat-template FILE``); text is told from a path
     by the presence of ``{``.
     ``default_kwargs``: the server's ``chat_template_kwargs``; a request's own override them key by key.
+    ``split_special_tokens``: message and tool text that spells a control token is tokenized as
+    plain text (``message_text``); False tokenizes the rendering as one text, as ``vllm serve`` does.
+    Rendered text may then hold placeholders: read it with :meth:`visible`, tokenize it with
+    :meth:`encode`. ``turn_end_tokens``: tokens that end an assistant turn in rendered history
+    besides the model's EOS (``parsers.harmony.HISTORY_TURN_END``), for the prefix splice.
 
     Raises ``ValueError`` when there is no template at all or the file cannot be read (a
     configuration error, raised at start-up, never per request).
     """
 
     def __init__(
-        self, tokenizer: Any, chat_template: str | None = None, default_kwargs: Mapping[str, Any] | None = None
+        self,
+        tokenizer: Any,
+        chat_template: str | None = None,
+        default_kwargs: Mapping[str, Any] | None = None,
+        *,
+        split_special_tokens: bool = True,
+        turn_end_tokens: Sequence[str] = (),
     ):
         self.tokenizer = tokenizer
+        # Tokens that close an assistant turn in the rendered history besides the engine's EOS ids
+        # (harmony renders the sampled <|return|> as <|end|>): the prefix splice needs them.
+        ids = [(t, tokenizer.convert_tokens_to_ids(t)) for t in turn_end_tokens]
+        self.turn_end_ids: tuple[int, ...] = tuple(
+            tid for t, tid in ids if isinstance(tid, int) and tokenizer.convert_ids_to_tokens(tid) == t
+        )
+        self.message_text = MessageText(tokenizer) if split_special_tokens else None
         if chat_template is not None and "{" not in chat_template:
             try:
                 with open(os.path.expanduser(chat_template), encoding="utf-8") as f:
@@ -105,6 +127,9 @@ class ChatTemplate:
         - ``reasoning`` is copied to ``reasoning_content`` unless that is set (Qwen3-style templates
           read ``reasoning_content``; RC-01);
         - training fields (``prompt_token_ids``…) are dropped;
+        - with ``split_special_tokens``, every string is escaped (``message_text``) so that the text
+          of a control token in it is tokenized as plain text (in assistant messages, the tokens
+          flagged special);
         - when the template does not mention ``developer``: the leading run of system/developer
           messages becomes one system message (texts joined by a blank line, order kept) and a later
           developer message becomes a system message in place (RC-05: exactly one leading system
@@ -138,6 +163,8 @@ class ChatTemplate:
                 leading = False
             index.append(len(out))
             out.append(m)
+        if self.message_text is not None:
+            out = [self.message_text.escape_message(m) for m in out]
         return out, index
 
     # ------------------------------------------------------------------ rendering
@@ -161,18 +188,24 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         """The rendered prompt text of already-prepared ``messages`` (see ``prepare_messages``).
 
         ``tools``: chat-form tools (``[{"type": "function", "function": {...}}]``) or None.
         ``kwargs``: the request's ``chat_template_kwargs`` (merged over the server defaults here).
+        ``continue_final_message``: leave the final message open (no end-of-turn token), so the
+        model continues it (Hugging Face's ``apply_chat_template`` argument, which vLLM exposes).
         Raises ``InvalidRequestError`` when the template itself refuses the conversation (Jinja
-        ``raise_exception``, e.g. roles out of order) — the client sent something this model's
-        template cannot express.
+        ``raise_exception``, e.g. roles out of order; a final message that cannot be continued) —
+        the client sent something this model's template cannot express.
         """
         import jinja2
 
         merged = self.merged_kwargs(kwargs)
+        extra = {"continue_final_message": True} if continue_final_message else {}
+        if tools and self.message_text is not None:
+            tools = self.message_text.escape(list(tools))  # descriptions are text an environment wrote
         try:
             text = self.tokenizer.apply_chat_template(
                 list(messages),
@@ -180,19 +213,33 @@ class ChatTemplate:
                 chat_template=self.template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
+                **extra,
                 **merged,
             )
         except (jinja2.TemplateError, TypeError) as e:
             raise InvalidRequestError(
                 f"the model's chat template cannot render these messages: {e}", param="messages"
             ) from e
+        except ValueError as e:  # transformers' own checks of continue_final_message
+            if not continue_final_message:
+                raise
+            raise InvalidRequestError(
+                f"continue_final_message cannot be applied to these messages: {e}", param="continue_final_message"
+            ) from e
         if not isinstance(text, str):  # batched input would give a list; we never batch
             raise InvalidRequestError("the chat template did not render a single prompt", param="messages")
         return text
 
     def encode(self, text: str) -> list[int]:
-        """Token IDs of rendered template text, without adding special tokens (the text has them)."""
+        """Token IDs of rendered template text, without adding special tokens (the text has them);
+        escaped message text becomes plain-text tokens (``message_text.MessageText.encode``)."""
+        if self.message_text is not None:
+            return self.message_text.encode(text)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def visible(self, text: str) -> str:
+        """Rendered text as the prompt reads (placeholders of escaped message text restored)."""
+        return self.message_text.unescape(text) if self.message_text is not None else text
 
     def render_ids(
         self,
@@ -216,7 +263,7 @@ class ChatTemplate:
         output only ``</think>`` (RP-01). ``build_prompt`` returns the same tail without an extra
         render; use this only when the prompt was built elsewhere.
         """
-        return self.render_text(messages, tools, kwargs, True)[-TAIL_CHARS:]
+        return self.visible(self.render_text(messages, tools, kwargs, True))[-TAIL_CHARS:]
 
     @staticmethod
     def _check_kwargs(kwargs: Mapping[str, Any], what: str) -> None:

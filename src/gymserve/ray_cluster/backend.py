@@ -11,15 +11,16 @@ https://docs.ray.io/en/latest/ray-core/fault_tolerance/actors.html):
   silently — an in-flight call to a dying replica fails with ``RayActorError`` (in Ray 2.x
   ``ActorUnavailableError`` while it restarts, ``ActorDiedError`` when it is gone for good), so the
   front end decides. Calls made while a replica is restarting are queued by Ray until it is back.
-- gymserve: a new session is assigned round-robin among healthy replicas and sticks to its replica
-  (``ReplicaPool``); a failed call marks the replica down, re-assigns the session, and is retried
-  ONCE on the session's new replica — one on the weight version the call started on (``control``:
-  a call is never answered by other weights than the ones it started on). The request carries the
-  whole conversation with its token fields, so the new replica re-prefills the exact same prompt
-  token IDs (the prefix splice) — the retried call's training fields are as correct as the first
-  try's would have been; only the KV cache is rebuilt. A background probe (``health()`` with a
-  timeout) marks replicas up again and counts restarts (a new ``incarnation`` answering under the
-  same name).
+- gymserve: the chat backend's ``ReplicaPool`` routes the calls, with the same policy
+  (``routing.policy``: sticky-least-loaded by default — a new session goes to the replica with the
+  fewest calls in flight and stays there), circuit breakers and retry budget; a failed call opens
+  the replica's breaker, re-assigns the session, and is retried ONCE on the session's new replica
+  (if the retry budget allows) — on a replica on the weight version the call started on
+  (``control``: a call is never answered by other weights than the ones it started on). The request carries the whole conversation with its token
+  fields, so the new replica re-prefills the exact same prompt token IDs (the prefix splice) —
+  the retried call's training fields are as correct as the first try's would have been; only the
+  KV cache is rebuilt. A background probe (``health()`` with a timeout) marks replicas up again
+  and counts restarts (a new ``incarnation`` answering under the same name).
 - Streaming goes through a Ray streaming generator; a replica that dies before the first chunk is
   failed over like a plain call, one that dies mid-stream ends the stream with an error event
   (chunks already sent cannot be taken back).
@@ -39,7 +40,7 @@ from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.local.request import echo_pinned_sampling
-from gymserve.backends.pool import Limiter, ReplicaPool
+from gymserve.backends.pool import Limiter, Outcome, ReplicaPool, usage_of
 from gymserve.backends.responses_over_chat import ChatAnswer
 from gymserve.errors import EngineError, UpstreamConnectionError
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponsesRequest
@@ -63,6 +64,7 @@ class RayBackend(FleetControl, Backend):
 
     name = "ray"
     limiter: Limiter
+    pool: ReplicaPool
 
     def __init__(
         self,
@@ -83,7 +85,9 @@ class RayBackend(FleetControl, Backend):
             self._update(replica, info)
         self.model_name = infos[0]["model"]
         self.description = {k: infos[0].get(k) for k in ("tool_call_parser", "reasoning_parser", "context_window")}
-        self.pool = ReplicaPool(replicas, probe=self._probe, interval=config.health_check_interval)
+        self.pool = ReplicaPool(
+            replicas, probe=self._probe, interval=config.health_check_interval, routing=config.routing
+        )
         self.limiter = Limiter(config.replicas * config.max_concurrent_requests, max_queue, name="ray backend")
         self._init_control(infos, max_queue)
         log.info(
@@ -154,8 +158,14 @@ class RayBackend(FleetControl, Backend):
         """``{"status": ok|degraded|down, "backend": "ray", "model", "replicas": [{name, state,
         in_flight, sessions, node, restarts, ...}]}`` after probing every replica now."""
         await self.pool.check_all()
-        status = self.pool.status()["status"]
-        return {"status": status, **self.describe(), "replicas": [r.row() for r in self.replicas]}
+        status = self.pool.status()
+        return {
+            "status": status["status"],
+            **self.describe(),
+            "routing": status["routing"],
+            "retry_budget": status["retry_budget"],
+            "replicas": [{**r.row(), **self.pool.replica_row(r)} for r in self.replicas],
+        }
 
     def describe(self) -> dict[str, Any]:
         """``{"backend": "ray", "target", "model", "tool_call_parser", "reasoning_parser", "context_window"}``."""
@@ -172,34 +182,66 @@ class RayBackend(FleetControl, Backend):
 
     # ---- calls --------------------------------------------------------------------------------
 
-    def _pick(self, session_id: str | None, version: Any) -> RayReplica:
-        """The session's replica among those on ``version`` (the call's start version)."""
+    def _pick(
+        self, session_id: str | None, version: Any, *, exclude: tuple[RayReplica, ...] = (), failed: str | None = None
+    ) -> RayReplica:
+        """The session's replica among those on ``version``, the weight version the call started on
+        (``control``: a call is never answered by other weights); ``exclude``: replicas that already
+        failed it. Raises ``no_replica_error`` (502 ``version_unavailable``) when none serves it."""
         try:
-            return self.pool.pick(session_id, accept=self.serves(version))
-        except LookupError:
-            raise self.no_replica_error(version) from None
+            return self.pool.pick(session_id, exclude=exclude, where=self.serves(version))
+        except UpstreamConnectionError as exc:
+            if exc.code != "no_replica":
+                raise
+            raise self.no_replica_error(version, failed=failed) from None
 
-    def _failed(self, replica: RayReplica, exc: BaseException, session_id: str | None, version: Any) -> RayReplica:
-        """Mark ``replica`` down after ``exc`` and return where the session goes next: a replica on
-        ``version``, the version the call started on (``control``), else ``version_unavailable``."""
+    def _failed(
+        self, replica: RayReplica, exc: BaseException, session_id: str | None, version: Any, *, retry: bool
+    ) -> RayReplica:
+        """Release ``replica`` after ``exc`` (its process or node died or is restarting: its breaker
+        opens) and, when ``retry`` and the retry budget allow, return where the call goes next: a
+        replica on ``version``, the version the call started on; otherwise raise
+        ``UpstreamConnectionError`` (502, ``replica_failed``, or ``version_unavailable``)."""
         from ray.exceptions import ActorDiedError
 
+        reason = failure_reason(exc)
         replica.state = "dead" if isinstance(exc, ActorDiedError) else "restarting"
-        self.pool.mark_down(replica, failure_reason(exc))
-        try:
-            nxt = self.pool.pick(session_id, accept=self.serves(version))
-        except LookupError:
-            raise self.no_replica_error(
-                version, failed=f"replica {replica.name} failed ({type(exc).__name__})"
-            ) from None
+        self.pool.release(replica, Outcome.DOWN, reason=reason)
+        if not retry:
+            raise UpstreamConnectionError(
+                f"the call failed on two replicas (last: {replica.name}, {reason}); the cluster may be losing nodes",
+                code="replica_failed",
+            )
+        if not self.pool.retry_budget.try_withdraw():
+            raise UpstreamConnectionError(
+                f"replica {replica.name} failed ({reason}) and the retry budget allows no retry now (too many "
+                "calls are failing); retry the call later",
+                code="replica_failed",
+            )
+        nxt = self._pick(
+            session_id, version, exclude=(replica,), failed=f"replica {replica.name} failed ({type(exc).__name__})"
+        )
         log.warning(
             "replica %s failed (%s); session %s retried on %s", replica.name, type(exc).__name__, session_id, nxt.name
         )
         return nxt
 
+    def _answered(self, replica: RayReplica, ctx: RequestContext, result: Any) -> Any:
+        """Release ``replica`` after it answered; returns the answer, raising the request error it holds."""
+        replica.served += 1
+        try:
+            answer = raise_remote_error(result)
+        except BaseException:
+            self.pool.release(replica, Outcome.REJECTED)
+            raise
+        usage = usage_of(answer if isinstance(answer, dict) else _last_usage(answer))
+        self.pool.release(replica, Outcome.OK, session_id=ctx.session_id, usage=usage)
+        return answer
+
     async def _call(self, method: str, request: ChatRequest, ctx: RequestContext) -> Any:
-        """``method`` (``chat`` or ``chat_chunks``) on the session's replica; on replica failure,
-        once more on its new replica. Returns its result, raising the error a replica returned."""
+        """``method`` (``chat`` or ``chat_chunks``) on the replica the pool picks for the session; on
+        replica failure, once more on another one (within the retry budget). Returns its result,
+        raising the error a replica returned."""
         from ray.exceptions import RayActorError, RayTaskError
 
         if request.get("stream"):
@@ -208,30 +250,23 @@ class RayBackend(FleetControl, Backend):
             version = self.fleet_version  # the version this call starts on (control module docstring)
             replica = self._pick(ctx.session_id, version)
             for attempt in range(2):
-                replica.in_flight += 1
+                ctx.extra["replica"] = replica.name
                 ref = getattr(replica.client, method).remote(request, ctx.session_id, ctx.request_id)
                 try:
                     result = await ref
                 except asyncio.CancelledError:  # the client went away: stop generating on the replica
+                    self.pool.release(replica, Outcome.CANCELLED)
                     with contextlib.suppress(Exception):
                         import_ray().cancel(ref)
                     raise
                 except RayActorError as exc:  # the replica's process or node died (or is restarting)
                     error = exc
                 except RayTaskError as exc:  # a gymserve bug or engine crash inside the replica
+                    self.pool.release(replica, Outcome.FAILED, reason=failure_reason(exc))
                     raise EngineError(f"replica {replica.name} failed: {failure_reason(exc)}") from None
                 else:
-                    replica.served += 1
-                    return raise_remote_error(result)
-                finally:
-                    replica.in_flight -= 1
-                if attempt:
-                    raise UpstreamConnectionError(
-                        f"the call failed on two replicas (last: {replica.name}, {failure_reason(error)}); "
-                        "the cluster may be losing nodes",
-                        code="replica_failed",
-                    )
-                replica = self._failed(replica, error, ctx.session_id, version)
+                    return self._answered(replica, ctx, result)
+                replica = self._failed(replica, error, ctx.session_id, version, retry=not attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
@@ -253,39 +288,51 @@ class RayBackend(FleetControl, Backend):
 
         ray = import_ray()
         async with self.gate.call(), self.limiter.slot():
-            version = self.fleet_version
+            version = self.fleet_version  # the version this call starts on (control module docstring)
             replica = self._pick(ctx.session_id, version)
             for attempt in range(2):
+                ctx.extra["replica"] = replica.name
                 gen = replica.client.chat_stream.options(num_returns="streaming").remote(
                     request, ctx.session_id, ctx.request_id
                 )
                 started = done = False
-                replica.in_flight += 1
+                outcome: Outcome | None = Outcome.CANCELLED  # unless the stream ends otherwise
+                usage = None
                 try:
                     async for ref in gen:
-                        chunk = raise_remote_error(await ref)
+                        raw = await ref
+                        outcome = Outcome.REJECTED  # a request error the replica returned is raised here
+                        chunk = raise_remote_error(raw)
+                        outcome = Outcome.CANCELLED
                         started = True
+                        usage = usage_of(chunk) or usage
                         yield chunk
                     done = True
                     replica.served += 1
+                    outcome = Outcome.OK
                     return
                 except RayActorError as exc:
                     done = True  # the generator died with its replica
-                    if started or attempt:
-                        raise UpstreamConnectionError(
-                            f"replica {replica.name} failed during the stream ({failure_reason(exc)}); retry the call",
-                            code="replica_failed",
-                        ) from None
+                    outcome = None  # released below, with the failover decision
                     error = exc
                 except RayTaskError as exc:
                     done = True
+                    outcome = Outcome.FAILED
                     raise EngineError(f"replica {replica.name} failed: {failure_reason(exc)}") from None
                 finally:
-                    replica.in_flight -= 1
                     if not done:  # client went away or a request error: stop the replica's generator
                         with contextlib.suppress(Exception):
                             ray.cancel(gen)
-                replica = self._failed(replica, error, ctx.session_id, version)
+                    if outcome is not None:
+                        self.pool.release(replica, outcome, session_id=ctx.session_id, usage=usage)
+                if started:  # chunks already sent cannot be taken back
+                    with contextlib.suppress(UpstreamConnectionError):
+                        self._failed(replica, error, ctx.session_id, version, retry=False)
+                    raise UpstreamConnectionError(
+                        f"replica {replica.name} failed during the stream ({failure_reason(error)}); retry the call",
+                        code="replica_failed",
+                    )
+                replica = self._failed(replica, error, ctx.session_id, version, retry=not attempt)
 
     async def served_sessions(self) -> dict[str, dict[str, int]]:
         """``{replica name: {session_id: calls}}`` as each live replica process reports it (tests,
@@ -302,3 +349,12 @@ class RayBackend(FleetControl, Backend):
 async def _awaited(ref):
     # asyncio.wait_for needs an awaitable it can wrap in a task; a Ray ObjectRef is awaitable only.
     return await ref
+
+
+def _last_usage(chunks: Any) -> Any:
+    """The last chunk carrying ``usage`` in a list of chat chunks (None when none does)."""
+    if isinstance(chunks, list):
+        for chunk in reversed(chunks):
+            if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
+                return chunk
+    return None

@@ -102,7 +102,9 @@ def add_launch_parser(subparsers, **kwargs) -> argparse.ArgumentParser:
 def add_status_parser(subparsers, **kwargs) -> argparse.ArgumentParser:
     """Add ``status`` (print a running server's replica table) to an argparse subparsers object."""
     p = subparsers.add_parser(
-        "status", help="show a running gymserve's replicas: state, load, sessions, restarts", **kwargs
+        "status",
+        help="show a running gymserve's replicas: state, circuit breaker, load, sessions, prefix hits, restarts",
+        **kwargs,
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server (default %(default)s)")
     return p
@@ -135,24 +137,39 @@ def main_launch(args: argparse.Namespace) -> int:
 
 
 def format_status(health: dict[str, Any]) -> str:
-    """The replica table of a ``/health`` answer (ray backend rows, or a chat backend's pool rows)."""
-    rows = [("NAME", "STATE", "IN_FLIGHT", "SESSIONS", "NODE", "RESTARTS")]
+    """The replica table of a ``/health`` answer (ray backend rows, or a chat backend's pool rows):
+    per replica its state, circuit breaker, calls in flight, sessions (active / remembered), the
+    router's prefix-hit estimate, failures, and for Ray its node and restarts."""
+    rows = [("NAME", "STATE", "BREAKER", "IN_FLIGHT", "SESSIONS", "PREFIX_HIT", "FAILURES", "NODE", "RESTARTS")]
     for r in health.get("replicas") or []:
         state = r.get("state") or ("alive" if r.get("healthy", True) else "unhealthy")
+        sessions = str(r.get("sessions", "-"))
+        if r.get("active_sessions") is not None:
+            sessions = f"{r['active_sessions']}/{sessions}"
+        hit = r.get("prefix_hit_estimate")
         rows.append(
             (
                 str(r.get("name") or r.get("base_url")),
                 state,
+                str(r.get("breaker", "-")).replace("_", "-"),
                 str(r.get("in_flight", "-")),
-                str(r.get("sessions", "-")),
+                sessions,
+                f"{100 * hit:.0f}%" if isinstance(hit, (int, float)) else "-",
+                str(r.get("failures", "-")),
                 str(r.get("node") or "-"),
                 str(r.get("restarts", "-")),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        f"status: {health.get('status')}  backend: {health.get('backend', '-')}  model: {health.get('model', '-')}"
-    ]
+    head = f"status: {health.get('status')}  backend: {health.get('backend', '-')}  model: {health.get('model', '-')}"
+    if health.get("routing"):
+        head += f"  routing: {health['routing']}"
+    budget = health.get("retry_budget")
+    if isinstance(budget, dict):
+        head += (
+            f"  retry budget: {budget.get('balance')} left, {budget.get('retries')} used, {budget.get('denied')} denied"
+        )
+    lines = [head]
     if len(rows) > 1:
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     else:

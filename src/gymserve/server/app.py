@@ -1,6 +1,9 @@
 """The HTTP server: OpenAI-compatible routes over one backend.
 
-Routes: ``POST /v1/responses``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+Routes: ``POST /v1/responses``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's Messages API, its errors
+in Anthropic's shape), ``POST /tokenize`` and ``POST /detokenize`` (``server.tokens``),
+``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus; ``server.metrics``), ``GET /``: a small JSON status (name,
 version, backend, model, links), as NeMo Gym's servers answer there, and the control routes of
 ``server.control`` (pause, resume, weight updates) and ``server.lora`` (LoRA adapters). Every model call is timed and
@@ -22,7 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from fastapi import FastAPI, Request
@@ -30,19 +33,24 @@ from fastapi.responses import Response, StreamingResponse
 
 from gymserve._version import __version__
 from gymserve.backends.base import Backend, RequestContext
-from gymserve.convert.request_checks import Api, check_request
+from gymserve.convert.completions_request import check_completions_request
+from gymserve.convert.request_checks import check_request, without_nulls
 from gymserve.errors import GymserveError, InvalidRequestError, ShuttingDownError
 from gymserve.server.capture import CaptureWriter, install_log_redaction
 from gymserve.server.control import CONTROL_PATHS, control_health, install_control
-from gymserve.server.errors import error_response, install_error_handlers
+from gymserve.server.errors import anthropic_status, error_response, install_error_handlers, is_anthropic_route
 from gymserve.server.limits import read_body
 from gymserve.server.lora import LORA_PATHS, install_lora
 from gymserve.server.metrics import Metrics, usage_tokens
 from gymserve.server.schemas import install_openapi
+from gymserve.server.tokens import install_tokens
+from gymserve.wire.anthropic_errors import error_body
 
 log = logging.getLogger("gymserve.server")
 SESSION_HEADER = "x-session-id"
 SESSION_COOKIE = "session_id"
+Wire = Literal["responses", "chat", "completions", "messages"]
+"""What a model route speaks: its request checks, its stream format, its error shape."""
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -65,9 +73,16 @@ async def _body(request: Request, max_bytes: int) -> dict[str, Any]:
     return data
 
 
-def _checked(body: dict[str, Any], api: Api) -> dict[str, Any]:
-    """``body`` after the checks both routes share (``check_request``), ``stream`` a boolean."""
-    body = check_request(body, api)
+def _checked(body: dict[str, Any], api: Wire) -> dict[str, Any]:
+    """``body`` after the checks every backend shares (``check_request`` on the OpenAI chat and
+    Responses routes; the completions route's ``check_completions_request``; the Messages converter
+    checks its own fields), top-level nulls dropped, ``stream`` a boolean."""
+    if api == "messages":
+        body = without_nulls(body)
+    elif api == "completions":
+        body = check_completions_request(body)
+    else:
+        body = check_request(body, api)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequestError(f"stream must be true or false, got {type(stream).__name__}", param="stream")
@@ -88,15 +103,15 @@ def _context(request: Request) -> RequestContext:
     return RequestContext(session_id=session, request_id=request.headers.get("x-request-id") or uuid.uuid4().hex)
 
 
-def _sse(events: AsyncIterator[dict[str, Any]], *, responses: bool) -> StreamingResponse:
-    """Server-sent events: ``event:`` lines for the Responses API, ``data: [DONE]`` for chat."""
+def _sse(events: AsyncIterator[dict[str, Any]], *, api: Wire) -> StreamingResponse:
+    """Server-sent events: ``event:`` lines for the Responses and Messages APIs, ``data:`` chunks ending with ``data: [DONE]`` for chat and completions."""
 
     async def body():
         seq = -1  # the last sequence_number sent (Responses), so an error event can follow it
         try:
             async for ev in events:
                 data = orjson.dumps(ev)
-                if responses:
+                if api in ("responses", "messages"):
                     if isinstance(ev.get("sequence_number"), int):
                         seq = ev["sequence_number"]
                     yield b"event: " + ev["type"].encode() + b"\ndata: " + data + b"\n\n"
@@ -104,7 +119,10 @@ def _sse(events: AsyncIterator[dict[str, Any]], *, responses: bool) -> Streaming
                     yield b"data: " + data + b"\n\n"
         except GymserveError as exc:
             # Headers are gone once streaming started: the error travels as an event.
-            yield _error_event(exc.to_dict()["error"], responses=responses, seq=seq)
+            error = exc.to_dict()["error"]
+            if api == "messages":
+                error["status"] = anthropic_status(exc)
+            yield _error_event(error, api=api, seq=seq)
         except Exception as exc:  # noqa: BLE001 - a bug mid-stream still ends the stream cleanly
             log.exception("unhandled error while streaming")
             err = {
@@ -114,8 +132,8 @@ def _sse(events: AsyncIterator[dict[str, Any]], *, responses: bool) -> Streaming
                 "code": None,
                 "param": None,
             }
-            yield _error_event(err, responses=responses, seq=seq)
-        if not responses:
+            yield _error_event(err, api=api, seq=seq)
+        if api in ("chat", "completions"):
             yield b"data: [DONE]\n\n"
 
     return StreamingResponse(
@@ -123,18 +141,22 @@ def _sse(events: AsyncIterator[dict[str, Any]], *, responses: bool) -> Streaming
     )
 
 
-def _error_event(error: dict[str, Any], *, responses: bool, seq: int) -> bytes:
+def _error_event(error: dict[str, Any], *, api: Wire, seq: int) -> bytes:
     """The last event of a stream that failed after its headers were sent.
 
     Responses: an ``error`` event with the next ``sequence_number``, carrying the error both as the
     OpenAI API does (top-level ``code``, ``message``, ``param``: the SDK's ``ResponseErrorEvent``) and
     as the Open Responses spec does (``error: {type, code, message, param}``); the openai SDK raises
-    the latter as ``APIError``. Chat: ``{"error": {message, type, param, code}}``, the shape OpenAI
+    the latter as ``APIError``. Chat and completions: ``{"error": {message, type, param, code}}``, the shape OpenAI
     and vLLM send mid-stream, which the SDK raises as ``APIError`` (a ``{"type": "error", ...}``
-    chunk would reach the client as a chat chunk without choices).
+    chunk would reach the client as a chat chunk without choices). Messages: Anthropic's error
+    object (``status`` in ``error`` picks its type), which the anthropic SDK raises as ``APIStatusError``.
     """
-    if responses:
-        payload: dict[str, Any] = {
+    payload: dict[str, Any]
+    if api == "messages":
+        payload = error_body(error.get("status") or 500, error.get("message") or "")
+    elif api == "responses":
+        payload = {
             "type": "error",
             "sequence_number": seq + 1,
             "code": error.get("code"),
@@ -184,7 +206,12 @@ def create_app(
     @app.exception_handler(ShuttingDownError)
     async def _draining(request: Request, exc: ShuttingDownError):
         return error_response(
-            503, exc.message, type_=exc.error_type, code=exc.code, headers={"Retry-After": "1", "Connection": "close"}
+            503,
+            exc.message,
+            type_=exc.error_type,
+            code=exc.code,
+            headers={"Retry-After": "1", "Connection": "close"},
+            anthropic=is_anthropic_route(request.url.path),
         )
 
     install_openapi(app)
@@ -239,9 +266,10 @@ def create_app(
                 **({"error": error} if error is not None else {"response": result}),
             )
 
-    async def serve(route: str, request: Request, call, call_stream, responses: bool) -> Response:
+    async def serve(route: str, request: Request, call, call_stream, api: Wire) -> Response:
         """One model call: parse, call the backend, record metrics and capture; errors propagate
-        to the error handlers after being recorded."""
+        to the error handlers after being recorded. ``api`` says which checks the body gets and
+        how it streams and fails (``Wire``)."""
         t0 = time.perf_counter()
         gauge = metrics.gauge(route)
         gauge.inc()
@@ -251,7 +279,7 @@ def create_app(
             if app.state.draining:
                 raise ShuttingDownError()
             body = await _body(request, max_body_bytes)  # kept as sent for the capture file if a check fails
-            checked = _checked(body, "responses" if responses else "chat")
+            checked = _checked(body, api)
             ctx = _context(request)
             stream = checked.get("stream")
             if stream:
@@ -272,18 +300,35 @@ def create_app(
             gauge.dec()
             record(route, ctx, body, t0, *a, **k)
 
-        return _sse(_observed(events, done, keep=capture is not None, responses=responses), responses=responses)
+        return _sse(_observed(events, done, keep=capture is not None, api=api), api=api)
 
     async def chat_completions(request: Request):
-        return await serve("/v1/chat/completions", request, backend.chat, backend.chat_stream, False)
+        return await serve("/v1/chat/completions", request, backend.chat, backend.chat_stream, "chat")
 
     async def responses(request: Request):
-        return await serve("/v1/responses", request, backend.responses, backend.responses_stream, True)
+        return await serve("/v1/responses", request, backend.responses, backend.responses_stream, "responses")
+
+    async def completions(request: Request):
+        return await serve("/v1/completions", request, backend.completions, backend.completions_stream, "completions")
+
+    async def messages(request: Request):
+        return await serve("/v1/messages", request, backend.messages, backend.messages_stream, "messages")
+
+    async def count_tokens(request: Request):
+        """Anthropic's ``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, no generation."""
+        if app.state.draining:
+            raise ShuttingDownError()
+        body = without_nulls(await _body(request, max_body_bytes))
+        return _json({"input_tokens": await backend.count_tokens(body, _context(request))})
 
     # Plain Starlette routes: the body is parsed by hand anyway, and FastAPI's per-request
     # dependency solving was measurable on the hot path. install_openapi documents them.
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
     app.add_route("/v1/responses", responses, methods=["POST"], include_in_schema=False)
+    app.add_route("/v1/completions", completions, methods=["POST"], include_in_schema=False)
+    app.add_route("/v1/messages", messages, methods=["POST"], include_in_schema=False)
+    app.add_route("/v1/messages/count_tokens", count_tokens, methods=["POST"], include_in_schema=False)
+    install_tokens(app, backend, read_json=lambda request: _body(request, max_body_bytes), context=_context)
 
     @app.get("/v1/models")
     async def models():
@@ -319,6 +364,9 @@ def create_app(
                     "openapi": "/openapi.json",
                     "responses": "/v1/responses",
                     "chat_completions": "/v1/chat/completions",
+                    "completions": "/v1/completions",
+                    "messages": "/v1/messages",
+                    "tokenize": "/tokenize",
                 },
             }
         )
@@ -346,18 +394,19 @@ def close_app(app: FastAPI) -> None:
 
 
 async def _observed(
-    events: AsyncIterator[dict[str, Any]], done, *, keep: bool, responses: bool
+    events: AsyncIterator[dict[str, Any]], done, *, keep: bool, api: Wire
 ) -> AsyncIterator[dict[str, Any]]:
     """Pass stream events through; when the stream ends, ``done(status, result=..., ...)`` records
-    it: the final Response (Responses API) or the chunks (chat, kept only for capture)."""
+    it: the final Response (Responses API), or the last usage with the chunks (chat) or events
+    (Messages: the ``message_delta`` carries the usage), kept only for capture."""
     status, etype, err = 200, None, None
     kept: list[dict[str, Any]] = []
     final: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
     try:
         async for ev in events:
-            if responses:
-                kind = ev.get("type")
+            kind = ev.get("type")
+            if api == "responses":
                 if kind in ("response.completed", "response.incomplete", "response.failed"):
                     final = ev.get("response")
                     if kind == "response.failed":
@@ -365,6 +414,8 @@ async def _observed(
                 elif kind == "error":
                     etype = "stream_error"
             else:
+                if api == "messages" and kind == "error":
+                    etype = "stream_error"
                 if isinstance(ev.get("usage"), dict):
                     usage = ev["usage"]
                 if keep and len(kept) < 100_000:
@@ -374,10 +425,14 @@ async def _observed(
         status, etype, err = _error_info(exc)
         raise
     finally:
-        if responses:
+        if api == "responses":
             result = final
         else:
-            result = {"usage": usage, "chunks": kept} if keep else {"usage": usage}
+            result = (
+                {"usage": usage, "chunks" if api in ("chat", "completions") else "events": kept}
+                if keep
+                else {"usage": usage}
+            )
         done(status, result=result, error=err, error_type=etype, stream=True)
 
 

@@ -1,6 +1,8 @@
 """The server's own API key: clients present it as ``Authorization: Bearer <key>`` (the openai SDK's
-``api_key``) or as ``api-key: <key>`` (Azure's spelling), compared in constant time; every route but
-``/health`` requires it, unknown routes included (a 404 would tell a stranger what exists).
+``api_key``), as ``api-key: <key>`` (Azure's spelling) or as ``x-api-key: <key>`` (Anthropic's: the
+anthropic SDK's ``api_key``), compared in constant time; every route but ``/health`` requires it,
+unknown routes included (a 404 would tell a stranger what exists). The refusal is an OpenAI error
+object, or Anthropic's on the Messages API's routes.
 
 The control routes (``server.control.CONTROL_PATHS``: pause, weight updates) take the admin key
 instead when ``server.admin_api_key`` is set, so rollout workers holding the server key cannot
@@ -16,6 +18,9 @@ import hmac
 
 import orjson
 
+from gymserve.server.errors import is_anthropic_route
+from gymserve.wire.anthropic_errors import error_body
+
 OPEN_PATHS = frozenset({"/health"})
 
 
@@ -27,6 +32,9 @@ def _refusal(message: str) -> bytes:
 
 _BODY = _refusal(
     "missing or wrong API key: send 'Authorization: Bearer <key>' (the server was started with an API key)"
+)
+_ANTHROPIC_BODY = orjson.dumps(
+    error_body(401, "missing or wrong API key: send 'x-api-key: <key>' (the server was started with an API key)")
 )
 _ADMIN_BODY = _refusal(
     "missing or wrong admin API key: control routes (pause, weight updates) need "
@@ -40,7 +48,7 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes:
     for name, value in headers:
         if name == b"authorization":
             auth = value
-        elif name == b"api-key":
+        elif name in (b"api-key", b"x-api-key"):
             api_key = value
     if auth:
         scheme, _, token = auth.partition(b" ")
@@ -79,7 +87,7 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         if self.on_failure is not None:
             self.on_failure()
-        body = _ADMIN_BODY if admin else _BODY
+        body = _ADMIN_BODY if admin else _ANTHROPIC_BODY if is_anthropic_route(scope["path"]) else _BODY
         await send(
             {
                 "type": "http.response.start",

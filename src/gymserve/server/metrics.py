@@ -1,5 +1,6 @@
 """Prometheus metrics for ``GET /metrics``: model calls, errors, latency and tokens per route,
-backend and replica, plus queue depth and in-flight requests.
+backend and replica, queue depth and in-flight requests, and each replica's routing state (load,
+health, circuit breaker, sessions, prefix-hit estimate) with the retry budget.
 
 Each app has its own ``CollectorRegistry`` (several servers in one process, as in tests, do not
 clash). The hot path costs a few dictionary look-ups and lock-protected additions per request:
@@ -25,13 +26,20 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 def usage_tokens(result: Any) -> tuple[int, int]:
-    """``(tokens in, tokens out)`` from a chat completion's or a Response's ``usage`` (0 if absent)."""
+    """``(tokens in, tokens out)`` from a chat completion's, a Response's or an Anthropic Message's
+    ``usage`` (0 if absent); a Message's prompt is ``input_tokens`` plus its cache reads and writes
+    (Anthropic: "total input tokens is the sum of input_tokens, cache_creation_input_tokens and
+    cache_read_input_tokens")."""
     usage = result.get("usage") if isinstance(result, dict) else None
     if not isinstance(usage, dict):
         return 0, 0
     tin = usage.get("prompt_tokens", usage.get("input_tokens"))
     tout = usage.get("completion_tokens", usage.get("output_tokens"))
-    return (tin if isinstance(tin, int) else 0), (tout if isinstance(tout, int) else 0)
+    tin = tin if isinstance(tin, int) else 0
+    for cached in ("cache_read_input_tokens", "cache_creation_input_tokens"):
+        if isinstance(usage.get(cached), int):
+            tin += usage[cached]
+    return tin, (tout if isinstance(tout, int) else 0)
 
 
 class _QueueCollector:
@@ -55,6 +63,89 @@ class _QueueCollector:
             running.add_metric([self.backend_name], getattr(limiter, "running", 0))
         yield waiting
         yield running
+
+    def describe(self):
+        return []
+
+
+class _ReplicaCollector:
+    """Reads each replica's routing state from the backend's ``ReplicaPool`` at scrape time: load,
+    health, circuit breaker, sessions, routing counters, the prefix-hit estimate, and the pool's
+    retry budget (``backends.pool``; docs/model-servers/vllm.md lists the series)."""
+
+    GAUGES = (
+        ("in_flight", "gymserve_replica_in_flight", "Calls routed to the replica and not yet answered"),
+        ("sessions", "gymserve_replica_sessions", "Sessions whose turns go to the replica (the affinity table)"),
+        ("active_sessions", "gymserve_replica_active_sessions", "Of those, sessions with a call in the idle timeout"),
+        (
+            "healthy",
+            "gymserve_replica_healthy",
+            "1 when the replica answered its last probe and its breaker is not open",
+        ),
+    )
+    COUNTERS = (
+        ("routed", "gymserve_replica_routed", "Calls routed to the replica"),
+        ("failures", "gymserve_replica_failures", "Calls that failed on the replica (5xx, timeout, unreachable)"),
+        ("session_moves_in", "gymserve_replica_session_moves", "Sessions moved to the replica from another one"),
+        ("later_turns", "gymserve_replica_later_turns", "Answered turns of sessions after their first"),
+        ("affinity_hits", "gymserve_replica_affinity_hits", "Of those, turns answered where the previous turn was"),
+        ("prompt_tokens", "gymserve_replica_prompt_tokens", "Prompt tokens of answered session turns"),
+        (
+            "estimated_cached_tokens",
+            "gymserve_replica_estimated_cached_tokens",
+            "Of those, tokens the replica computed for the previous turn (the prefix-hit estimate)",
+        ),
+        ("breaker_opens", "gymserve_replica_breaker_opens", "Times the replica's circuit breaker opened"),
+    )
+
+    def __init__(self, backend_name: str, pool_of: Callable[[], Any], label_of: Callable[[Any], str]):
+        self.backend_name, self.pool_of, self.label_of = backend_name, pool_of, label_of
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        pool = self.pool_of()
+        labels = ["backend", "replica"]
+        gauges = {k: GaugeMetricFamily(name, doc, labels=labels) for k, name, doc in self.GAUGES}
+        counters = {k: CounterMetricFamily(name, doc, labels=labels) for k, name, doc in self.COUNTERS}
+        breaker = GaugeMetricFamily(
+            "gymserve_replica_breaker_state",
+            "1 for the replica's circuit-breaker state (closed, open, half_open), 0 for the others",
+            labels=[*labels, "state"],
+        )
+        hit = GaugeMetricFamily(
+            "gymserve_replica_prefix_hit_estimate",
+            "estimated_cached_tokens / prompt_tokens of the replica (a router-side estimate; the engine's own "
+            "prefix-cache counters are the measurement)",
+            labels=labels,
+        )
+        budget = GaugeMetricFamily(
+            "gymserve_retry_budget_balance", "Retries the backend's retry budget allows now", labels=["backend"]
+        )
+        retries = CounterMetricFamily("gymserve_retries", "Retries taken from the retry budget", labels=["backend"])
+        denied = CounterMetricFamily(
+            "gymserve_retries_denied", "Retries the retry budget refused (the call failed instead)", labels=["backend"]
+        )
+        if pool is not None:
+            name = self.backend_name
+            for r in pool.replicas:
+                row = pool.replica_row(r)
+                who = [name, self.label_of(r)]
+                for key, _, _ in self.GAUGES:
+                    gauges[key].add_metric(who, float(row[key]))
+                for key, _, _ in self.COUNTERS:
+                    counters[key].add_metric(who, row[key])
+                for state in ("closed", "open", "half_open"):
+                    breaker.add_metric([*who, state], 1.0 if row["breaker"] == state else 0.0)
+                if row["prefix_hit_estimate"] is not None:
+                    hit.add_metric(who, row["prefix_hit_estimate"])
+            b = pool.retry_budget
+            budget.add_metric([name], b.balance)
+            retries.add_metric([name], b.retries)
+            denied.add_metric([name], b.denied)
+        yield from gauges.values()
+        yield from counters.values()
+        yield from (breaker, hit, budget, retries, denied)
 
     def describe(self):
         return []
@@ -100,6 +191,7 @@ class Metrics:
         self._in_flight: dict[str, Any] = {}
         if backend is not None:
             r.register(_QueueCollector(backend.name, lambda: backend.limiter))
+            r.register(_ReplicaCollector(backend.name, lambda: backend.pool, _replica_label))
 
     def _child(self, route: str, backend: str, replica: str, status: int):
         key = (route, backend, replica, status)
@@ -146,3 +238,14 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _replica_label(replica: Any) -> str:
+    """A replica's ``replica`` label: a Ray replica's name, else its base URL without credentials
+    (the label the request series use, ``caller.replica_label``)."""
+    name = getattr(replica, "name", None)
+    if isinstance(name, str):
+        return name
+    from gymserve.backends.caller import replica_label
+
+    return replica_label(replica.base_url)

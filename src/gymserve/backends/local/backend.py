@@ -6,8 +6,10 @@ engine-independent, one role per module: ``request`` (the request as one engine 
 prefix splice via ``gymserve.prompting``, sampling params pinned to the server config, the
 context-window clamp, what is refused), ``output`` (the call's chunks: parsers, trimming the stop
 token with its log-prob, finish reason, log-probs, usage, training fields), ``stream`` (engine
-token deltas → final text → chunks). This module holds the backend itself: the engine, its
-tokenizer, template, parsers and limiter, and the three ways to answer (``answer``, ``chat``,
+token deltas → final text → chunks), ``choices`` (the ``n`` engine calls of one request),
+``completions`` and ``completion_output`` (``/v1/completions``), ``tokens`` (``/tokenize``,
+``/detokenize``). This module holds the backend itself: the engine, its tokenizer, template,
+parsers and limiter, and the three ways to answer a chat request (``answer``, ``chat``,
 ``chat_stream``), which all come from the same chunks.
 """
 
@@ -17,19 +19,24 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
+from gymserve.backends.local.choices import interleave, run_all
+from gymserve.backends.local.completions import LocalCompletions
 from gymserve.backends.local.control import LocalControl
 from gymserve.backends.local.lora import LocalLora
 from gymserve.backends.local.output import CallOutput
 from gymserve.backends.local.request import LocalCall, echo_pinned_sampling, prepare_call
 from gymserve.backends.local.stream import stream_chunks
+from gymserve.backends.local.tokens import LocalTokens
 from gymserve.backends.pool import Limiter
 from gymserve.backends.responses_over_chat import ChatAnswer
+from gymserve.convert import ChunkAccumulator
 from gymserve.engine.base import Engine
-from gymserve.protocol import ChatCompletionDict, ChatRequest
+from gymserve.errors import ContextLengthExceededError, InvalidRequestError
+from gymserve.protocol import ChatCompletionDict, ChatRequest, MessagesRequest
 from gymserve.wire.ids import new_id
 
 
-class LocalBackend(LocalLora, LocalControl, Backend):
+class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backend):
     """Serves one in-process ``Engine``; see the module docstring.
 
     ``config`` is a ``gymserve.config.LocalBackendConfig``; ``engine`` and ``tokenizer`` are loaded
@@ -42,6 +49,7 @@ class LocalBackend(LocalLora, LocalControl, Backend):
     def __init__(self, config, engine: Engine, tokenizer, *, max_queue: int = 1024):
         from gymserve.parsers import get_reasoning_parser, tool_call_parser_for
         from gymserve.prompting import ChatTemplate
+        from gymserve.prompting.harmony_template import BUILTIN_TEMPLATES
 
         # Back-pressure: max_batch_size calls in the engine, max_queue waiting, 429 beyond.
         self.limiter = Limiter(config.max_batch_size, max_queue, name="local backend")
@@ -53,11 +61,10 @@ class LocalBackend(LocalLora, LocalControl, Backend):
         self.tokenizer = tokenizer
         chat_template = None
         if config.chat_template:
-            with open(config.chat_template, encoding="utf-8") as f:
-                chat_template = f.read()
-        self.template = ChatTemplate(
-            tokenizer, chat_template=chat_template, default_kwargs=dict(config.chat_template_kwargs or {})
-        )
+            chat_template = BUILTIN_TEMPLATES.get(config.chat_template)
+            if chat_template is None:
+                with open(config.chat_template, encoding="utf-8") as f:
+                    chat_template = f.read()
         self.tool_parser, self.tool_parser_reason = tool_call_parser_for(
             config.tool_parser or "auto",
             model_type=engine.model_type,
@@ -65,6 +72,14 @@ class LocalBackend(LocalLora, LocalControl, Backend):
             chat_template=chat_template or getattr(tokenizer, "chat_template", None),
         )
         self.reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+        turn_ends = {getattr(p, "history_turn_end", None) for p in (self.tool_parser, self.reasoning_parser)}
+        self.template = ChatTemplate(
+            tokenizer,
+            chat_template=chat_template,
+            default_kwargs=dict(config.chat_template_kwargs or {}),
+            split_special_tokens=getattr(config, "split_special_tokens", True),
+            turn_end_tokens=sorted(t for t in turn_ends if t),
+        )
         self.stop_token_ids = tuple(dict.fromkeys([*engine.eos_token_ids, *(config.sampling.stop_token_ids or [])]))
 
     @classmethod
@@ -106,10 +121,21 @@ class LocalBackend(LocalLora, LocalControl, Backend):
 
     # ---- chat ---------------------------------------------------------------------------------
 
-    def _prepare(self, request: ChatRequest) -> tuple[LocalCall, CallOutput]:
-        """The engine call for ``request`` (``request.prepare_call``: 400s for what is refused) and
-        the object that turns its tokens into chunks."""
+    def _prepare(self, request: ChatRequest) -> tuple[LocalCall, list[CallOutput]]:
+        """The engine call for ``request`` (``request.prepare_call``: 400s for what is refused) and,
+        per choice, the object that turns its tokens into chunks."""
         self.check_model(request.get("model"))
+        if self.tool_parser is not None and isinstance(request.get("messages"), list):
+            # The history's tool-call ids in the form the format's template accepts (Mistral).
+            request = {**request, "messages": self.tool_parser.history(request["messages"])}
+        effort, kwargs = request.get("reasoning_effort"), request.get("chat_template_kwargs")
+        if (
+            isinstance(effort, str)
+            and (kwargs is None or isinstance(kwargs, dict))
+            and "reasoning_effort" not in (kwargs or {})
+        ):
+            # As vllm serve does: templates that take an effort (harmony's "Reasoning: high") read it.
+            request = {**request, "chat_template_kwargs": {**(kwargs or {}), "reasoning_effort": effort}}
         call = prepare_call(
             request,
             template=self.template,
@@ -117,41 +143,110 @@ class LocalBackend(LocalLora, LocalControl, Backend):
             sampling_config=self.config.sampling,
             stop_token_ids=self.stop_token_ids,
         )
-        return call, CallOutput(
-            call,
-            tokenizer=self.tokenizer,
-            model=self.served_model_name(),
-            chunk_id=new_id("chatcmpl"),
-            tool_parser=self.tool_parser,
-            reasoning_parser=self.reasoning_parser,
-            reasoning_field=self.config.reasoning_field,
-            stop_token_ids=self.stop_token_ids,
-            engine=self.engine,
-        )
+        chunk_id = new_id("chatcmpl")
+        return call, [
+            CallOutput(
+                call,
+                tokenizer=self.tokenizer,
+                model=self.served_model_name(),
+                chunk_id=chunk_id,
+                tool_parser=self.tool_parser,
+                reasoning_parser=self.reasoning_parser,
+                reasoning_field=self.config.reasoning_field,
+                stop_token_ids=self.stop_token_ids,
+                engine=self.engine,
+                index=i,
+            )
+            for i in range(call.n)
+        ]
+
+    async def _whole(self, call: LocalCall, output: CallOutput) -> list[dict[str, Any]]:
+        """One choice generated to the end (an engine slot while it runs), as its chunks."""
+        async with self.limiter.slot():
+            gen = await self.engine.generate(call.prompt.token_ids, call.sampling_for(output.index))
+        return output.whole(gen)
 
     async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
         """The chunks of one finished generation, as ``chat_stream`` would have sent them (usage
-        included): what the non-streamed chat answer is folded from and the Response is built from,
-        so both equal the streamed ones for the same tokens. Raises ``InvalidRequestError`` (400)
-        for what ``prepare_call`` refuses, ``ContextLengthExceededError`` when the prompt fills the
-        window."""
-        call, output = self._prepare(request)
-        async with self.limiter.slot():
-            gen = await self.engine.generate(call.prompt.token_ids, call.sampling)
-        return ChatAnswer.of_chunks(output.whole(gen), reasoning_field=self.config.reasoning_field)
+        included): what the Response is built from, so it equals the streamed one for the same
+        tokens. Raises ``InvalidRequestError`` (400) for what ``prepare_call`` refuses (and for
+        ``n > 1``: the Responses API has one output per response), ``ContextLengthExceededError``
+        when the prompt fills the window."""
+        call, outputs = self._prepare(request)
+        if call.n != 1:
+            raise InvalidRequestError("n > 1 asks for several answers; this path makes one", param="n")
+        return ChatAnswer.of_chunks(await self._whole(call, outputs[0]), reasoning_field=self.config.reasoning_field)
 
     async def chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
-        """Answer one Chat Completions request: ``answer``'s chunks folded into one completion."""
-        return (await self.answer(request, ctx)).as_completion()
+        """Answer one Chat Completions request: each choice's chunks folded into its message (the
+        same chunks ``chat_stream`` sends), the training fields on each choice's message, usage
+        counting the prompt once and every sampled token of every choice."""
+        call, outputs = self._prepare(request)
+        answers = await run_all([self._whole(call, output) for output in outputs])
+        completions = []
+        for output, chunks in zip(outputs, answers):
+            accumulator = ChunkAccumulator(output.index)
+            for chunk in chunks:
+                accumulator.add(chunk)
+            completions.append(accumulator.completion(reasoning_field=self.config.reasoning_field))
+        completion = completions[0]
+        completion["choices"] = [c["choices"][0] for c in completions]
+        completion["usage"] = _usage(call, outputs)
+        return completion
+
+    async def count_tokens(self, request: MessagesRequest, ctx: RequestContext) -> int:
+        """The prompt length of a Messages request as the engine would see it (chat template, tools,
+        the prefix splice), even when it fills the context window; no engine slot is taken."""
+        from gymserve.convert.messages_to_chat import messages_to_chat
+
+        chat = messages_to_chat(request, self.convert_options(), count_only=True)
+        try:
+            call, _ = self._prepare({**chat, "max_tokens": 1})
+        except ContextLengthExceededError as exc:
+            if exc.prompt_tokens is None:
+                raise
+            return exc.prompt_tokens
+        return len(call.prompt.token_ids)
 
     async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
-        """Chunks of one streamed call (``stream.stream_chunks``); the call holds an engine slot
-        until the stream ends."""
-        _, output = self._prepare(request)
+        """Chunks of one streamed call (``stream.stream_chunks``); each choice holds an engine slot
+        until its stream ends. ``n > 1``: the choices' chunks interleaved as they are sampled, each
+        with its ``index``, and one usage chunk at the end (``stream_options.include_usage``)."""
+        call, outputs = self._prepare(request)
+        streams = [
+            self._stream_choice(call, output, include_usage=call.include_usage and call.n == 1) for output in outputs
+        ]
+        merged = interleave(streams)
+        try:
+            async for chunk in merged:
+                yield chunk
+        finally:
+            await merged.aclose()
+        if call.include_usage and call.n > 1:
+            head = outputs[0].role()
+            yield {
+                **{k: head[k] for k in ("id", "object", "created", "model")},
+                "choices": [],
+                "usage": _usage(call, outputs),
+            }
+
+    async def _stream_choice(self, call: LocalCall, output: CallOutput, *, include_usage: bool):
         async with self.limiter.slot():
-            stream = stream_chunks(self.engine, output)
+            stream = stream_chunks(
+                self.engine,
+                output,
+                call.prompt.token_ids,
+                call.sampling_for(output.index),
+                include_usage=include_usage,
+            )
             try:
                 async for chunk in stream:
                     yield chunk
             finally:
                 await stream.aclose()
+
+
+def _usage(call: LocalCall, outputs: list[CallOutput]) -> dict[str, int]:
+    """Usage of a call: the prompt once, every token sampled for every choice (trimmed EOS included)."""
+    prompt, completion = len(call.prompt.token_ids), sum(o.sampled for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

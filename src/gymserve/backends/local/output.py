@@ -37,7 +37,8 @@ class CallOutput:
     :meth:`end` with the finished ``engine.base.Generation``; or :meth:`whole` for all at once.
     ``chunk_id`` names every chunk (``chatcmpl-…``); ``reasoning_field`` is the delta field that
     carries reasoning (``reasoning_content`` or ``reasoning``); ``engine`` is asked for its weight
-    version when a generation reports none per token.
+    version when a generation reports none per token. ``index``: the choice these chunks belong to
+    (``n > 1``: one ``CallOutput`` per choice).
     """
 
     def __init__(
@@ -52,15 +53,20 @@ class CallOutput:
         reasoning_field: str,
         stop_token_ids: tuple[int, ...],
         engine: Any = None,
+        index: int = 0,
     ):
         self.call = call
         self.tokenizer = tokenizer
         self.engine = engine
         self.stop_token_ids = stop_token_ids
+        self.index = index
+        self.sampled = 0  # tokens the engine sampled for this choice (usage), known at end()
         self._head = {"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
         self._parser = ChatDeltas(
+            # No tools to parse calls for (tool_choice "none"): the parser still reads a channel
+            # format's framing (harmony), it just finds no calls.
             StreamingParser(
-                tool_parser if call.parse_tools else None, reasoning_parser, call.prompt.text_tail, call.tools
+                tool_parser, reasoning_parser, call.prompt.text_tail, call.tools if call.parse_tools else None
             ),
             (reasoning_field,),
         )
@@ -68,7 +74,10 @@ class CallOutput:
     # ---- chunks ----------------------------------------------------------------------------
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {**self._head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        return {
+            **self._head,
+            "choices": [{"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
 
     def role(self) -> dict[str, Any]:
         """The first chunk: ``{"role": "assistant", "content": ""}``."""
@@ -80,21 +89,14 @@ class CallOutput:
 
     def kept(self, gen: Generation) -> Generation:
         """``gen`` without its final stop/EOS token and that token's log-prob (see module docstring)."""
-        if gen.finish_reason == "stop" and gen.token_ids and gen.token_ids[-1] in self.stop_token_ids:
-            return Generation(
-                gen.token_ids[:-1],
-                gen.log_probs[:-1],
-                gen.finish_reason,
-                gen.top_logprobs[:-1],
-                gen.weight_version_spans,
-            )
-        return gen
+        return kept(gen, self.stop_token_ids)
 
     def end(self, gen: Generation, tail_text: str, *, include_usage: bool) -> list[dict[str, Any]]:
         """The last chunks: ``tail_text`` (the kept text not yet passed to :meth:`text`) parsed, the
         parsers' last deltas, the finish chunk (training fields on its delta, log-probs when asked)
         and, with ``include_usage``, the usage chunk (``choices: []``)."""
         kept = self.kept(gen)
+        self.sampled = len(gen.token_ids)
         out = self.text(tail_text) + [self._chunk(d) for d in self._parser.finish(gen.finish_reason)]
         final = self._chunk(
             {
@@ -154,3 +156,18 @@ class CallOutput:
             ]
             content.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": top})
         return {"content": content, "refusal": None}
+
+
+def kept(gen: Generation, stop_token_ids: tuple[int, ...]) -> Generation:
+    """``gen`` without its final stop/EOS token and that token's log-prob: the generation the
+    training fields report, on every route (the chat template closes the turn itself, and the
+    prefix splice re-adds it; ``prompting.splice``)."""
+    if gen.finish_reason == "stop" and gen.token_ids and gen.token_ids[-1] in stop_token_ids:
+        return Generation(
+            gen.token_ids[:-1],
+            gen.log_probs[:-1],
+            gen.finish_reason,
+            gen.top_logprobs[:-1],
+            gen.weight_version_spans,
+        )
+    return gen

@@ -7,20 +7,31 @@ The rules, and why:
   naming the field, unless the config says ``on_mismatch: override`` (the config value silently wins).
 - ``max_tokens``/``max_completion_tokens`` are clamped to what is left of the context window; a prompt
   that already fills it is a ``ContextLengthExceededError`` (400, "context length", both numbers).
-- What the engine cannot honour is refused explicitly rather than silently weakened: ``n > 1``,
-  stop strings, penalties and ``logit_bias``, structured output (``response_format``
-  json_schema/json_object), ``tool_choice`` ``required`` or a named function (no guided decoding).
+- What the engine cannot honour is refused explicitly rather than silently weakened: stop strings,
+  penalties and ``logit_bias``, structured output (``response_format`` json_schema/json_object),
+  ``tool_choice`` ``required`` or a named function (no guided decoding).
+- ``n`` choices (up to ``MAX_N``, OpenAI's limit) are ``n`` engine calls on the same prompt; with a
+  seed, choice ``i`` samples with ``seed + i`` (vLLM's rule for parallel sampling), so every choice
+  is reproducible on its own and no two choices repeat each other.
+- vLLM's chat extras that shape the prompt are honoured: ``required_prefix_token_ids`` (NeMo RL's;
+  ``prompting.prefix``), ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``
+  (``prompting.RenderOptions``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from gymserve.convert.request_checks import chat_tools
 from gymserve.engine.base import Engine, SamplingParams
 from gymserve.errors import ContextLengthExceededError, InvalidRequestError
+from gymserve.prompting import RenderOptions
 from gymserve.protocol import ChatRequest
+
+MAX_N = 128
+"""The most choices one request may ask for (the OpenAI API's limit for ``n``)."""
 
 _PINNED = ("temperature", "top_p", "top_k", "seed")
 _NEUTRAL = {"temperature": None, "top_p": 1.0, "top_k": None, "seed": None}
@@ -37,6 +48,13 @@ class LocalCall:
     logprobs: bool
     tokens_as_ids: bool
     include_usage: bool = False
+    n: int = 1
+
+    def sampling_for(self, choice: int) -> SamplingParams:
+        """The sampling of choice ``choice`` (0-based): ``seed + choice`` when seeded (vLLM's rule)."""
+        if choice == 0 or self.sampling.seed is None:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=self.sampling.seed + choice)
 
 
 def _number(request: ChatRequest, key: str) -> float | int | None:
@@ -89,9 +107,34 @@ def echo_pinned_sampling(request: dict[str, Any], cfg) -> dict[str, Any]:
     return {**request, **fill} if fill else request
 
 
-def _check_supported(request: ChatRequest) -> None:
-    if request.get("n") not in (None, 1):
-        raise InvalidRequestError("n > 1 is not supported by the local backend; send several requests", param="n")
+def choice_count(request: dict[str, Any]) -> int:
+    """``n``: how many choices to sample (1 when absent); an integer from 1 to ``MAX_N``, else a 400."""
+    n = request.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise InvalidRequestError(
+            f"n={n!r} is out of range: it must be an integer from 1 to {MAX_N} (the choices to sample)", param="n"
+        )
+    return n
+
+
+def render_options(request: dict[str, Any]) -> RenderOptions:
+    """vLLM's prompt-shaping extras of a chat or ``/tokenize`` request as ``RenderOptions``; each a
+    boolean (400 naming it otherwise)."""
+    flags = {}
+    for key in ("add_generation_prompt", "continue_final_message", "add_special_tokens"):
+        value = request.get(key)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{key} must be true or false, got {type(value).__name__}", param=key)
+            flags[key] = value
+    if flags.get("continue_final_message") and "add_generation_prompt" not in flags:
+        flags["add_generation_prompt"] = False  # continuing the last message implies no new turn
+    return RenderOptions(**flags)
+
+
+def check_supported(request: ChatRequest) -> None:
     stop = request.get("stop")
     if stop:
         raise InvalidRequestError(
@@ -148,23 +191,12 @@ def prepare_call(
     request: ChatRequest, *, template, engine: Engine, sampling_config, stop_token_ids: tuple[int, ...]
 ) -> LocalCall:
     """Validate ``request`` and build the engine call; raises ``InvalidRequestError`` (400) on bad input."""
-    from gymserve.prompting import build_prompt
-
     if not isinstance(request.get("messages"), list) or not request["messages"]:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
-    _check_supported(request)
+    check_supported(request)
+    n = choice_count(request)
     tools = chat_tools(request.get("tools"), functions_only=True)  # the one checker of both routes
-    kwargs = request.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
-    prompt = build_prompt(
-        template,
-        request["messages"],
-        tools=tools,
-        chat_template_kwargs=kwargs,
-        eos_token_ids=engine.eos_token_ids,
-        vocab_size=engine.vocab_size,
-    )
+    prompt = chat_prompt(request, template=template, engine=engine)
     eff = pinned_sampling(request, sampling_config)
     top_n = request.get("top_logprobs") or 0
     if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= 20:
@@ -192,4 +224,34 @@ def prepare_call(
         logprobs=logprobs,
         tokens_as_ids=bool(request.get("return_tokens_as_token_ids")),
         include_usage=bool((stream_options or {}).get("include_usage")),
+        n=n,
+    )
+
+
+def chat_prompt(request: dict[str, Any], *, template, engine: Engine):
+    """The ``prompting.PromptResult`` of a chat (or chat-form ``/tokenize``) request: its messages,
+    tools, ``chat_template_kwargs``, ``required_prefix_token_ids`` and render options through
+    ``build_prompt``, splice included. Raises ``InvalidRequestError`` (400) naming the field."""
+    from gymserve.prompting import build_prompt
+
+    tools = chat_tools(request.get("tools"), functions_only=True)  # the one checker of both routes
+    kwargs = request.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    if request.get("chat_template") is not None:
+        raise InvalidRequestError(
+            "chat_template in a request is not accepted (vLLM also refuses it unless "
+            "--trust-request-chat-template): the template decides the token IDs the policy is trained "
+            "on, so it is the server's; set backend.chat_template in the server config",
+            param="chat_template",
+        )
+    return build_prompt(
+        template,
+        request["messages"],
+        tools=tools,
+        chat_template_kwargs=kwargs,
+        eos_token_ids=engine.eos_token_ids,
+        vocab_size=engine.vocab_size,
+        required_prefix=request.get("required_prefix_token_ids"),
+        options=render_options(request),
     )

@@ -9,11 +9,11 @@ closes the engine stream, which cancels generation.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from gymserve.backends.local.output import CallOutput
-from gymserve.engine.base import Engine, FinishReason, Generation, extend_spans
+from gymserve.engine.base import Engine, FinishReason, Generation, SamplingParams, extend_spans
 
 
 class IncrementalDetokenizer:
@@ -47,11 +47,21 @@ class IncrementalDetokenizer:
         return after[len(before) :]
 
 
-async def stream_chunks(engine: Engine, output: CallOutput) -> AsyncGenerator[dict[str, Any], None]:
-    """Generate ``output.call`` on ``engine`` and yield its chunks as the tokens arrive.
+async def stream_chunks(
+    engine: Engine,
+    output: CallOutput | Any,
+    prompt_ids: Sequence[int],
+    sampling: SamplingParams,
+    *,
+    include_usage: bool,
+) -> AsyncGenerator[dict[str, Any], None]:
+    """Generate one choice (``prompt_ids`` under ``sampling``) on ``engine`` and yield its chunks as
+    the tokens arrive.
 
-    A stream that ends without a finish reason counts as ``length``."""
-    call = output.call
+    ``output`` shapes the chunks: a chat ``CallOutput``, or anything with its methods (``role()``,
+    ``text(str)``, ``kept(gen)``, ``end(gen, tail, include_usage=)``) and a ``tokenizer`` — the
+    completions route's ``CompletionOutput``. A stream that ends without a finish reason counts as
+    ``length``."""
     detok = IncrementalDetokenizer(output.tokenizer)
     ids: list[int] = []
     lps: list[float] = []
@@ -59,7 +69,7 @@ async def stream_chunks(engine: Engine, output: CallOutput) -> AsyncGenerator[di
     spans: list = []  # weight versions over the tokens (engine.base.extend_spans)
     yield output.role()
     finish: FinishReason = "length"
-    stream = engine.stream(call.prompt.token_ids, call.sampling)
+    stream = engine.stream(prompt_ids, sampling)
     try:
         async for step in stream:
             extend_spans(spans, step.weight_version, len(ids), len(step.token_ids))
@@ -75,5 +85,5 @@ async def stream_chunks(engine: Engine, output: CallOutput) -> AsyncGenerator[di
         await stream.aclose()
     gen = Generation(ids, lps, finish, tops, spans)
     tail = detok.push(output.kept(gen).token_ids[len(detok.ids) :], final=True)
-    for chunk in output.end(gen, tail, include_usage=call.include_usage):
+    for chunk in output.end(gen, tail, include_usage=include_usage):
         yield chunk

@@ -1,0 +1,137 @@
+"""What one choice of a ``/v1/completions`` call sends back: ``Completion`` chunks and choices.
+
+The legacy Completions API's shapes (OpenAI's ``Completion`` / ``CompletionChoice``, as vLLM serves
+them), with gymserve's training fields on each choice:
+
+- ``text``: the generated text (after the prompt's text with ``echo``); the final stop/EOS token is
+  trimmed with its log-prob, as on the chat routes (``output.kept``);
+- ``finish_reason``: ``stop``, ``length``, or ``abort`` (a call ended by ``POST /pause?mode=abort``,
+  vLLM's value);
+- ``logprobs`` (when the request sends ``logprobs: k``): ``{"tokens", "token_logprobs",
+  "top_logprobs", "text_offset"}``, one entry per generated token; ``top_logprobs[i]`` maps the
+  ``k`` most likely tokens *and the sampled one* to their log-probs, so it has up to ``k + 1``
+  entries (the OpenAI API reference says so of its own answers; vLLM does the same). Tokens are
+  their text, or ``token_id:N`` with vLLM's ``return_tokens_as_token_ids``. ``text_offset[i]`` is
+  where token i's text starts in ``text``;
+- ``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` and the weight version
+  (``control.version_fields``) on the choice itself (a completion choice has no message).
+
+Streamed, the chunks carry text as it becomes final (``stream.IncrementalDetokenizer``); the finish
+chunk of each choice carries its finish reason, training fields and log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gymserve.backends.local.control import version_fields
+from gymserve.backends.local.output import kept
+from gymserve.engine.base import Generation
+
+
+class CompletionOutput:
+    """The chunks of one completion choice: generation of ``prompt_ids`` (text ``prompt_text``).
+
+    ``head``: the fields every chunk shares (``id``, ``object``, ``created``, ``model``). ``index``:
+    the choice's index in the answer. ``logprobs``: the request's ``logprobs`` (None: no log-probs
+    object). ``echo``: the prompt's text comes first. ``tokens_as_ids``: tokens as ``token_id:N``.
+    Use as ``stream.stream_chunks`` uses a chat ``CallOutput`` (:meth:`role`, :meth:`text`,
+    :meth:`kept`, :meth:`end`), or :meth:`choice` for the whole choice at once.
+    """
+
+    def __init__(
+        self,
+        *,
+        prompt_ids: list[int],
+        prompt_text: str,
+        index: int,
+        head: dict[str, Any],
+        tokenizer: Any,
+        stop_token_ids: tuple[int, ...],
+        logprobs: int | None,
+        echo: bool,
+        tokens_as_ids: bool,
+        engine: Any = None,
+    ):
+        self.prompt_ids = prompt_ids
+        self.prompt_text = prompt_text
+        self.index = index
+        self.head = head
+        self.tokenizer = tokenizer
+        self.stop_token_ids = stop_token_ids
+        self.logprobs = logprobs
+        self.echo = echo
+        self.tokens_as_ids = tokens_as_ids
+        self.engine = engine
+        self.sampled = 0  # tokens the engine sampled (usage), known at end()
+
+    # ---- chunks (streaming) ---------------------------------------------------------------------
+
+    def _chunk(self, text: str, **choice: Any) -> dict[str, Any]:
+        body = {"index": self.index, "text": text, "logprobs": None, "finish_reason": None, **choice}
+        return {**self.head, "choices": [body]}
+
+    def role(self) -> dict[str, Any]:
+        """The first chunk: the prompt's text with ``echo``, else empty text."""
+        return self._chunk(self.prompt_text if self.echo else "")
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        """The chunk for the next piece of final generated text (none for empty text)."""
+        return [self._chunk(text)] if text else []
+
+    def kept(self, gen: Generation) -> Generation:
+        """``gen`` without its final stop/EOS token and its log-prob (``output.kept``)."""
+        return kept(gen, self.stop_token_ids)
+
+    def end(self, gen: Generation, tail_text: str, *, include_usage: bool) -> list[dict[str, Any]]:
+        """The last chunks of the choice: ``tail_text`` (final text not yet sent), then the finish
+        chunk with the training fields and log-probs, then (``include_usage``) this choice's usage."""
+        self.sampled = len(gen.token_ids)
+        out = self.text(tail_text)
+        out.append(self._chunk("", **self._final(gen)))
+        if include_usage:
+            prompt, completion = len(self.prompt_ids), len(gen.token_ids)
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            out.append({**self.head, "choices": [], "usage": usage})
+        return out
+
+    # ---- the whole choice ------------------------------------------------------------------------
+
+    def choice(self, gen: Generation) -> dict[str, Any]:
+        """The ``CompletionChoice`` dict of a finished generation (what the stream's chunks add up to)."""
+        self.sampled = len(gen.token_ids)
+        text = self.tokenizer.decode(self.kept(gen).token_ids, skip_special_tokens=False)
+        return {"index": self.index, "text": (self.prompt_text if self.echo else "") + text, **self._final(gen)}
+
+    # ---- rules -----------------------------------------------------------------------------------
+
+    def _final(self, gen: Generation) -> dict[str, Any]:
+        k = self.kept(gen)
+        finish = "abort" if gen.finish_reason == "abort" else "length" if gen.finish_reason == "length" else "stop"
+        return {
+            "finish_reason": finish,
+            "logprobs": self._logprobs(k) if self.logprobs is not None else None,
+            "prompt_token_ids": self.prompt_ids,
+            "generation_token_ids": k.token_ids,
+            "generation_log_probs": k.log_probs,
+            **version_fields(gen, len(k.token_ids), self.engine),
+        }
+
+    def _token(self, tid: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{tid}"
+        return self.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def _logprobs(self, gen: Generation) -> dict[str, Any]:
+        tokens, offsets, tops = [], [], []
+        offset = len(self.prompt_text) if self.echo else 0
+        for i, (tid, lp) in enumerate(zip(gen.token_ids, gen.log_probs)):
+            token = self._token(tid)
+            alternatives = gen.top_logprobs[i] if i < len(gen.top_logprobs) else []
+            top = {self._token(a): alp for a, alp in alternatives[: self.logprobs]}
+            top.setdefault(token, lp)  # the sampled token is always listed (up to k + 1 entries)
+            tokens.append(token)
+            offsets.append(offset)
+            tops.append(top)
+            offset += len(token) if not self.tokens_as_ids else len(self.tokenizer.decode([tid]))
+        return {"tokens": tokens, "token_logprobs": list(gen.log_probs), "top_logprobs": tops, "text_offset": offsets}

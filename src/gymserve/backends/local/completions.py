@@ -1,0 +1,209 @@
+"""``POST /v1/completions`` on the local engine: prompts (text or token IDs) in, ``n`` choices each.
+
+A base model's prompt is given as it is: text is tokenized with the tokenizer's own special tokens
+(``add_special_tokens``, default true, as vLLM does for completions; special tokens written in the
+text are recognised, as there), token IDs go to the engine unchanged, so a rollout that builds its
+own prompts from earlier prompt + generation IDs stays token-contiguous by construction. The rules
+of the chat route hold here too (``request``): sampling pinned to the server config, ``max_tokens``
+clamped to the context window (default 16, the API's), stop strings, penalties and ``logit_bias``
+refused, choice ``j`` of a prompt sampled with ``seed + j``.
+
+``echo`` with ``logprobs`` is refused: it asks for the prompt tokens' log-probs, which the engine
+interface does not compute; ``echo`` alone returns the prompt's text before the generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gymserve.backends.context import RequestContext
+from gymserve.backends.local.choices import interleave, run_all
+from gymserve.backends.local.completion_output import CompletionOutput
+from gymserve.backends.local.request import check_supported, choice_count, pinned_sampling
+from gymserve.backends.local.stream import stream_chunks
+from gymserve.convert.completions_request import DEFAULT_MAX_TOKENS, prompts
+from gymserve.engine.base import SamplingParams
+from gymserve.errors import ContextLengthExceededError, InvalidRequestError
+from gymserve.protocol import check_token_ids
+from gymserve.wire.ids import new_id
+
+
+@dataclass
+class CompletionCall:
+    """One ``/v1/completions`` request as engine calls: per prompt its IDs, text and ``max_tokens``
+    (clamped to what its length leaves of the context window); ``n`` choices of each."""
+
+    prompt_ids: list[list[int]]
+    prompt_texts: list[str]
+    max_tokens: list[int]
+    sampling: SamplingParams
+    n: int
+    logprobs: int | None
+    echo: bool
+    tokens_as_ids: bool
+    include_usage: bool
+
+    def sampling_for(self, prompt: int, choice: int) -> SamplingParams:
+        """Sampling of choice ``choice`` of prompt ``prompt``: its ``max_tokens``, ``seed + choice``."""
+        seed = self.sampling.seed
+        return dataclasses.replace(
+            self.sampling,
+            max_tokens=self.max_tokens[prompt],
+            seed=seed + choice if seed is not None else None,
+        )
+
+
+def prepare_completion(
+    request: dict[str, Any], *, tokenizer: Any, engine: Any, sampling_config: Any, stop_token_ids: tuple[int, ...]
+) -> CompletionCall:
+    """Validate a checked ``/v1/completions`` request against this engine and build its calls.
+
+    Raises ``InvalidRequestError`` (400, naming the field: ``prompt[1][3]`` for an ID outside the
+    vocabulary, ``logprobs`` with ``echo``, pinned sampling params, stop strings...) and
+    ``ContextLengthExceededError`` when a prompt fills the context window."""
+    check_supported(request)
+    if request.get("echo") and request.get("logprobs") is not None:
+        raise InvalidRequestError(
+            "echo with logprobs asks for the log-probs of the prompt's tokens, which the local engine does "
+            "not compute; leave echo out (the generated tokens' log-probs come with logprobs, and as "
+            "generation_log_probs on every choice)",
+            param="echo",
+        )
+    listed = prompts(request)
+    single = not isinstance(request["prompt"], list) or all(type(t) is int for t in request["prompt"])
+    add_special = request.get("add_special_tokens", True)
+    ids_list, texts, limits = [], [], []
+    for i, prompt in enumerate(listed):
+        param = "prompt" if single else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            ids = list(tokenizer(prompt, add_special_tokens=add_special)["input_ids"])
+            text = prompt
+            if not ids:
+                raise InvalidRequestError(f"{param} is empty; give some text or token IDs", param=param)
+        else:
+            ids = check_token_ids(prompt, param=param, vocab_size=engine.vocab_size)
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+        room = engine.context_window - len(ids)
+        if room <= 0:
+            raise ContextLengthExceededError(len(ids), engine.context_window)
+        ids_list.append(ids)
+        texts.append(text)
+        limits.append(min(request.get("max_tokens", DEFAULT_MAX_TOKENS), room))
+    eff = pinned_sampling(request, sampling_config)
+    logprobs = request.get("logprobs")
+    options = request.get("stream_options") or {}
+    sampling = SamplingParams(
+        max_tokens=limits[0],
+        temperature=float(eff["temperature"]) if eff["temperature"] is not None else 1.0,
+        top_p=float(eff["top_p"]) if eff["top_p"] is not None else 1.0,
+        top_k=eff["top_k"],
+        seed=eff["seed"],
+        stop_token_ids=stop_token_ids,
+        top_logprobs=logprobs or 0,
+    )
+    return CompletionCall(
+        prompt_ids=ids_list,
+        prompt_texts=texts,
+        max_tokens=limits,
+        sampling=sampling,
+        n=choice_count(request),
+        logprobs=logprobs,
+        echo=bool(request.get("echo")),
+        tokens_as_ids=bool(request.get("return_tokens_as_token_ids")),
+        include_usage=bool(options.get("include_usage")),
+    )
+
+
+class LocalCompletions:
+    """``/v1/completions`` for ``LocalBackend`` (a mixin: it uses the backend's engine, tokenizer,
+    limiter, config and stop IDs). Every choice is one engine call holding one engine slot."""
+
+    engine: Any
+    tokenizer: Any
+    limiter: Any
+    config: Any
+    stop_token_ids: tuple[int, ...]
+
+    if TYPE_CHECKING:  # LocalLora's, in LocalBackend
+
+        def check_model(self, requested: Any) -> None: ...
+        def served_model_name(self) -> str: ...
+
+    def _completion_outputs(self, request: dict[str, Any]) -> tuple[CompletionCall, list[CompletionOutput]]:
+        self.check_model(request.get("model"))
+        call = prepare_completion(
+            request,
+            tokenizer=self.tokenizer,
+            engine=self.engine,
+            sampling_config=self.config.sampling,
+            stop_token_ids=self.stop_token_ids,
+        )
+        head = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time())}
+        head["model"] = self.served_model_name()
+        outputs = [
+            CompletionOutput(
+                prompt_ids=ids,
+                prompt_text=text,
+                index=i * call.n + j,
+                head=head,
+                tokenizer=self.tokenizer,
+                stop_token_ids=self.stop_token_ids,
+                logprobs=call.logprobs,
+                echo=call.echo,
+                tokens_as_ids=call.tokens_as_ids,
+                engine=self.engine,
+            )
+            for i, (ids, text) in enumerate(zip(call.prompt_ids, call.prompt_texts))
+            for j in range(call.n)
+        ]
+        return call, outputs
+
+    async def completions(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        """The ``Completion`` dict: choices in vLLM's order (prompt ``i``, choice ``j`` at ``i * n + j``),
+        usage counting each prompt once and every sampled token. Errors: see ``prepare_completion``."""
+        call, outputs = self._completion_outputs(request)
+
+        async def one(output: CompletionOutput) -> dict[str, Any]:
+            prompt, choice = divmod(output.index, call.n)
+            async with self.limiter.slot():
+                gen = await self.engine.generate(output.prompt_ids, call.sampling_for(prompt, choice))
+            return output.choice(gen)
+
+        choices = await run_all([one(o) for o in outputs])
+        return {**outputs[0].head, "choices": choices, "usage": _usage(call, outputs)}
+
+    async def completions_stream(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """Chunks of every choice as they are sampled (interleaved, each with its ``index``), then
+        one usage chunk with ``stream_options.include_usage``."""
+        call, outputs = self._completion_outputs(request)
+
+        async def one(output: CompletionOutput):
+            prompt, choice = divmod(output.index, call.n)
+            async with self.limiter.slot():
+                stream = stream_chunks(
+                    self.engine, output, output.prompt_ids, call.sampling_for(prompt, choice), include_usage=False
+                )
+                try:
+                    async for chunk in stream:
+                        yield chunk
+                finally:
+                    await stream.aclose()
+
+        merged = interleave([one(o) for o in outputs])
+        try:
+            async for chunk in merged:
+                yield chunk
+        finally:
+            await merged.aclose()
+        if call.include_usage:
+            yield {**outputs[0].head, "choices": [], "usage": _usage(call, outputs)}
+
+
+def _usage(call: CompletionCall, outputs: list[CompletionOutput]) -> dict[str, int]:
+    prompt = sum(len(ids) for ids in call.prompt_ids)
+    completion = sum(o.sampled for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
