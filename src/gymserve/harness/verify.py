@@ -79,13 +79,11 @@ def check_contiguity(turns: Sequence[TokenInfo | None]) -> Contiguity:
 def load_model(spec: str | os.PathLike | None):
     """A float32 causal LM in eval mode from ``spec`` (``None``/"embedded", a directory or a .gguf),
     resolved by ``gymserve.engine.model_store.resolve_model``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    from gymserve.engine.hf_models import load_causal_lm
     from gymserve.engine.model_store import resolve_model
 
     resolved = resolve_model(None if spec is None else str(spec))
-    model = AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=torch.float32)
+    model = load_causal_lm(resolved.path)
     model.eval()
     return model
 
