@@ -25,9 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from gymserve.harness.verify import load_model
-from gymserve.server.embed import serve_policy
 from helpers.fake_control import FakeSGLang, FakeVLLM
-from helpers.policy_weights import check_teacher_forced, noisy
+from helpers.policy_weights import check_teacher_forced, noisy, serve_tiny, weights_of
 
 MSG = [{"role": "user", "content": "Hi"}]
 WAIT = 120
@@ -225,23 +224,14 @@ def test_sglang_whole_answers_name_their_version_and_its_streams_get_the_gateway
 # ------------------------------------------------------------------------------ a gymserve behind it
 @pytest.fixture(scope="module")
 def upstream(tiny_model_dir, tokenizer):
-    srv = serve_policy(
-        load_model(tiny_model_dir),
-        tokenizer,
-        backend_config={
-            "sampling": {"temperature": 1.0, "seed": 99},
-            "num_threads": 1,
-            "tool_parser": "none",
-            "pause_timeout": 120,
-        },
-    )
+    srv = serve_tiny(tiny_model_dir, tokenizer, seed=99)
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def original(tiny_model_dir):
-    return {k: v.clone() for k, v in load_model(tiny_model_dir).state_dict().items()}
+    return weights_of(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

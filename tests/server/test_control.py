@@ -18,30 +18,20 @@ from safetensors.torch import save_file
 from gymserve.errors import WeightUpdateError
 from gymserve.harness.verify import load_model
 from gymserve.server.embed import serve_policy
-from helpers.policy_weights import DOWN, check_teacher_forced, noisy
+from helpers.policy_weights import DOWN, check_teacher_forced, noisy, serve_tiny, weights_of
 
 
 # ------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir, tokenizer):
-    srv = serve_policy(
-        load_model(tiny_model_dir),
-        tokenizer,
-        backend_config={
-            # Seeded sampling: the same answer for the same weights, random text (a text delta per token) for streams.
-            "sampling": {"temperature": 1.0, "seed": 1234},
-            "num_threads": 1,
-            "tool_parser": "none",
-            "pause_timeout": 120,
-        },
-    )
+    srv = serve_tiny(tiny_model_dir, tokenizer, seed=1234)
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def original(tiny_model_dir):
-    return {k: v.clone() for k, v in load_model(tiny_model_dir).state_dict().items()}
+    return weights_of(tiny_model_dir)
 
 
 @pytest.fixture(autouse=True)

@@ -210,13 +210,28 @@ def stamp_choices(watch: VersionWatch | None, answer: dict[str, Any], root: str 
             watch.stamp(target, root, choice, answer)
 
 
-def stamp_finishing(watch: VersionWatch | None, chunk: dict[str, Any], root: str | None, *, on: str | None) -> None:
-    """Stamp each choice a streamed ``chunk`` finishes (those with a ``finish_reason``): on its
-    ``delta`` (``on="delta"``, chat) or on the choice itself (completions)."""
-    if watch is None:
-        return
-    for choice in chunk.get("choices") or ():
-        if isinstance(choice, dict) and choice.get("finish_reason"):
-            target = choice.setdefault(on, {}) if on is not None else choice
-            if isinstance(target, dict):
-                watch.stamp(target, root, choice, chunk)
+class StreamStamp:
+    """Stamps a stream's choices: ``StreamStamp(watch, root, on=...)``, then :meth:`see` on every
+    chunk in order. A choice is stamped on the chunk that finishes it (the one with its
+    ``finish_reason``) — on its ``delta`` (``on="delta"``, chat) or on the choice itself (``on=None``,
+    completions) — unless an earlier chunk of that choice already named its version (the server's
+    own). Nothing without a ``watch``."""
+
+    def __init__(self, watch: VersionWatch | None, root: str | None, *, on: str | None):
+        self.watch, self.root, self.on = watch, root, on
+        self._named: set[Any] = set()
+
+    def see(self, chunk: dict[str, Any]) -> None:
+        if self.watch is None:
+            return
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            target = choice.get(self.on) if self.on is not None else choice
+            if isinstance(target, dict) and VERSION in target:
+                self._named.add(index)
+            if choice.get("finish_reason") and index not in self._named:
+                target = choice.setdefault(self.on, {}) if self.on is not None else choice
+                if isinstance(target, dict):
+                    self.watch.stamp(target, self.root, choice, chunk)

@@ -39,7 +39,7 @@ from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.caller import UpstreamCaller, replica_label
-from gymserve.backends.chat_versions import ReplicaVersions, VersionWatch, root_of, stamp_choices, stamp_finishing
+from gymserve.backends.chat_versions import ReplicaVersions, StreamStamp, VersionWatch, root_of, stamp_choices
 from gymserve.backends.chat_wire import checked_chunk, completion_to_chunks, normalize_tool_call_arguments
 from gymserve.backends.pool import Limiter, ReplicaPool
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
@@ -225,14 +225,15 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
                     yield chunk
                 return
             except CallAborted:
+                stamp = StreamStamp(watch, None, on="delta")
                 for chunk in completion_to_chunks(
                     aborted_chat_completion(self.config.served_model_name or body.get("model") or "")
                 ):
-                    stamp_finishing(watch, chunk, None, on="delta")
+                    stamp.see(chunk)
                     yield chunk
                 return
             where = redact_url(self.caller.url(replica, "chat"))
-            root = root_of(replica.base_url)
+            stamp = StreamStamp(watch, root_of(replica.base_url), on="delta")
             last: dict[str, Any] = {}
             call_index: dict[tuple[int, str], int] = {}  # (choice, call id) -> index, for servers that omit it
             async with contextlib.aclosing(self.caller.events(stream, replica, "chat", ctx)) as events:
@@ -249,7 +250,7 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
                                 await attach_token_info(
                                     self.caller, tokens.completion(piece, index), request, plain_body, replica, ctx
                                 )
-                        stamp_finishing(watch, piece, root, on="delta")
+                        stamp.see(piece)
                         yield piece
             if call is not None and call.aborted.is_set() and not (tokens is not None and tokens.finished):
                 # An abort pause ended the stream: what was streamed stays, and the call ends
@@ -260,7 +261,7 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
                     done["choices"][0].setdefault("token_ids", [])
                     done["choices"][0].setdefault("logprobs", {"content": []})
                     await attach_token_info(self.caller, done, request, plain_body, replica, ctx)
-                stamp_finishing(watch, piece, root, on="delta")
+                stamp.see(piece)
                 yield piece
                 return
             if tokens is not None and not tokens.finished:

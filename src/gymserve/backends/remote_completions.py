@@ -20,7 +20,7 @@ import copy
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from gymserve.backends.chat_versions import VersionWatch, root_of, stamp_choices, stamp_finishing
+from gymserve.backends.chat_versions import StreamStamp, VersionWatch, root_of, stamp_choices
 from gymserve.backends.completion_tokens import CompletionTokens
 from gymserve.backends.context import RequestContext
 from gymserve.backends.token_stream import stream_cut_short
@@ -87,7 +87,8 @@ class RemoteCompletions:
         async with self._admitted(), self.caller.limiter.slot():
             watch = await self._version_watch()
             stream, replica = await self.caller.call("completions", body, ctx, stream=True)
-            where, root = redact_url(self.caller.url(replica, "completions")), root_of(replica.base_url)
+            where = redact_url(self.caller.url(replica, "completions"))
+            stamp = StreamStamp(watch, root_of(replica.base_url), on=None)
             async with contextlib.aclosing(self.caller.events(stream, replica, "completions", ctx)) as events:
                 async for chunk in events:
                     if not isinstance(chunk, dict) or chunk.get("object") == "error":
@@ -99,7 +100,7 @@ class RemoteCompletions:
                     if tokens is not None:
                         for choice in tokens.take(chunk):
                             await tokens.attach(choice, self.caller, replica, ctx, where)
-                    stamp_finishing(watch, chunk, root, on=None)
+                    stamp.see(chunk)
                     yield chunk
             if tokens is not None and not tokens.finished:
                 raise stream_cut_short(where)

@@ -167,9 +167,7 @@ class _ControlCollector:
                 seconds.add_metric([name, replica], s["last_update_seconds"])
             if s.get("version_overlaps") is not None:
                 overlaps.add_metric([name, replica], s["version_overlaps"])
-        yield from (version, updates, paused, seconds)
-        if overlaps.samples:
-            yield overlaps
+        yield from (version, updates, paused, seconds, overlaps)
 
     def describe(self):
         return []
@@ -267,13 +265,25 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
 
     session = {"open": False}  # vLLM's weight-update session (start / finish_weight_update)
 
+    def serving() -> list[dict[str, Any]]:
+        """The backend's ``control_status()``; 501 for a backend without weights of its own."""
+        status = backend.control_status()
+        if not status:
+            raise NotSupportedError(
+                f"the {backend.name} backend has no weights of its own, so no weight version; ask the upstream server",
+                code="control_not_supported",
+            )
+        return status
+
     @route("POST", "/start_weight_update", "Open a weight-update session (vLLM's POST /start_weight_update)")
     async def start_weight_update():
+        serving()
         session["open"] = True
         return {"message": "Weight update started"}
 
     @route("POST", "/finish_weight_update", "Close the session, naming the weights (vLLM's POST /finish_weight_update)")
     async def finish_weight_update(body: FinishWeightUpdateRequest | None = None):
+        version = serving()[0]["weight_version"]
         if not session["open"]:
             raise ConflictError(
                 "no weight update session is open: POST /start_weight_update, then /update_weights, then "
@@ -281,8 +291,6 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
                 code="no_weight_update_session",
             )
         session["open"] = False
-        status = backend.control_status()
-        version = status[0]["weight_version"] if status else None
         wanted = body.weight_version if body is not None else None
         if wanted is not None and str(wanted) != str(version):  # vLLM's versions are strings: "3" names 3
             await backend.update_weight_version(wanted)
@@ -291,12 +299,7 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
 
     @route("GET", "/weight_info", "The weight version serving (vLLM's GET /weight_info)")
     async def weight_info():
-        status = backend.control_status()
-        if not status:
-            raise NotSupportedError(
-                f"the {backend.name} backend has no weights of its own, so no weight version; ask the upstream server",
-                code="control_not_supported",
-            )
+        status = serving()
         return dict(status[0]) if len(status) == 1 else {"replicas": status}
 
     @route("POST", "/update_weight_version", "Name the serving weights (vLLM's POST /update_weight_version)")
