@@ -317,3 +317,6 @@ def test_a_gymserve_behind_the_gateway_names_its_versions_and_spans(
     after = oa.chat.completions.create(model="policy", messages=MSG, max_tokens=8).choices[0].message.model_extra
     assert after["weight_version"] == new and "weight_version_spans" not in after
     check_teacher_forced(ref, states, after)
+    completion = oa.completions.create(model="policy", prompt="Hi", max_tokens=4).choices[0].model_extra
+    assert completion["weight_version"] == new  # the upstream's, on the choice itself
+    check_teacher_forced(ref, states, completion)
