@@ -80,6 +80,89 @@ def test_echo_puts_the_prompt_text_first(client, tokenizer):
     assert choice.text == "Once upon a time" + tokenizer.decode(_fields(choice)[1])
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir):
+    from gymserve.harness.verify import load_model
+
+    return load_model(tiny_model_dir)
+
+
+def test_echo_with_logprobs_scores_the_prompt_by_teacher_forcing(client, tokenizer, tiny_model):
+    """vLLM's shape: the prompt's tokens first (the first one's log-prob and alternatives null),
+    then the generated ones; the prompt's log-probs are those of a teacher-forced forward pass."""
+    from gymserve.harness.verify import teacher_forced_log_probs
+
+    prompt = "Once upon a time there"
+    r = client.completions.create(model="t", prompt=prompt, max_tokens=3, echo=True, logprobs=2)
+    choice = r.choices[0]
+    p, g, glp = _fields(choice)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(p) + 3
+    assert lp.tokens == [tokenizer.decode([t]) for t in p + g]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    recomputed = teacher_forced_log_probs(tiny_model, p[:1], p[1:])
+    assert lp.token_logprobs[1 : len(p)] == pytest.approx(recomputed, abs=1e-4)
+    assert lp.token_logprobs[len(p) :] == glp  # the generated ones as generation_log_probs
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[token] == pytest.approx(logprob) and 2 <= len(top) <= 3
+        assert max(top.values()) >= logprob
+    assert lp.text_offset[: len(p)] == [len(tokenizer.decode(p[:i])) for i in range(len(p))]
+    assert lp.text_offset[len(p)] == len(prompt) and choice.text.startswith(prompt)
+    # vLLM's prompt_logprobs field comes with it: null, then {id: {logprob, rank, decoded_token}}.
+    scores = choice.model_extra["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == len(p)
+    for i in range(1, len(p)):
+        mine = scores[i][str(p[i])]
+        assert mine["logprob"] == lp.token_logprobs[i] and mine["decoded_token"] == lp.tokens[i]
+        better = [e for e in scores[i].values() if e["logprob"] > mine["logprob"]]
+        # Listed with the top 2: its rank is its place among them; else it ranks below them.
+        assert mine["rank"] == 1 + len(better) if len(scores[i]) == 2 else mine["rank"] > 2 == len(better)
+        others = sorted((e for t, e in scores[i].items() if t != str(p[i])), key=lambda e: e["rank"])
+        assert [e["logprob"] for e in others] == sorted((e["logprob"] for e in others), reverse=True)
+
+
+def test_prompt_logprobs_field_without_echo(client, tiny_model):
+    from gymserve.harness.verify import teacher_forced_log_probs
+
+    prompt = [9707, 11, 1879, 0, 16]
+    r = client.completions.create(model="t", prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    choice = r.choices[0]
+    assert choice.logprobs is None
+    scores = choice.model_extra["prompt_logprobs"]
+    assert scores[0] is None and [list(s) for s in scores[1:]] == [[str(t)] for t in prompt[1:]]
+    recomputed = teacher_forced_log_probs(tiny_model, prompt[:1], prompt[1:])
+    assert [s[str(t)]["logprob"] for s, t in zip(scores[1:], prompt[1:])] == pytest.approx(recomputed, abs=1e-4)
+    # Asking for them changes nothing sampled.
+    plain = client.completions.create(model="t", prompt=prompt, max_tokens=2).choices[0]
+    assert_same_call(_fields(plain), _fields(choice))
+    assert "prompt_logprobs" not in plain.model_extra
+
+
+def test_echo_logprobs_stream_equals_the_whole_answer(client):
+    kwargs = dict(model="t", prompt=["Hello there", "Once upon"], max_tokens=4, echo=True, logprobs=2)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        [final] = [c for c in mine if c.finish_reason]
+        assert final.logprobs.model_dump() == choice.logprobs.model_dump()
+        assert final.model_extra["prompt_logprobs"] == choice.model_extra["prompt_logprobs"]
+        assert_same_call(_fields(final), _fields(choice))
+
+
+def test_an_engine_without_prompt_logprobs_answers_501_naming_it(tiny_local_server, monkeypatch):
+    monkeypatch.setattr(tiny_local_server.backend.engine, "supports_prompt_logprobs", False)
+    for extra in ({"echo": True, "logprobs": 1}, {"prompt_logprobs": 0}):
+        body = {"model": "t", "prompt": "a b", "max_tokens": 1, **extra}
+        r = httpx.post(tiny_local_server.base_url + "/completions", json=body, timeout=60)
+        assert r.status_code == 501, r.text
+        err = r.json()["error"]
+        assert err["code"] == "prompt_logprobs_not_supported" and "the transformers engine does not" in err["message"]
+    body = {"model": "t", "prompt": "a b", "max_tokens": 1, "echo": True}  # echo alone needs no scores
+    assert httpx.post(tiny_local_server.base_url + "/completions", json=body, timeout=60).status_code == 200
+
+
 def test_stream_equals_the_whole_answer(client):
     kwargs = dict(model="t", prompt=[9707, 11], max_tokens=6, n=2)
     whole = client.completions.create(**kwargs)
@@ -108,7 +191,7 @@ def test_a_rollout_given_as_token_ids_stays_contiguous(client):
     "body, param, words",
     [
         ({"prompt": "a", "suffix": "b"}, "suffix", "insert mode"),
-        ({"prompt": "a", "echo": True, "logprobs": 1}, "echo", "prompt's tokens"),
+        ({"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs", "out of range"),
         ({"prompt": "a", "stop": ["\n"]}, "stop", "stop is not supported"),
         ({"prompt": "a", "temperature": 0.2}, "temperature", "pinned"),
         ({"prompt": [[1], [151936]]}, "prompt[1][0]", "outside the model's vocabulary"),

@@ -8,7 +8,8 @@ their sources:
   (the OpenAI API's four forms, which vLLM accepts too); each prompt of a list is answered by ``n``
   choices, choice ``i * n + j`` for prompt ``i`` (vLLM's numbering). An empty prompt is refused.
 - ``max_tokens`` defaults to 16, as in the OpenAI API and vLLM; ``logprobs`` is an integer from 0
-  to 20 (the OpenAI API allows 5, vLLM ``--max-logprobs`` 20 by default); ``n`` from 1 to 128.
+  to 20 (the OpenAI API allows 5, vLLM ``--max-logprobs`` 20 by default), vLLM's
+  ``prompt_logprobs`` too; ``n`` from 1 to 128.
 - ``suffix`` (insert mode) is refused: neither vLLM nor the open models served here implement it.
   ``best_of`` other than ``n`` is refused, as vLLM's V1 engine does (sample ``n`` and rank them yourself).
 - Fields of the other APIs (``messages``, ``input``, ``max_completion_tokens``, ``tools``...) are a
@@ -53,6 +54,7 @@ _NUMBERS = (
     ("max_tokens", True, 1, None),
     ("n", True, 1, MAX_N),
     ("logprobs", True, 0, 20),
+    ("prompt_logprobs", True, 0, 20),
     ("temperature", False, 0, None),
     ("top_p", False, 0, 1),
     ("presence_penalty", False, -2, 2),

@@ -39,6 +39,10 @@ class SamplingParams:
     ``stop_token_ids`` end generation when sampled (in addition to the model's EOS IDs); the
     stopping token is part of the engine's output and is trimmed by the caller.
     ``top_logprobs`` asks for that many alternatives per position (0: none).
+    ``prompt_logprobs`` (vLLM's field of the same name): ``None`` computes none; ``k >= 0`` asks for
+    every prompt token's log-prob given the tokens before it, its rank and the ``k`` most likely
+    alternatives (``PromptLogprobs``), on the weights that sample the first token. Only engines with
+    ``supports_prompt_logprobs`` compute them (``check_prompt_logprobs``).
     """
 
     max_tokens: int
@@ -48,6 +52,23 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's tokens scored by one teacher-forced forward pass (vLLM's ``prompt_logprobs``).
+
+    Lists of the prompt's length ``P``; position 0 has no context, so its entries are ``None`` /
+    ``[]`` (vLLM's first ``prompt_logprobs`` entry is ``None`` likewise). ``log_probs[i]``: the raw
+    ``log_softmax`` log-prob of ``prompt_ids[i]`` given ``prompt_ids[:i]`` (the same distribution as
+    ``Generation.log_probs``); ``ranks[i]``: 1 + how many tokens are more likely, ties counted
+    against it (vLLM's ``Logprob.rank``); ``top_logprobs[i]``: the ``k`` most likely
+    ``(token_id, logprob)`` pairs there, most likely first."""
+
+    log_probs: list[float | None]
+    ranks: list[int | None]
+    top_logprobs: list[list[tuple[int, float]]]
 
 
 @dataclass
@@ -68,6 +89,9 @@ class Generation:
     """``[{"version": v, "start": i, "end": j}, ...]``: token ``token_ids[k]`` for ``i <= k < j`` was
     sampled by weight version ``v``; in order, covering every token; empty when the engine does not
     report versions."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The prompt's log-probs when ``SamplingParams.prompt_logprobs`` asked for them, computed on the
+    weights that sampled the first token (``weight_version_spans[0]``)."""
 
 
 @dataclass
@@ -82,6 +106,25 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     weight_version: WeightVersion | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """Set on the first delta of a call that asked for them (``SamplingParams.prompt_logprobs``)."""
+
+
+def check_prompt_logprobs(engine: Any) -> None:
+    """Raise ``NotSupportedError`` (501, code ``prompt_logprobs_not_supported``) unless ``engine``
+    computes prompt log-probs (its ``supports_prompt_logprobs`` is true; an engine that does not say
+    does not). The transformers and vLLM engines do."""
+    if getattr(engine, "supports_prompt_logprobs", False):
+        return
+    from gymserve.errors import NotSupportedError
+
+    name = getattr(engine, "engine_name", None) or type(engine).__name__
+    raise NotSupportedError(
+        f"the {name} engine does not compute prompt log-probs (asked for by echo with logprobs, or by "
+        "prompt_logprobs); serve the model with the transformers or vllm engine (backend.engine), or "
+        "leave echo and prompt_logprobs out (the generated tokens' log-probs come with logprobs)",
+        code="prompt_logprobs_not_supported",
+    )
 
 
 def extend_spans(spans: list[dict[str, Any]], version: WeightVersion | None, start: int, count: int) -> None:
@@ -108,6 +151,7 @@ async def collect(stream: AsyncIterator[TokenDelta]) -> Generation:
         gen.token_ids += delta.token_ids
         gen.log_probs += delta.log_probs
         gen.top_logprobs += delta.top_logprobs
+        gen.prompt_logprobs = gen.prompt_logprobs or delta.prompt_logprobs
         if delta.finish_reason:
             gen.finish_reason = delta.finish_reason
     return gen
@@ -119,6 +163,7 @@ class NoControl:
 
     engine_name = "this"
     weight_version: WeightVersion = 0
+    supports_prompt_logprobs = False
 
     def _unsupported(self, what: str):
         from gymserve.errors import NotSupportedError
@@ -233,6 +278,9 @@ class Engine(Protocol):
     Bad updates raise ``WeightUpdateError`` (400) and change nothing. LoRA adapters (PEFT format):
     ``load_lora_adapter(name, path)``, ``unload_lora_adapter(name)``, ``lora_adapters()`` (see
     ``engine.lora``).
+
+    Optional capability: ``supports_prompt_logprobs`` (absent: false) says the engine honours
+    ``SamplingParams.prompt_logprobs``; callers check it with ``check_prompt_logprobs``.
     """
 
     model_name: str

@@ -8,9 +8,15 @@ then top-k, then top-p; ``temperature == 0`` is greedy (argmax) as in vLLM.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from gymserve.engine.base import SamplingParams
+from gymserve.engine.base import PromptLogprobs, SamplingParams
+
+PROMPT_ROWS = 256
+"""Prompt positions turned into log-probs at a time: bounds the extra memory to ``256 × vocab``
+floats however long the prompt (the logits themselves are the forward pass's)."""
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -47,3 +53,26 @@ def top_logprobs(logprobs: torch.Tensor, n: int) -> list[tuple[int, float]]:
         return []
     values, ids = torch.topk(logprobs, n)
     return [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: Sequence[int], k: int) -> PromptLogprobs:
+    """The log-probs of ``prompt_ids`` from the logits of one forward pass over them.
+
+    ``logits``: ``[P, vocab]``, row ``i`` predicting token ``i + 1`` (a causal LM's output over the
+    prompt, teacher forcing); ``k``: alternatives per position. Each row's raw ``log_softmax`` in
+    float32 (as ``Generation.log_probs``); ranks count the tokens at least as likely (vLLM's
+    ``batched_count_greater_than``, so rank 1 is the most likely). Position 0 has none (``None``)."""
+    ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=logits.device)
+    out = PromptLogprobs(log_probs=[None], ranks=[None], top_logprobs=[[]])
+    for start in range(0, len(ids) - 1, PROMPT_ROWS):
+        end = min(start + PROMPT_ROWS, len(ids) - 1)
+        logp = torch.log_softmax(logits[start:end].float(), dim=-1)
+        token = logp.gather(-1, ids[start + 1 : end + 1].unsqueeze(-1))
+        out.log_probs += token.squeeze(-1).tolist()
+        out.ranks += (logp >= token).sum(-1).tolist()
+        if k > 0:
+            values, top = torch.topk(logp, k, dim=-1)
+            out.top_logprobs += [list(zip(i, v)) for i, v in zip(top.tolist(), values.tolist())]
+        else:
+            out.top_logprobs += [[] for _ in range(end - start)]
+    return out

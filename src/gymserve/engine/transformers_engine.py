@@ -9,7 +9,9 @@ event loop never blocks on the model and streaming falls out of the same path.
 
 Log-probs are ``log_softmax`` of the logits the model produced for the sampled position (see
 ``sampling.py``); padding is masked out of attention, so they match a teacher-forced forward pass
-over prompt + generation to float32 rounding.
+over prompt + generation to float32 rounding. Prompt log-probs (``SamplingParams.prompt_logprobs``)
+come from the prefill itself, asked for the logits of every prompt position: the same forward pass
+that samples the first token, so on the same weights.
 
 Serving a policy being trained: pause/resume, weight updates and versions run on the same worker
 thread, between two decode steps (``engine.control`` has the state machine, ``engine.weights`` the
@@ -34,10 +36,18 @@ from typing import Any
 
 import torch
 
-from gymserve.engine.base import FinishReason, Generation, SamplingParams, TokenDelta, WeightVersion, collect
+from gymserve.engine.base import (
+    FinishReason,
+    Generation,
+    PromptLogprobs,
+    SamplingParams,
+    TokenDelta,
+    WeightVersion,
+    collect,
+)
 from gymserve.engine.control import Command, ControlState, WorkerControl, check_timeout, check_version
 from gymserve.engine.lora import LoraEngine
-from gymserve.engine.sampling import make_generator, sample_next, top_logprobs
+from gymserve.engine.sampling import make_generator, prompt_logprobs, sample_next, top_logprobs
 from gymserve.errors import EngineError
 
 
@@ -54,6 +64,7 @@ class _Request:
     next_token: int | None = None  # sampled, not yet fed to the model
     cancelled: bool = False
     seq_len: int = 0  # tokens of this sequence in the cache (prompt + fed generation)
+    prompt_logprobs: PromptLogprobs | None = None  # computed at prefill, sent with the first token
     id: int = field(default_factory=itertools.count().__next__)
 
     def emit(self, item) -> None:
@@ -88,6 +99,7 @@ class TransformersEngine(LoraEngine, WorkerControl):
     """
 
     engine_name = "transformers"
+    supports_prompt_logprobs = True
 
     @classmethod
     def from_config(cls, config, resolved) -> TransformersEngine:
@@ -283,7 +295,7 @@ class TransformersEngine(LoraEngine, WorkerControl):
         (its last sampled token is fed by the next step), one single-sequence prefill each."""
         kv = mask = None
         for r in batch.active:
-            req_kv, _ = self._encode((r.prompt_ids + r.tokens)[: r.seq_len])
+            req_kv, _, _ = self._encode((r.prompt_ids + r.tokens)[: r.seq_len])
             kv, mask = self._merge(kv, mask, req_kv, r.seq_len)
         batch.cache, batch.mask = self._new_cache(kv), mask
         self._control.stale = False
@@ -321,28 +333,33 @@ class TransformersEngine(LoraEngine, WorkerControl):
 
         return DynamicCache(kv) if kv is not None else DynamicCache()
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache):
-        """One forward pass; ``cache`` is extended in place. Returns the last position's logits."""
+    def _forward(self, input_ids, attention_mask, position_ids, cache, *, every_position: bool = False):
+        """One forward pass; ``cache`` is extended in place. Returns the last position's logits
+        ``[B, vocab]`` (float32), or with ``every_position`` all of them, ``[B, T, vocab]``."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if every_position else 1,
             **{self._cache_kw: cache},
         )
-        return out.logits[:, -1, :].float()
+        return out.logits if every_position else out.logits[:, -1, :].float()
 
-    def _encode(self, token_ids: list[int]):
-        """One single-sequence forward pass: its per-layer KV and the last position's logits."""
+    def _encode(self, token_ids: list[int], prompt_top: int | None = None):
+        """One single-sequence forward pass: its per-layer KV, the last position's logits and, when
+        ``prompt_top`` is not None, the tokens' own log-probs with that many alternatives."""
         ids = torch.tensor([token_ids])
         n = ids.shape[1]
         cache = self._new_cache(None)
-        logits = self._forward(ids, torch.ones_like(ids), torch.arange(n).unsqueeze(0), cache)
-        return _layers(cache), logits[0]
+        every = prompt_top is not None
+        logits = self._forward(ids, torch.ones_like(ids), torch.arange(n).unsqueeze(0), cache, every_position=every)
+        if prompt_top is None:
+            return _layers(cache), logits[0], None
+        return _layers(cache), logits[0, -1].float(), prompt_logprobs(logits[0], token_ids, prompt_top)
 
     def _prefill(self, req: _Request):
-        kv, logits = self._encode(req.prompt_ids)
+        kv, logits, req.prompt_logprobs = self._encode(req.prompt_ids, req.sampling.prompt_logprobs)
         req.seq_len = len(req.prompt_ids)
         self._accept(req, logits)
         return kv
@@ -362,7 +379,9 @@ class TransformersEngine(LoraEngine, WorkerControl):
             finish = "length"
         tops = [top_logprobs(logprobs, req.sampling.top_logprobs)] if req.sampling.top_logprobs else []
         req.tokens.append(tok)
-        req.emit(TokenDelta([tok], [float(logprobs[tok])], finish, tops, self._control.weight_version))
+        version = self._control.weight_version
+        req.emit(TokenDelta([tok], [float(logprobs[tok])], finish, tops, version, req.prompt_logprobs))
+        req.prompt_logprobs = None  # sent with the first token only
         req.next_token = None if finish else tok
         return finish is None
 

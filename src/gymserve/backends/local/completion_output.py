@@ -12,7 +12,14 @@ them), with gymserve's training fields on each choice:
   ``k`` most likely tokens *and the sampled one* to their log-probs, so it has up to ``k + 1``
   entries (the OpenAI API reference says so of its own answers; vLLM does the same). Tokens are
   their text, or ``token_id:N`` with vLLM's ``return_tokens_as_token_ids``. ``text_offset[i]`` is
-  where token i's text starts in ``text``;
+  where token i's text starts in ``text``. With ``echo`` the prompt's tokens come first, scored by
+  the engine (``engine.base.PromptLogprobs``): the first one's ``token_logprobs`` and
+  ``top_logprobs`` entries are ``null`` (nothing precedes it), as in vLLM's
+  ``_create_completion_logprobs`` and OpenAI's legacy answers;
+- ``prompt_logprobs`` (when the call computed them: vLLM's ``prompt_logprobs`` field, or echo with
+  logprobs): vLLM's ``CompletionResponseChoice.prompt_logprobs``, one entry per prompt token, ``null``
+  first, then ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` for the prompt token and the
+  ``k`` most likely ones;
 - ``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` and the weight version
   (``control.version_fields``) on the choice itself (a completion choice has no message).
 
@@ -26,7 +33,8 @@ from typing import Any
 
 from gymserve.backends.local.control import version_fields
 from gymserve.backends.local.output import kept
-from gymserve.engine.base import Generation
+from gymserve.engine.base import Generation, PromptLogprobs
+from gymserve.errors import EngineError
 
 
 class CompletionOutput:
@@ -34,7 +42,9 @@ class CompletionOutput:
 
     ``head``: the fields every chunk shares (``id``, ``object``, ``created``, ``model``). ``index``:
     the choice's index in the answer. ``logprobs``: the request's ``logprobs`` (None: no log-probs
-    object). ``echo``: the prompt's text comes first. ``tokens_as_ids``: tokens as ``token_id:N``.
+    object). ``prompt_logprobs``: the alternatives per prompt position the engine was asked for (None:
+    no prompt scores). ``echo``: the prompt's text (and, with ``logprobs``, its tokens' log-probs)
+    comes first. ``tokens_as_ids``: tokens as ``token_id:N``.
     Use as ``stream.stream_chunks`` uses a chat ``CallOutput`` (:meth:`role`, :meth:`text`,
     :meth:`kept`, :meth:`end`), or :meth:`choice` for the whole choice at once.
     """
@@ -50,6 +60,7 @@ class CompletionOutput:
         stop_token_ids: tuple[int, ...],
         logprobs: int | None,
         echo: bool,
+        prompt_logprobs: int | None = None,
         tokens_as_ids: bool,
         engine: Any = None,
     ):
@@ -60,6 +71,7 @@ class CompletionOutput:
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
         self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
         self.echo = echo
         self.tokens_as_ids = tokens_as_ids
         self.engine = engine
@@ -108,9 +120,11 @@ class CompletionOutput:
     def _final(self, gen: Generation) -> dict[str, Any]:
         k = self.kept(gen)
         finish = "abort" if gen.finish_reason == "abort" else "length" if gen.finish_reason == "length" else "stop"
+        scores = self._prompt_scores(gen)
         return {
             "finish_reason": finish,
-            "logprobs": self._logprobs(k) if self.logprobs is not None else None,
+            "logprobs": self._logprobs(k, scores) if self.logprobs is not None else None,
+            **({"prompt_logprobs": self._vllm_prompt_logprobs(scores)} if scores is not None else {}),
             "prompt_token_ids": self.prompt_ids,
             "generation_token_ids": k.token_ids,
             "generation_log_probs": k.log_probs,
@@ -122,16 +136,51 @@ class CompletionOutput:
             return f"token_id:{tid}"
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
-    def _logprobs(self, gen: Generation) -> dict[str, Any]:
-        tokens, offsets, tops = [], [], []
-        offset = len(self.prompt_text) if self.echo else 0
-        for i, (tid, lp) in enumerate(zip(gen.token_ids, gen.log_probs)):
+    def _prompt_scores(self, gen: Generation) -> PromptLogprobs | None:
+        """The prompt's scores when asked for; an ``EngineError`` when the engine left them out
+        (an engine must not claim ``supports_prompt_logprobs`` and skip them)."""
+        if self.prompt_logprobs is None:
+            return None
+        if gen.prompt_logprobs is None or len(gen.prompt_logprobs.log_probs) != len(self.prompt_ids):
+            raise EngineError("the engine returned no log-probs for the prompt's tokens although they were asked for")
+        return gen.prompt_logprobs
+
+    def _vllm_prompt_logprobs(self, scores: PromptLogprobs) -> list[dict[str, dict[str, Any]] | None]:
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for i in range(1, len(self.prompt_ids)):
+            tid, lp = self.prompt_ids[i], scores.log_probs[i]
+            entry = {str(tid): {"logprob": lp, "rank": scores.ranks[i], "decoded_token": self._text(tid)}}
+            for rank, (alt, alp) in enumerate(scores.top_logprobs[i], start=1):
+                entry.setdefault(str(alt), {"logprob": alp, "rank": rank, "decoded_token": self._text(alt)})
+            out.append(entry)
+        return out
+
+    def _text(self, tid: int) -> str:
+        return self.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def _logprobs(self, gen: Generation, scores: PromptLogprobs | None) -> dict[str, Any]:
+        tokens: list[str] = []
+        offsets: list[int] = []
+        lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+
+        def add(tid: int, lp: float | None, alternatives: list[tuple[int, float]], offset: int) -> int:
             token = self._token(tid)
-            alternatives = gen.top_logprobs[i] if i < len(gen.top_logprobs) else []
-            top = {self._token(a): alp for a, alp in alternatives[: self.logprobs]}
-            top.setdefault(token, lp)  # the sampled token is always listed (up to k + 1 entries)
+            top = None
+            if lp is not None:
+                top = {self._token(a): alp for a, alp in alternatives[: self.logprobs]}
+                top.setdefault(token, lp)  # the scored token is always listed (up to k + 1 entries)
             tokens.append(token)
             offsets.append(offset)
+            lps.append(lp)
             tops.append(top)
-            offset += len(token) if not self.tokens_as_ids else len(self.tokenizer.decode([tid]))
-        return {"tokens": tokens, "token_logprobs": list(gen.log_probs), "top_logprobs": tops, "text_offset": offsets}
+            return offset + len(self._text(tid))
+
+        offset = 0
+        if self.echo and scores is not None:
+            for i, tid in enumerate(self.prompt_ids):
+                offset = add(tid, scores.log_probs[i], scores.top_logprobs[i], offset)
+        offset = len(self.prompt_text) if self.echo else 0
+        for i, (tid, lp) in enumerate(zip(gen.token_ids, gen.log_probs)):
+            offset = add(tid, lp, gen.top_logprobs[i] if i < len(gen.top_logprobs) else [], offset)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

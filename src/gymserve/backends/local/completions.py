@@ -8,8 +8,15 @@ of the chat route hold here too (``request``): sampling pinned to the server con
 clamped to the context window (default 16, the API's), stop strings, penalties and ``logit_bias``
 refused, choice ``j`` of a prompt sampled with ``seed + j``.
 
-``echo`` with ``logprobs`` is refused: it asks for the prompt tokens' log-probs, which the engine
-interface does not compute; ``echo`` alone returns the prompt's text before the generation.
+``echo`` returns the prompt's text before the generation; with ``logprobs: k`` it also scores the
+prompt: the engine computes every prompt token's log-prob in the prefill (``SamplingParams.
+prompt_logprobs``, one teacher-forced forward pass on the weights that sample the first token), and
+``choices[i].logprobs`` lists the prompt's tokens first, the first one's log-prob ``null``, then the
+generated ones. vLLM's ``prompt_logprobs: k`` field asks for the same scores without ``echo`` and
+returns them as ``choices[i].prompt_logprobs`` (also there with echo + logprobs, as in vLLM: its
+``CompletionRequest.to_sampling_params`` sets ``prompt_logprobs = logprobs`` when echo is on, and
+``serving_completion.py`` joins ``[*prompt_logprobs, *output.logprobs]`` for echoed choices). An
+engine without the capability answers 501 (``engine.base.check_prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from gymserve.backends.local.completion_output import CompletionOutput
 from gymserve.backends.local.request import check_supported, choice_count, pinned_sampling
 from gymserve.backends.local.stream import stream_chunks
 from gymserve.convert.completions_request import DEFAULT_MAX_TOKENS, prompts
-from gymserve.engine.base import SamplingParams
+from gymserve.engine.base import SamplingParams, check_prompt_logprobs
 from gymserve.errors import ContextLengthExceededError, InvalidRequestError
 from gymserve.protocol import check_token_ids
 from gymserve.wire.ids import new_id
@@ -43,6 +50,7 @@ class CompletionCall:
     sampling: SamplingParams
     n: int
     logprobs: int | None
+    prompt_logprobs: int | None
     echo: bool
     tokens_as_ids: bool
     include_usage: bool
@@ -63,16 +71,16 @@ def prepare_completion(
     """Validate a checked ``/v1/completions`` request against this engine and build its calls.
 
     Raises ``InvalidRequestError`` (400, naming the field: ``prompt[1][3]`` for an ID outside the
-    vocabulary, ``logprobs`` with ``echo``, pinned sampling params, stop strings...) and
-    ``ContextLengthExceededError`` when a prompt fills the context window."""
+    vocabulary, pinned sampling params, stop strings...), ``ContextLengthExceededError`` when a prompt
+    fills the context window, and ``NotSupportedError`` (501) when prompt log-probs are asked of an
+    engine that does not compute them."""
     check_supported(request)
-    if request.get("echo") and request.get("logprobs") is not None:
-        raise InvalidRequestError(
-            "echo with logprobs asks for the log-probs of the prompt's tokens, which the local engine does "
-            "not compute; leave echo out (the generated tokens' log-probs come with logprobs, and as "
-            "generation_log_probs on every choice)",
-            param="echo",
-        )
+    logprobs = request.get("logprobs")
+    prompt_logprobs = request.get("prompt_logprobs")
+    if prompt_logprobs is None and request.get("echo"):
+        prompt_logprobs = logprobs  # vLLM's rule: echo scores the prompt as deeply as the generation
+    if prompt_logprobs is not None:
+        check_prompt_logprobs(engine)
     listed = prompts(request)
     single = not isinstance(request["prompt"], list) or all(type(t) is int for t in request["prompt"])
     add_special = request.get("add_special_tokens", True)
@@ -94,7 +102,6 @@ def prepare_completion(
         texts.append(text)
         limits.append(min(request.get("max_tokens", DEFAULT_MAX_TOKENS), room))
     eff = pinned_sampling(request, sampling_config)
-    logprobs = request.get("logprobs")
     options = request.get("stream_options") or {}
     sampling = SamplingParams(
         max_tokens=limits[0],
@@ -104,6 +111,7 @@ def prepare_completion(
         seed=eff["seed"],
         stop_token_ids=stop_token_ids,
         top_logprobs=logprobs or 0,
+        prompt_logprobs=prompt_logprobs,
     )
     return CompletionCall(
         prompt_ids=ids_list,
@@ -112,6 +120,7 @@ def prepare_completion(
         sampling=sampling,
         n=choice_count(request),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         echo=bool(request.get("echo")),
         tokens_as_ids=bool(request.get("return_tokens_as_token_ids")),
         include_usage=bool(options.get("include_usage")),
@@ -153,6 +162,7 @@ class LocalCompletions:
                 tokenizer=self.tokenizer,
                 stop_token_ids=self.stop_token_ids,
                 logprobs=call.logprobs,
+                prompt_logprobs=call.prompt_logprobs,
                 echo=call.echo,
                 tokens_as_ids=call.tokens_as_ids,
                 engine=self.engine,

@@ -67,6 +67,7 @@ async def stream_chunks(
     lps: list[float] = []
     tops: list = []
     spans: list = []  # weight versions over the tokens (engine.base.extend_spans)
+    prompt_logprobs = None  # on the first delta when the call asked for them
     yield output.role()
     finish: FinishReason = "length"
     stream = engine.stream(prompt_ids, sampling)
@@ -76,6 +77,7 @@ async def stream_chunks(
             ids += step.token_ids
             lps += step.log_probs
             tops += step.top_logprobs
+            prompt_logprobs = prompt_logprobs or step.prompt_logprobs
             if step.finish_reason:
                 finish = step.finish_reason
                 break
@@ -83,7 +85,7 @@ async def stream_chunks(
                 yield chunk
     finally:
         await stream.aclose()
-    gen = Generation(ids, lps, finish, tops, spans)
+    gen = Generation(ids, lps, finish, tops, spans, prompt_logprobs)
     tail = detok.push(output.kept(gen).token_ids[len(detok.ids) :], final=True)
     for chunk in output.end(gen, tail, include_usage=include_usage):
         yield chunk
