@@ -240,6 +240,37 @@ def test_streaming_and_responses_go_through_replicas(http, cluster):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_completions_and_tokens_go_through_replicas(http, cluster):
+    """/v1/completions (whole and streamed, echo + logprobs), /tokenize and /detokenize are the
+    replicas' local backends' answers, routed by session as chat is."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
+    kwargs = dict(model="tiny", prompt=[9707, 11, 1879], max_tokens=3, echo=True, logprobs=1)
+    head = {"X-Session-ID": "cmpl-1"}
+    whole = client.completions.create(**kwargs, extra_headers=head).choices[0]
+    gen = whole.model_extra["generation_token_ids"]
+    assert whole.model_extra["prompt_token_ids"] == [9707, 11, 1879] and len(gen) == 3
+    assert whole.logprobs.token_logprobs[0] is None and len(whole.logprobs.tokens) == 6
+    assert whole.logprobs.token_logprobs[3:] == whole.model_extra["generation_log_probs"]
+    chunks = list(client.completions.create(**kwargs, stream=True, extra_headers=head))
+    [final] = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert "".join(c.choices[0].text for c in chunks if c.choices).startswith("Hello, world")
+    # The prompt's scores do not depend on sampling: the streamed call's equal the whole one's.
+    # (one prefill each, alone, on the same weights: the same numbers).
+    assert final.logprobs.token_logprobs[:3] == whole.logprobs.token_logprobs[:3]
+    assert final.model_extra["prompt_logprobs"] == whole.model_extra["prompt_logprobs"]
+
+    r = http.post("/tokenize", json={"prompt": "Hello world"}, headers={"X-Session-ID": "cmpl-1"})
+    assert r.status_code == 200 and r.json()["tokens"] == [9707, 1879] and r.json()["max_model_len"] == 512
+    r = http.post("/detokenize", json={"tokens": [9707, 1879]}, headers={"X-Session-ID": "cmpl-1"})
+    assert r.status_code == 200 and r.json() == {"prompt": "Hello world"}
+    r = http.post("/detokenize", json={"tokens": [151936]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[0]"
+    served = _served(cluster)
+    assert [c.get("cmpl-1") for c in served.values() if "cmpl-1" in c] == [4]  # one replica served all four
+
+
 def _ray_processes() -> dict[int, str]:
     """Descendant processes of this test process whose command line mentions ray."""
     children: dict[int, list[int]] = {}

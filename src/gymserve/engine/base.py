@@ -113,7 +113,8 @@ class TokenDelta:
 def check_prompt_logprobs(engine: Any) -> None:
     """Raise ``NotSupportedError`` (501, code ``prompt_logprobs_not_supported``) unless ``engine``
     computes prompt log-probs (its ``supports_prompt_logprobs`` is true; an engine that does not say
-    does not). The transformers and vLLM engines do."""
+    does not). The transformers engine does; the vLLM and
+    TensorRT-LLM adapters do not map it yet."""
     if getattr(engine, "supports_prompt_logprobs", False):
         return
     from gymserve.errors import NotSupportedError
@@ -121,7 +122,7 @@ def check_prompt_logprobs(engine: Any) -> None:
     name = getattr(engine, "engine_name", None) or type(engine).__name__
     raise NotSupportedError(
         f"the {name} engine does not compute prompt log-probs (asked for by echo with logprobs, or by "
-        "prompt_logprobs); serve the model with the transformers or vllm engine (backend.engine), or "
+        "prompt_logprobs); serve the model with the transformers engine (backend.engine: transformers), or "
         "leave echo and prompt_logprobs out (the generated tokens' log-probs come with logprobs)",
         code="prompt_logprobs_not_supported",
     )

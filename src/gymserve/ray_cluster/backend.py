@@ -236,8 +236,9 @@ class RayBackend(FleetControl, Backend):
         self.pool.release(replica, Outcome.OK, session_id=ctx.session_id, usage=usage)
         return answer
 
-    async def _call(self, method: str, request: ChatRequest, ctx: RequestContext) -> Any:
-        """``method`` (``chat`` or ``chat_chunks``) on the replica the pool picks for the session; on
+    async def _call(self, method: str, request: dict[str, Any], ctx: RequestContext) -> Any:
+        """``method`` (an ``EngineReplica`` call: ``chat``, ``chat_chunks``, ``completions``,
+        ``tokenize``, ``detokenize``) on the replica the pool picks for the session; on
         replica failure, once more on another one (within the retry budget). Returns its result,
         raising the error a replica returned."""
         from ray.exceptions import RayActorError, RayTaskError
@@ -280,8 +281,30 @@ class RayBackend(FleetControl, Backend):
         """Echo the replicas' pinned sampling params, as the local backend does."""
         return echo_pinned_sampling(request, self.config.local.sampling)
 
-    async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+    def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         """Chat chunks from the session's replica (Ray streaming generator); see module docstring."""
+        return self._stream("chat_stream", request, ctx)
+
+    async def completions(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        """The replica's local backend's ``/v1/completions`` answer (routed, pinned and failed over
+        as chat is)."""
+        return await self._call("completions", request, ctx)
+
+    def completions_stream(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """``/v1/completions`` chunks from the session's replica, streamed as ``chat_stream``'s."""
+        return self._stream("completions_stream", request, ctx)
+
+    async def tokenize(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        """vLLM's ``/tokenize`` from the session's replica: the IDs its generation would see."""
+        return await self._call("tokenize", request, ctx)
+
+    async def detokenize(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        """vLLM's ``/detokenize`` from the session's replica."""
+        return await self._call("detokenize", request, ctx)
+
+    async def _stream(self, method: str, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of ``method`` (``chat_stream`` or ``completions_stream``, a replica's streaming
+        generator) from the session's replica; see the module docstring for failover."""
         from ray.exceptions import RayActorError, RayTaskError
 
         ray = import_ray()
@@ -290,8 +313,10 @@ class RayBackend(FleetControl, Backend):
             replica = self._pick(ctx.session_id, version)
             for attempt in range(2):
                 ctx.extra["replica"] = replica.name
-                gen = replica.client.chat_stream.options(num_returns="streaming").remote(
-                    request, ctx.session_id, ctx.request_id
+                gen = (
+                    getattr(replica.client, method)
+                    .options(num_returns="streaming")
+                    .remote(request, ctx.session_id, ctx.request_id)
                 )
                 started = done = False
                 outcome: Outcome | None = Outcome.CANCELLED  # unless the stream ends otherwise

@@ -13,6 +13,8 @@ Wire shapes (plain dicts, the same as the HTTP API's, so nothing Ray-specific le
 - ``chat_stream(...)``: an async generator of ``ChatCompletionChunk`` dicts, called with
   ``num_returns="streaming"`` (Ray streaming generators,
   https://docs.ray.io/en/latest/ray-core/ray-generator.html);
+- ``completions(...)`` / ``completions_stream(...)`` (``/v1/completions``), ``tokenize(...)`` and
+  ``detokenize(...)``: the local backend's answers, with the same arguments and error payloads;
 - ``info()`` / ``health()``: ``{"name", "incarnation", "pid", "node_id", "node_ip", "in_flight",
   "served", "model", ...LocalBackend.describe(), "control": the engine's control_status()}``
   (``incarnation`` is new in every process, so a restart shows as a changed value under the same
@@ -139,27 +141,68 @@ class EngineReplica(ReplicaControl):
         GymserveError comes back as a payload."""
         return await self._answer(request, session_id, request_id, whole=True)
 
+    async def completions(
+        self, request: dict[str, Any], session_id: str | None = None, request_id: str | None = None
+    ) -> dict[str, Any]:
+        """One ``/v1/completions`` call (``LocalBackend.completions``); errors come back as payloads."""
+        return await self._served(self.backend.completions, request, session_id, request_id)
+
+    async def tokenize(
+        self, request: dict[str, Any], session_id: str | None = None, request_id: str | None = None
+    ) -> dict[str, Any]:
+        """vLLM's ``/tokenize`` answer (``LocalBackend.tokenize``); errors come back as payloads."""
+        return await self._served(self.backend.tokenize, request, session_id, request_id)
+
+    async def detokenize(
+        self, request: dict[str, Any], session_id: str | None = None, request_id: str | None = None
+    ) -> dict[str, Any]:
+        """vLLM's ``/detokenize`` answer (``LocalBackend.detokenize``); errors come back as payloads."""
+        return await self._served(self.backend.detokenize, request, session_id, request_id)
+
     async def _answer(
         self, request: dict[str, Any], session_id: str | None, request_id: str | None, *, whole: bool
     ) -> Any:
+        answer = await self._served(self.backend.answer, request, session_id, request_id)
+        if isinstance(answer, dict):  # an error payload
+            return answer
+        return answer.chunks if whole else answer.as_completion()
+
+    async def _served(self, method: Any, request: dict[str, Any], session_id: str | None, request_id: str | None):
+        """``await method(request, ctx)`` counted as one call of the session; a ``GymserveError``
+        comes back as an ``error_payload``."""
         from gymserve.backends.base import RequestContext
         from gymserve.errors import GymserveError
 
-        ctx = RequestContext(session_id=session_id, request_id=request_id)
         self.in_flight += 1
         try:
-            answer = await self.backend.answer(request, ctx)
+            answer = await method(request, RequestContext(session_id=session_id, request_id=request_id))
         except GymserveError as exc:
             return error_payload(exc)
         finally:
             self.in_flight -= 1
         self._count(session_id)
-        return answer.chunks if whole else answer.as_completion()
+        return answer
+
+    # Ray runs a streaming actor method as a generator only when the method itself is one.
 
     async def chat_stream(
         self, request: dict[str, Any], session_id: str | None = None, request_id: str | None = None
     ) -> AsyncIterator[dict[str, Any]]:
-        """Chat chunks of one streamed call; an error becomes a final payload item.
+        """Chat chunks of one streamed call; an error becomes a final payload item."""
+        async for chunk in self._streamed(self.backend.chat_stream, request, session_id, request_id):
+            yield chunk
+
+    async def completions_stream(
+        self, request: dict[str, Any], session_id: str | None = None, request_id: str | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """``/v1/completions`` chunks of one streamed call; an error becomes a final payload item."""
+        async for chunk in self._streamed(self.backend.completions_stream, request, session_id, request_id):
+            yield chunk
+
+    async def _streamed(
+        self, method: Any, request: dict[str, Any], session_id: str | None, request_id: str | None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of ``method(request, ctx)``; an error becomes a final payload item.
 
         Ray cancels this generator (``CancelledError`` at an ``await``) when the caller cancels the
         stream, which closes the engine stream and stops generation.
@@ -169,7 +212,7 @@ class EngineReplica(ReplicaControl):
 
         self.in_flight += 1
         try:
-            stream = self.backend.chat_stream(request, RequestContext(session_id=session_id, request_id=request_id))
+            stream = method(request, RequestContext(session_id=session_id, request_id=request_id))
             async for chunk in stream:
                 yield chunk
             self._count(session_id)
