@@ -1,6 +1,6 @@
 """Streaming over the local backend, driven by the official SDK's streaming helpers: the accumulated
 result equals the non-streamed call for the same request (seeded sampling: each request reseeds, so both
-calls sample the same tokens; tiny model)."""
+calls sample the same tokens; tiny model, on each in-process CPU engine)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_prob
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def server(local_engine):
+    engine, model = local_engine
     cfg = GymserveConfig(
         server=ServerConfig(port=0),
-        backend=LocalBackendConfig(model=str(tiny_model_dir), sampling=SamplingConfig(temperature=1.0, seed=7)),
+        backend=LocalBackendConfig(model=str(model), engine=engine, sampling=SamplingConfig(temperature=1.0, seed=7)),
     )
     srv = start_background_server(cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend))
     yield srv

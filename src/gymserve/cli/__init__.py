@@ -131,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ver.add_argument("path", help="rollouts JSONL")
     ver.add_argument("--model", help="model to recompute log-probs with (default: the embedded model)")
+    ver.add_argument(
+        "--engine",
+        choices=("transformers", "llamacpp"),
+        default="transformers",
+        help="engine that served the rollouts and recomputes their log-probs (default: transformers)",
+    )
+    ver.add_argument("--tolerance", type=float, default=1e-4, help="largest |log-prob difference| that passes")
     return parser
 
 
@@ -241,5 +248,5 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "verify-rollouts":
         from gymserve.harness.verify import main_verify
 
-        return main_verify(args.path, model=args.model)
+        return main_verify(args.path, model=args.model, tolerance=args.tolerance, engine=args.engine)
     raise AssertionError(args.command)
