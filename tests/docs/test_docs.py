@@ -397,6 +397,11 @@ ERROR_MODULES = (
     "engine/lora.py",
     "backends/local/lora.py",
     "server/lora.py",
+    "engine/gguf_store.py",
+    "engine/gguf_lora.py",
+    "engine/llamacpp_runtime.py",
+    "engine/llamacpp_engine.py",
+    "engine/llamacpp_lora.py",
 )
 HINT_FUNCTIONS = ("_not_found_hint", "_connection_hint")
 

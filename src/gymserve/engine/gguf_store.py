@@ -93,7 +93,7 @@ def resolve_gguf_model(spec: str | None) -> ResolvedModel:
     Raises ``ModelStoreError`` naming the path and what to pass instead (gymserve never downloads)."""
     if spec in (None, "", "embedded", EMBEDDED_MODEL_NAME):
         gguf = embedded_gguf()
-        tok = gguf_tokenizer_dir(gguf, cache_dir() / "embedded" / f"{EMBEDDED_MODEL_NAME}.tokenizer")
+        tok = gguf_tokenizer_dir(gguf, cache_dir() / "embedded" / "gguf-tokenizer")
         return ResolvedModel(EMBEDDED_MODEL_NAME, tok, gguf=gguf)
     path = Path(spec).expanduser()
     gguf = find_gguf(path)

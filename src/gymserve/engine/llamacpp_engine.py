@@ -47,6 +47,7 @@ from gymserve.engine.base import FinishReason, Generation, SamplingParams, Token
 from gymserve.engine.control import Command, ControlState, WorkerControl, check_timeout, check_version
 from gymserve.engine.llamacpp_lora import LlamaCppLora
 from gymserve.engine.llamacpp_runtime import (
+    INSTALL_HINT,
     KVCacheFull,
     LlamaContext,
     LlamaModel,
@@ -56,6 +57,8 @@ from gymserve.engine.llamacpp_runtime import (
 )
 from gymserve.engine.sampling_numpy import make_rng, sample_next, top_logprobs
 from gymserve.errors import EngineError, NotSupportedError, WeightUpdateError
+
+__all__ = ["ENGINE_ARGS", "INSTALL_HINT", "LlamaCppEngine", "check_engine_args", "gguf_eos_ids"]
 
 ENGINE_ARGS: dict[str, str] = {
     "kv_cells": "KV cache cells in all (default: context_window, or context_window per sequence "
