@@ -249,11 +249,11 @@ def report(res: dict[str, Any]) -> str:
         )
     gap = res.get("logprob_gap") or {}
     if gap:
-        gap_rows = [[k, v[0], v[1]] for k, v in gap.items() if isinstance(v, list | tuple)]
+        gap_rows = [[k, *v] for k, v in gap.items() if isinstance(v, list | tuple)]
         out.append("")
         out.append(
             common.table(
-                ["llamacpp engine, sampled (temperature 1)", "max |generation − teacher-forced|", "tokens"],
+                ["llamacpp engine, sampled (temperature 1)", "max |gen − tf|", "p99", "mean", "tokens"],
                 gap_rows,
                 "Log-prob gap (teacher forcing: verify-rollouts --engine llamacpp)",
             )

@@ -127,7 +127,7 @@ def start_llama_cpp_python_server(gguf: Path, threads: int, http_server, install
 
 # ----------------------------------------------------------------------------------- log-prob gap
 def logprob_gap(gguf: Path, tokenizer_dir: Path, threads: int, prompts: list[list[int]], max_tokens: int) -> dict:
-    """The largest |generation-time − teacher-forced| log-prob of the llamacpp engine on ``gguf``,
+    """|generation-time − teacher-forced| log-probs (max, p99, mean, tokens) of the llamacpp engine on ``gguf``,
     sampling (temperature 1, seeded) at 1 stream (one request at a time), at 8 concurrent streams,
     and for a second turn served from the first turn's cached KV; teacher forcing is
     ``LlamaCppScorer`` (what ``verify-rollouts --engine llamacpp`` runs)."""
@@ -138,11 +138,12 @@ def logprob_gap(gguf: Path, tokenizer_dir: Path, threads: int, prompts: list[lis
     engine = LlamaCppEngine(gguf, tokenizer_dir=tokenizer_dir, num_threads=threads, context_window=4096)
     scorer = LlamaCppScorer(gguf, n_threads=threads)
 
-    def worst(pairs) -> tuple[float, int]:
+    def worst(pairs) -> list[float]:
+        """``[max, p99, mean |difference|, tokens]``."""
         diffs = [
             abs(a - b) for p, g in pairs for a, b in zip(scorer.token_log_probs(p + g.token_ids, len(p)), g.log_probs)
         ]
-        return max(diffs), len(diffs)
+        return [max(diffs), common.percentile(diffs, 99), sum(diffs) / len(diffs), len(diffs)]
 
     async def run() -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -34,17 +34,15 @@ import collections
 import itertools
 import json
 import os
-import queue
-import threading
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gymserve.engine.base import FinishReason, Generation, SamplingParams, TokenDelta, WeightVersion, collect
-from gymserve.engine.control import Command, ControlState, WorkerControl, check_timeout, check_version
+from gymserve.engine.base import FinishReason, SamplingParams, TokenDelta, WeightVersion
+from gymserve.engine.control import Command, ControlState, check_timeout, check_version
 from gymserve.engine.llamacpp_lora import LlamaCppLora
 from gymserve.engine.llamacpp_runtime import (
     INSTALL_HINT,
@@ -56,6 +54,7 @@ from gymserve.engine.llamacpp_runtime import (
     log_normalizer,
 )
 from gymserve.engine.sampling_numpy import make_rng, sample_next, top_logprobs
+from gymserve.engine.worker import WorkerEngine, WorkerRequest
 from gymserve.errors import EngineError, NotSupportedError, WeightUpdateError
 
 __all__ = ["ENGINE_ARGS", "INSTALL_HINT", "LlamaCppEngine", "check_engine_args", "gguf_eos_ids"]
@@ -119,30 +118,19 @@ class _Slot:
 
 
 @dataclass
-class _Request:
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
-    stop_ids: frozenset[int]
+class _Request(WorkerRequest):
     rng: np.random.Generator | None = None
     tokens: list[int] = field(default_factory=list)  # sampled so far
-    cancelled: bool = False
+    known: list[int] = field(default_factory=list)  # prompt + sampled: what the cache must hold to sample next
     slot: _Slot | None = None
-    id: int = field(default_factory=itertools.count().__next__)
 
-    @property
-    def known(self) -> list[int]:
-        """Prompt + sampled tokens: what the KV cache must hold before the next token is sampled."""
-        return self.prompt_ids + self.tokens
+    def __post_init__(self) -> None:
+        self.known = [*self.prompt_ids, *self.tokens]
 
     def pending(self) -> list[int]:
         """The known tokens not yet in the slot's cache (the last one's logits give the next token)."""
         assert self.slot is not None
         return self.known[len(self.slot.cached) :]
-
-    def emit(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -157,7 +145,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-class LlamaCppEngine(LlamaCppLora, WorkerControl):
+class LlamaCppEngine(LlamaCppLora, WorkerEngine):
     """The ``Engine`` over a GGUF file, on llama.cpp (llama-cpp-python's low-level API).
 
     ``gguf``: the GGUF model file. ``tokenizer_dir``: the directory gymserve's tokenizer comes from
@@ -249,14 +237,10 @@ class LlamaCppEngine(LlamaCppLora, WorkerControl):
         self._control = ControlState(check_version(weight_version))
         self._slots = [_Slot(i) for i in range(n_seq)]
         self._active: list[_Request] = []  # worker-only, in admission order
-        self._waiting: collections.deque[_Request] = collections.deque()  # worker-only
         self._released = itertools.count(1)
         self._update_lock: asyncio.Lock | None = None
-        self._inbox: queue.Queue[_Request | Command | None] = queue.Queue()
-        self._closed = False
         self.stats: collections.Counter[str] = collections.Counter()  # prefilled / reused / decoded tokens, preemptions
-        self._thread = threading.Thread(target=self._run, name="gymserve-llamacpp", daemon=True)
-        self._thread.start()
+        self._start_worker(self._run, "gymserve-llamacpp")
 
     def _model_type(self) -> str | None:
         """``config.json``'s ``model_type`` in the tokenizer directory, else the GGUF's
@@ -268,51 +252,19 @@ class LlamaCppEngine(LlamaCppLora, WorkerControl):
                 return str(model_type)
         return self.model.architecture
 
-    # ---- async API -------------------------------------------------------------------------
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
-        """Generate to completion; see ``Engine.generate``."""
-        return await collect(self.stream(prompt_ids, sampling))
-
-    async def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncGenerator[TokenDelta, None]:
-        """Yield one ``TokenDelta`` per sampled token; leaving the loop early cancels the request.
-        Raises ``EngineError`` for an empty prompt or one that fills the context window."""
-        if self._closed:
-            raise EngineError("the engine is shut down")
-        if not prompt_ids:
-            raise EngineError("empty prompt")
+    def _check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """``EngineError`` for an empty prompt, one that fills the context window, or a closed engine."""
+        super()._check_prompt(prompt_ids)
         if len(prompt_ids) >= self.context_window:
             raise EngineError(
                 f"the prompt has {len(prompt_ids)} tokens and the context window is {self.context_window}: "
                 "no room to generate"
             )
-        req = _Request(
-            prompt_ids=[int(t) for t in prompt_ids],
-            sampling=sampling,
-            loop=asyncio.get_running_loop(),
-            out=asyncio.Queue(),
-            stop_ids=frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids),
-            rng=make_rng(sampling),
-        )
-        self._inbox.put(req)
-        try:
-            while True:
-                item = await req.out.get()
-                if isinstance(item, BaseException):
-                    raise EngineError(f"generation failed: {type(item).__name__}: {item}") from item
-                yield item
-                if item.finish_reason:
-                    return
-        finally:
-            req.cancelled = True  # no-op when finished; frees the sequence when the client went away
 
-    async def close(self) -> None:
-        """Stop the worker (calls in flight end with ``EngineError``) and free llama.cpp's memory."""
-        if self._closed:
-            return
-        self._closed = True
-        self._inbox.put(None)
-        await asyncio.to_thread(self._thread.join, 60)
+    def _new_request(self, prompt_ids: list[int], sampling: SamplingParams, **common: Any) -> _Request:
+        return _Request(prompt_ids, sampling, rng=make_rng(sampling), **common)
+
+    # ---- control ---------------------------------------------------------------------------
 
     async def update_weights(
         self,
@@ -393,16 +345,8 @@ class LlamaCppEngine(LlamaCppLora, WorkerControl):
         ctl = self._control
         try:
             while True:
-                busy = (self._active and ctl.decoding) or (self._waiting and ctl.admitting)
-                for item in self._pull(block=not busy, timeout=ctl.seconds_left()):
-                    if item is None:
-                        self._drain()
-                        return
-                    if isinstance(item, Command):
-                        self._command(item)
-                    else:
-                        self._waiting.append(item)
-                ctl.expire()
+                if not self._serve_inbox():
+                    return
                 for r in [r for r in self._active if r.cancelled]:
                     self._release(r)
                 if ctl.admitting:
@@ -420,62 +364,23 @@ class LlamaCppEngine(LlamaCppLora, WorkerControl):
             self.close_lora()
             self.model.close()
 
-    def _pull(self, *, block: bool, timeout: float | None) -> list:
-        """Everything in the inbox; when ``block``, waits for the first item (at most ``timeout`` s)."""
-        items = []
-        try:
-            if block:
-                items.append(self._inbox.get(timeout=timeout))
-            while True:
-                items.append(self._inbox.get_nowait())
-        except queue.Empty:
-            return items
+    def _running(self) -> list[_Request]:
+        return self._active
 
-    def _command(self, cmd: Command) -> None:
-        ctl = self._control
-        try:
-            if cmd.kind == "pause":
-                ctl.pause(cmd)  # answered by ctl.settle once it has taken effect
-                if cmd.mode == "abort":
-                    for r in list(self._active):  # the tokens sampled so far were emitted already
-                        r.emit(TokenDelta([], [], "abort"))
-                        self._release(r)
-            elif cmd.kind == "resume":
-                ctl.resume()
-                cmd.future.set_result(None)
-            else:
-                version = ctl.new_weights(cmd, len(self._active))
-                if cmd.apply is not None:
-                    self._invalidate()
-                ctl.stale = False  # nothing else goes stale: only this process changes the weights
-                cmd.future.set_result(version)
-        except Exception as exc:  # noqa: BLE001 - reported to the caller, never kills the worker
-            if not cmd.future.done():
-                cmd.future.set_exception(exc)
+    def _abort_running(self) -> None:
+        for r in list(self._active):
+            r.emit(TokenDelta([], [], "abort"))
+            self._release(r)
 
-    def _invalidate(self) -> None:
-        """The weights changed: drop every cached KV entry; running sequences are recomputed from
-        their tokens by the next steps (their pending tokens are then all of them)."""
-        self.ctx.clear()
-        for slot in self._slots:
-            slot.cached = []
-
-    def _drain(self) -> None:
-        err = EngineError("the engine shut down during generation")
-        self._control.fail_all(err)
-        for r in [*self._active, *self._waiting]:
-            r.emit(err)
-        self._active.clear()
-        self._waiting.clear()
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, Command):
-                item.future.set_exception(err)
-            elif item is not None:
-                item.emit(err)
+    def _weights_changed(self, cmd: Command) -> None:
+        """New weights (a GGUF file or an adapter): every cached KV entry is stale. Dropped here;
+        running sequences are recomputed from their tokens by the next steps (all their tokens are
+        then pending). A version name alone (``apply`` None) changes nothing llama.cpp computes."""
+        if cmd.apply is not None:
+            self.ctx.clear()
+            for slot in self._slots:
+                slot.cached = []
+        self._control.stale = False  # recomputation is the pending tokens, not a separate pass
 
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_batch_size:
@@ -583,6 +488,7 @@ class LlamaCppEngine(LlamaCppLora, WorkerControl):
         norm = float(log_normalizer(logits)[0])
         tok = sample_next(logits, req.sampling, req.rng)
         req.tokens.append(tok)
+        req.known.append(tok)
         finish: FinishReason | None = None
         if tok in req.stop_ids:
             finish = "stop"

@@ -22,7 +22,7 @@ from typing import Any
 from gymserve.engine.base import WeightVersion
 from gymserve.engine.control import Command, check_version
 from gymserve.engine.llamacpp_runtime import LlamaLora
-from gymserve.engine.lora import check_lora_name
+from gymserve.engine.lora import check_lora_name, refuse_second_adapter
 from gymserve.errors import ConflictError, EngineError, InvalidRequestError, NotFoundError, WeightUpdateError
 
 
@@ -100,20 +100,7 @@ class LlamaCppLora:
         state = self._lora_state
         async with state["lock"]:
             cur: _Loaded | None = state["loaded"]
-            if cur is not None and not load_inplace:
-                if cur.name == lora_name:
-                    raise InvalidRequestError(
-                        f"The lora adapter '{lora_name}' has already been loaded; load it with "
-                        "load_inplace: true to replace its weights",
-                        param="lora_name",
-                        code="lora_adapter_loaded",
-                    )
-                raise ConflictError(
-                    f"LoRA adapter {lora_name!r} refused: adapter {cur.name!r} is loaded, and this engine "
-                    "serves one adapter at a time. Unload it first (POST /v1/unload_lora_adapter), or load "
-                    "with load_inplace: true to swap in one update",
-                    code="lora_slot_taken",
-                )
+            refuse_second_adapter(cur.name if cur else None, lora_name, load_inplace, serving="is loaded")
             source = str(lora_path) if lora_path is not None else "tensors"
             adapter = await asyncio.to_thread(self._read_lora, lora_path, tensors, config)
             try:
