@@ -43,7 +43,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import llamacpp_peers  # noqa: E402
-from engine_configs import HttpServer, RawGenerate, messages, start_gymserve, start_peer  # noqa: E402
+from engine_configs import (  # noqa: E402
+    HttpServer,
+    RawGenerate,
+    messages,
+    prefill_messages,
+    start_gymserve,
+    start_peer,
+)
 
 
 def _summary(name: str, streams: int, tokens: int, latencies: list[float], wall: float) -> dict[str, Any]:
@@ -60,6 +67,8 @@ def _summary(name: str, streams: int, tokens: int, latencies: list[float], wall:
 
 # ---------------------------------------------------------------------------------- the run
 def _starters(args, model_dir: Path, gguf: Path, threads: int) -> list[tuple[str, Any]]:
+    from gymserve.engine.gguf_store import resolve_gguf_model
+
     install = not args.no_install
     starters: list[tuple[str, Any]] = []
     if not args.no_transformers:
@@ -67,6 +76,13 @@ def _starters(args, model_dir: Path, gguf: Path, threads: int) -> list[tuple[str
             ("raw generate", lambda: RawGenerate(model_dir, threads)),
             ("gymserve transformers", lambda: start_gymserve(model_dir, threads)),
         ]
+    tok_dir = resolve_gguf_model(str(gguf)).path
+    starters.append(
+        (
+            "raw llama.cpp loop",
+            lambda: llamacpp_peers.RawLlama(gguf, tok_dir, threads, messages, prefill_messages),
+        )
+    )
     starters.append(("gymserve llamacpp", lambda: llamacpp_peers.start_gymserve_llamacpp(gguf, threads, HttpServer)))
     if args.no_peer:
         return starters
@@ -118,7 +134,7 @@ def run(args) -> dict[str, Any]:
 
     model_dir = Path(args.model) if args.model else embedded_model_dir()
     gguf = Path(args.gguf) if args.gguf else embedded_gguf()
-    threads = os.cpu_count() or 1
+    threads = args.threads or os.cpu_count() or 1
     max_tokens = args.max_tokens or (16 if args.quick else 48)
     rounds = args.reps or (1 if args.quick else 2)
     info = common.machine()
@@ -148,7 +164,7 @@ def run(args) -> dict[str, Any]:
                 n, dt = cfg.prefill(f"round {r} {time.time_ns()}")
                 prefill.setdefault(cfg.name, []).append(n / dt)
             bandwidth.append(llamacpp_peers.copy_bandwidth())
-        rss = {cfg.name: round(cfg.rss()) for cfg in configs}
+        rss = {cfg.name: round(cfg.rss()) for cfg in configs if cfg.rss() == cfg.rss()}  # NaN: not its own process
     finally:
         for cfg in reversed(configs):
             cfg.close()
@@ -277,7 +293,10 @@ def targets(res: dict[str, Any]) -> list[str]:
     gt1, gt8 = _get(rows, "gymserve transformers", 1), _get(rows, "gymserve transformers", 8)
     gl1, gl8 = _get(rows, "gymserve llamacpp", 1), _get(rows, "gymserve llamacpp", 8)
     ls1, ls8 = _get(rows, "llama-server -np 8", 1), _get(rows, "llama-server -np 8", 8)
+    raw1, raw8 = _get(rows, "raw llama.cpp loop", 1), _get(rows, "raw llama.cpp loop", 8)
     lines = [
+        _ratio_line(gl1, raw1, 0.9, "1 stream: gymserve llamacpp ÷ raw llama.cpp loop"),
+        _ratio_line(gl8, raw8, 0.9, "8 streams: gymserve llamacpp ÷ raw llama.cpp loop"),
         _ratio_line(gl1, ls1, 0.9, "1 stream: gymserve llamacpp ÷ llama-server"),
         _ratio_line(gl8, ls8, 0.9, "8 streams: gymserve llamacpp ÷ llama-server -np 8"),
         _ratio_line(gl1, gt1, 4.0, "1 stream: gymserve llamacpp ÷ gymserve transformers"),
@@ -311,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-transformers", action="store_true", help="skip raw generate, gymserve transformers and its peers"
     )
     p.add_argument("--no-gap", action="store_true", help="skip the log-prob gap measurement")
+    p.add_argument("--threads", type=int, help="threads for every configuration (default: nproc)")
     p.add_argument("--no-install", action="store_true", help="never build peer venvs (skip peers that are absent)")
     args = p.parse_args(argv)
     res = run(args)

@@ -67,6 +67,84 @@ def copy_bandwidth(mib: int = 512, reps: int = 3) -> float:
     return 2 * src.nbytes / best
 
 
+# ----------------------------------------------------------------------------------- raw loop
+class RawLlama:
+    """llama.cpp's ceiling in this process: a greedy decode loop on ``llamacpp_runtime`` with no
+    engine around it (8 streams: 8 sequences decoded in one ``llama_decode`` per step), what the
+    llamacpp engine's scheduling, sampling and HTTP are measured against. Its memory is this
+    process's, shared with ``raw generate``, so no RSS is reported for it."""
+
+    name = "raw llama.cpp loop"
+
+    def __init__(self, gguf: Path, tokenizer_dir: Path, threads: int, messages, prefill_messages):
+        import numpy as np
+        from transformers import AutoTokenizer
+
+        from gymserve.engine.llamacpp_runtime import LlamaContext, LlamaModel, RuntimeOptions
+
+        self.np = np
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.encode = lambda msgs: tok(
+            tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )["input_ids"]
+        self.prompts = [self.encode(messages(i)) for i in range(8)]
+        self.prefill_messages = prefill_messages
+        self.eos = tok.eos_token_id
+        self.model = LlamaModel(gguf)
+        self.ctx = LlamaContext(self.model, RuntimeOptions(n_ctx=8 * 2048, n_seq_max=8, n_threads=threads))
+
+    def _run(self, prompts: list[list[int]], n: int) -> tuple[int, list[float], float]:
+        ctx, np = self.ctx, self.np
+        ctx.clear()
+        t0 = time.perf_counter()
+        toks, pos, seqs, want = [], [], [], []
+        for s, p in enumerate(prompts):
+            toks += p
+            pos += range(len(p))
+            seqs += [s] * len(p)
+            want += [False] * (len(p) - 1) + [True]
+        logits = ctx.decode(toks, pos, seqs, want)
+        nxt = [int(np.argmax(row)) for row in logits]
+        lens = [len(p) for p in prompts]
+        done = [False] * len(prompts)
+        count = [1] * len(prompts)
+        for _ in range(n - 1):
+            live = [s for s in range(len(prompts)) if not done[s] and nxt[s] != self.eos]
+            for s in range(len(prompts)):
+                done[s] = done[s] or nxt[s] == self.eos
+            if not live:
+                break
+            logits = ctx.decode([nxt[s] for s in live], [lens[s] for s in live], live, [True] * len(live))
+            for s, row in zip(live, logits):
+                lens[s] += 1
+                nxt[s] = int(np.argmax(row))
+                count[s] += 1
+        dt = time.perf_counter() - t0
+        return sum(count), [dt] * len(prompts), dt
+
+    def one(self, n: int):
+        return self._run(self.prompts[:1], n)
+
+    def eight(self, n: int):
+        return self._run(self.prompts, n)
+
+    def prefill(self, nonce: str) -> tuple[int, float]:
+        ids = self.encode(self.prefill_messages(nonce))
+        self.ctx.clear()
+        t0 = time.perf_counter()
+        for lo in range(0, len(ids), self.ctx.n_batch):
+            chunk = ids[lo : lo + self.ctx.n_batch]
+            self.ctx.decode(chunk, list(range(lo, lo + len(chunk))), [0] * len(chunk), [False] * len(chunk))
+        return len(ids), time.perf_counter() - t0
+
+    def rss(self) -> float:
+        return float("nan")
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
+
+
 # ----------------------------------------------------------------------------------- servers
 def start_gymserve_llamacpp(gguf: Path, threads: int, http_server):
     port = common.free_port()

@@ -10,7 +10,16 @@ from __future__ import annotations
 from gymserve.engine.base import Engine, Generation, SamplingParams, TokenDelta
 from gymserve.registry import Registry
 
-__all__ = ["ENGINES", "Engine", "Generation", "SamplingParams", "TokenDelta", "create_engine", "resolve_engine_model"]
+__all__ = [
+    "ENGINES",
+    "Engine",
+    "Generation",
+    "SamplingParams",
+    "TokenDelta",
+    "create_engine",
+    "load_engine_tokenizer",
+    "resolve_engine_model",
+]
 
 ENGINES: Registry = Registry("engine")
 ENGINES.register(
@@ -37,6 +46,18 @@ def create_engine(config, resolved) -> Engine:
     and ``ImportError`` naming the package to install when the engine's library is missing.
     """
     return ENGINES.get(config.engine).from_config(config, resolved)
+
+
+def load_engine_tokenizer(config, resolved):
+    """The tokenizer of ``resolved`` (a ``ResolvedModel``) as ``config.engine`` loads it: the
+    engine's ``load_tokenizer(path)`` when it has one (``llamacpp``: without importing torch), else
+    ``AutoTokenizer.from_pretrained(path)``."""
+    loader = getattr(ENGINES.get(config.engine), "load_tokenizer", None)
+    if loader is not None:
+        return loader(resolved.path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolved.path))
 
 
 def resolve_engine_model(config):

@@ -167,6 +167,20 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
 
         return resolve_gguf_model(spec)
 
+    @staticmethod
+    def load_tokenizer(path: str | os.PathLike):
+        """The tokenizer in ``path`` as ``PreTrainedTokenizerFast`` (its ``tokenizer.json``, chat
+        template and special tokens: what ``AutoTokenizer`` gives for Qwen2 and other fast
+        tokenizers), loaded without the model classes, so this engine's process never imports torch.
+        Falls back to ``AutoTokenizer`` for a directory without ``tokenizer.json``."""
+        if (Path(path) / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+
     @classmethod
     def from_config(cls, config, resolved) -> LlamaCppEngine:
         """The engine for a ``LocalBackendConfig`` and a ``ResolvedModel`` with ``gguf`` set."""
