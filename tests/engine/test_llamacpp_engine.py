@@ -230,3 +230,29 @@ def test_refusals_name_the_cause(tiny_gguf_dir, tmp_path):
             _run(eng.generate(list(range(1000, 1064)), GREEDY))
     finally:
         _run(eng.close())
+
+
+def test_torch_free_tokenizer_is_the_auto_tokenizer(tiny_gguf_dir, tokenizer):
+    """The llamacpp engine's tokenizer (PreTrainedTokenizerFast, no torch) gives the IDs, chat
+    template, special tokens and decoding of AutoTokenizer's (the transformers engine's)."""
+    fast = LlamaCppEngine.load_tokenizer(tiny_gguf_dir)
+    texts = [
+        "hello world",
+        " leading space",
+        "你好世界 The answer is 4.",
+        "<|im_start|>user\nhi<|im_end|>",
+        "a\tb\n\n  c",
+    ]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert fast(text, add_special_tokens=False)["input_ids"] == ids
+        assert fast.decode(ids) == tokenizer.decode(ids)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    kw = dict(tools=tools, add_generation_prompt=True, tokenize=False)
+    assert fast.apply_chat_template(msgs, **kw) == tokenizer.apply_chat_template(msgs, **kw)
+    assert (fast.eos_token_id, fast.pad_token_id, fast.all_special_ids) == (
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        tokenizer.all_special_ids,
+    )
