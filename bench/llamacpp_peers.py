@@ -70,9 +70,10 @@ def copy_bandwidth(mib: int = 512, reps: int = 3) -> float:
 # ----------------------------------------------------------------------------------- raw loop
 class RawLlama:
     """llama.cpp's ceiling in this process: a greedy decode loop on ``llamacpp_runtime`` with no
-    engine around it (8 streams: 8 sequences decoded in one ``llama_decode`` per step), what the
-    llamacpp engine's scheduling, sampling and HTTP are measured against. Its memory is this
-    process's, shared with ``raw generate``, so no RSS is reported for it."""
+    engine around it (8 streams: 8 sequences decoded in one ``llama_decode`` per step; prompts
+    cached between runs, as the servers cache them), what the llamacpp engine's scheduling,
+    sampling and HTTP are measured against. Its memory is this process's, shared with ``raw
+    generate``, so no RSS is reported for it."""
 
     name = "raw llama.cpp loop"
 
@@ -91,27 +92,36 @@ class RawLlama:
         self.prefill_messages = prefill_messages
         self.eos = tok.eos_token_id
         self.model = LlamaModel(gguf)
-        self.ctx = LlamaContext(self.model, RuntimeOptions(n_ctx=8 * 2048, n_seq_max=8, n_threads=threads))
+        self.ctx = LlamaContext(self.model, RuntimeOptions(n_ctx=8 * 2048, n_seq_max=9, n_threads=threads))
+        self.cached: dict[int, list[int]] = {}  # sequence → the prompt whose KV it holds
 
     def _run(self, prompts: list[list[int]], n: int) -> tuple[int, list[float], float]:
+        """Greedy ``n`` tokens for each prompt, one ``llama_decode`` per step. A prompt whose KV is
+        cached from an earlier run is not prefilled again (as the servers' prompt caches do): only
+        its last token is fed, for the logits of the first new token."""
         ctx, np = self.ctx, self.np
-        ctx.clear()
         t0 = time.perf_counter()
-        toks, pos, seqs, want = [], [], [], []
+        toks: list[int] = []
+        pos: list[int] = []
+        seqs: list[int] = []
+        want: list[bool] = []
         for s, p in enumerate(prompts):
-            toks += p
-            pos += range(len(p))
-            seqs += [s] * len(p)
-            want += [False] * (len(p) - 1) + [True]
+            start = len(p) - 1 if self.cached.get(s) == p else 0
+            ctx.seq_rm(s, start, -1)
+            toks += p[start:]
+            pos += range(start, len(p))
+            seqs += [s] * (len(p) - start)
+            want += [False] * (len(p) - start - 1) + [True]
+            self.cached[s] = p
         logits = ctx.decode(toks, pos, seqs, want)
         nxt = [int(np.argmax(row)) for row in logits]
         lens = [len(p) for p in prompts]
         done = [False] * len(prompts)
         count = [1] * len(prompts)
         for _ in range(n - 1):
-            live = [s for s in range(len(prompts)) if not done[s] and nxt[s] != self.eos]
             for s in range(len(prompts)):
                 done[s] = done[s] or nxt[s] == self.eos
+            live = [s for s in range(len(prompts)) if not done[s]]
             if not live:
                 break
             logits = ctx.decode([nxt[s] for s in live], [lens[s] for s in live], live, [True] * len(live))
@@ -129,12 +139,14 @@ class RawLlama:
         return self._run(self.prompts, n)
 
     def prefill(self, nonce: str) -> tuple[int, float]:
+        """Prompt tokens and seconds to prefill ``prefill_messages(nonce)`` (in sequence 8)."""
         ids = self.encode(self.prefill_messages(nonce))
-        self.ctx.clear()
+        self.ctx.seq_rm(8)
         t0 = time.perf_counter()
         for lo in range(0, len(ids), self.ctx.n_batch):
             chunk = ids[lo : lo + self.ctx.n_batch]
-            self.ctx.decode(chunk, list(range(lo, lo + len(chunk))), [0] * len(chunk), [False] * len(chunk))
+            self.ctx.decode(chunk, list(range(lo, lo + len(chunk))), [8] * len(chunk), [False] * len(chunk))
+        self.ctx.seq_rm(8)
         return len(ids), time.perf_counter() - t0
 
     def rss(self) -> float:

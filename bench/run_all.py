@@ -85,10 +85,16 @@ def write_docs(prefer_quick: bool = False) -> Path:
         _section(
             "engine",
             "Local engine throughput",
-            "gymserve's token-exact local backend over HTTP against the ceiling (`model.generate` in one "
-            "process; 8 streams as one left-padded batch) and against `transformers serve` with and "
-            "without `--continuous-batching` on the same safetensors copy of the embedded model. All "
-            "configurations are loaded first and measured in interleaved rounds. Script: `bench/engine.py`.",
+            "gymserve's token-exact local backend over HTTP, on each CPU engine, against its ceiling and "
+            "its peers, on the embedded model: the transformers engine against `model.generate` in one "
+            "process (8 streams as one left-padded batch) and `transformers serve` with and without "
+            "`--continuous-batching` on the fp32 safetensors copy; the llamacpp engine against a raw "
+            "llama.cpp decode loop in one process, llama.cpp's own `llama-server -np 8` and "
+            "llama-cpp-python's server on the GGUF file itself. *prefill tok/s*: a ~1,000-token prompt "
+            "no cache holds; *of bandwidth bound*: weight bytes read per decode step × steps/s ÷ a numpy "
+            "copy bandwidth measured in the same run. All configurations are loaded first and measured "
+            "in interleaved rounds. Script: `bench/engine.py` (`--llama-server PATH` names the binary, "
+            "built from the llama.cpp source llama-cpp-python vendors).",
             prefer_quick,
         ),
         _section(
