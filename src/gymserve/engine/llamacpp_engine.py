@@ -363,15 +363,15 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
                     return
                 for r in [r for r in self._active if r.cancelled]:
                     self._release(r)
-                if ctl.admitting:
-                    self._admit()
-                if self._active and ctl.decoding:
-                    try:
+                try:
+                    if ctl.admitting:
+                        self._admit()
+                    if self._active and ctl.decoding:
                         self._step()
-                    except Exception as exc:  # noqa: BLE001 - reported to the callers, never kills the worker
-                        for r in list(self._active):
-                            r.emit(exc)
-                            self._release(r, forget=True)
+                except Exception as exc:  # noqa: BLE001 - reported to the callers, never kills the worker
+                    for r in list(self._active):
+                        r.emit(exc)
+                        self._release(r, forget=True)
                 ctl.settle(len(self._active))
         finally:
             self.ctx.close()
