@@ -256,3 +256,38 @@ def test_torch_free_tokenizer_is_the_auto_tokenizer(tiny_gguf_dir, tokenizer):
         tokenizer.pad_token_id,
         tokenizer.all_special_ids,
     )
+
+
+def test_keep_pause_and_update_continue_the_call_on_the_new_weights(tiny_model_dir, tiny_gguf_dir, tmp_path):
+    """A call frozen by a keep pause across a GGUF weight update continues on the new weights: its
+    tokens carry the version that sampled them, and each token's log-prob is teacher forcing's on
+    that version's weights (the KV cache was recomputed on the new weights, not reused)."""
+    new_dir = _perturbed_gguf(tiny_model_dir, tiny_gguf_dir, tmp_path)
+    eng = _engine(tiny_gguf_dir)
+    p = _prompts()[3]
+
+    async def run():
+        stream = eng.stream(p, SamplingParams(max_tokens=40, temperature=1.0, seed=5))
+        got = []
+        async for delta in stream:
+            got.append(delta)
+            if len(got) == 10:
+                await eng.pause_generation("keep")
+                await eng.update_weights(path=new_dir / "model.gguf")
+                await eng.resume_generation()
+        return got
+
+    try:
+        deltas = _run(run())
+    finally:
+        _run(eng.close())
+    tokens = [t for d in deltas for t in d.token_ids]
+    lps = [x for d in deltas for x in d.log_probs]
+    versions = [d.weight_version for d in deltas]
+    k = versions.index(1)
+    assert set(versions[:k]) == {0} and set(versions[k:]) == {1} and 10 <= k < len(tokens) == 40
+    old = load_model(tiny_gguf_dir, "llamacpp").token_log_probs(p + tokens, len(p))
+    new = load_model(new_dir, "llamacpp").token_log_probs(p + tokens, len(p))
+    assert max(abs(a - b) for a, b in zip(old[:k], lps[:k])) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(new[k:], lps[k:])) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(old[k:], lps[k:])) > 1e-2  # the new weights really differ
