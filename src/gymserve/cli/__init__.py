@@ -136,8 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="VERSION=DIR",
-        help="the weights of one version (a model directory, or a LoRA adapter on --model); repeat per "
+        help="the weights of one version (a model directory, a .gguf with --engine llamacpp, or a LoRA adapter "
+        "on --model); repeat per "
         "version: each token is then checked on the version that sampled it",
+    )
+    ver.add_argument(
+        "--engine",
+        choices=("transformers", "llamacpp"),
+        default="transformers",
+        help="engine that served the rollouts and recomputes their log-probs (default: transformers)",
     )
     ver.add_argument(
         "--tolerance", type=float, default=1e-4, help="the largest |log-prob - teacher forcing| that passes"
@@ -252,5 +259,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "verify-rollouts":
         from gymserve.harness.verify import main_verify
 
-        return main_verify(args.path, model=args.model, tolerance=args.tolerance, weights=args.weights)
+        return main_verify(
+            args.path, model=args.model, tolerance=args.tolerance, weights=args.weights, engine=args.engine
+        )
     raise AssertionError(args.command)

@@ -175,7 +175,8 @@ ENGINE = (
         "backend.engine",
         {
             "choices": ENGINES.names(),
-            "help": "local inference engine: transformers (CPU, the default), vllm or trtllm (GPU)",
+            "help": "local inference engine: transformers (CPU, the default), llamacpp (CPU, GGUF weights), "
+            "vllm or trtllm (GPU)",
         },
         kinds=LOCAL,
     ),

@@ -53,7 +53,7 @@ EMBEDDED_PARTS = (
 )
 EMBEDDED_GGUF_SIZE = 491_400_064
 EMBEDDED_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-EMBEDDED_SAFETENSORS_SIZE = 2_520_702_368  # the fp32 copy; the GGUF is deleted once it is written
+EMBEDDED_SAFETENSORS_SIZE = 2_520_702_368  # the fp32 copy, written beside the GGUF (which stays)
 # The one estimate of a cold preparation (assemble + convert) that messages and docs quote. Measured
 # cold, three times, on 2 cores: 99-100 s of CPU time (79 s user, 20 s sys), 3.9 GB peak RSS, which is
 # the wall time on free cores; 409 s, 609 s and 718 s wall while the cores were shared with 10-15
@@ -69,10 +69,13 @@ class ResolvedModel:
     """A model ready for ``AutoModelForCausalLM.from_pretrained(path)``.
 
     ``name`` is what ``/v1/models`` lists; ``path`` a directory with config, tokenizer and weights.
+    ``gguf``: the GGUF weights file, for engines that run GGUF itself (``gguf_store``); then
+    ``path`` holds the tokenizer.
     """
 
     name: str
     path: Path
+    gguf: Path | None = None
 
 
 def _pip_name(module: str) -> str:
@@ -288,7 +291,7 @@ def _build_embedded(tmp: Path) -> None:
         what="assembling the embedded model",
     )
     write_safetensors_copy(gguf, tmp, step=2, steps=4)
-    gguf.unlink()  # the safetensors copy is what later starts load
+    # The GGUF stays: the llamacpp engine serves it as it is (gguf_store.embedded_gguf).
 
 
 def embedded_model_dir() -> Path:
