@@ -10,7 +10,7 @@ from __future__ import annotations
 from gymserve.engine.base import Engine, Generation, SamplingParams, TokenDelta
 from gymserve.registry import Registry
 
-__all__ = ["ENGINES", "Engine", "Generation", "SamplingParams", "TokenDelta", "create_engine"]
+__all__ = ["ENGINES", "Engine", "Generation", "SamplingParams", "TokenDelta", "create_engine", "resolve_engine_model"]
 
 ENGINES: Registry = Registry("engine")
 ENGINES.register(
@@ -31,3 +31,12 @@ def create_engine(config, resolved) -> Engine:
     and ``ImportError`` naming the package to install when the engine's library is missing.
     """
     return ENGINES.get(config.engine).from_config(config, resolved)
+
+
+def resolve_engine_model(config):
+    """``config.model`` resolved the way ``config.engine`` loads it: a GGUF file for engines with a
+    ``resolve_model`` classmethod (``llamacpp``), else ``model_store.resolve_model``'s directory."""
+    from gymserve.engine.model_store import resolve_model
+
+    resolver = getattr(ENGINES.get(config.engine), "resolve_model", None) or resolve_model
+    return resolver(config.model)

@@ -21,6 +21,9 @@ import sys
 import time
 from typing import Any, TextIO
 
+DEMO_MODEL = "embedded"
+"""The model ``gymserve demo`` serves unless ``--model`` names another."""
+
 DEMO_REQUESTS = (
     "What's the weather in Paris?",
     "Is it raining in Tokyo right now?",
@@ -111,6 +114,7 @@ def run_demo(
     model: str | None = None,
     max_output_tokens: int = 128,
     *,
+    engine: str | None = None,
     verify_model: str | None = None,
     requests: tuple[str, ...] | list[str] = DEMO_REQUESTS,
     max_steps: int = 3,
@@ -119,37 +123,40 @@ def run_demo(
 ) -> int:
     """Run the demo; return the exit code.
 
-    ``base_url`` None: serve ``model`` (a model spec for ``resolve_model``; default the embedded
-    model) in process with temperature 0, and teacher-force on the same weights. Otherwise
-    ``model`` is the model name to request (default: the first listed) and ``verify_model`` a local
-    model spec for teacher forcing (skipped when None).
+    ``base_url`` None: serve ``model`` (a ``--model`` spec: an embedded model's name, a directory or
+    a .gguf; default ``DEMO_MODEL``) in process on ``engine`` (default: the local backend's) with
+    temperature 0, and teacher-force on the same weights and engine. Otherwise ``model`` is the
+    model name to request (default: the first listed) and ``verify_model`` a local model spec for
+    teacher forcing (skipped when None).
 
     Exit 0 when every rollout is token-contiguous and the log-probs match within ``tolerance``
     (checks that could not run — no token fields, no local model — are reported and do not fail);
     1 when a check fails or a rollout errored; 2 when the model or endpoint could not be used.
     """
+    from gymserve.config import LocalBackendConfig
+
     out = out or sys.stdout
     server = None
     teacher_spec: str | None = verify_model
+    engine = engine or LocalBackendConfig.model_fields["engine"].default
     try:
         if base_url is None:
-            from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, ServerConfig
-            from gymserve.engine.model_store import resolve_model
+            from gymserve.config import GymserveConfig, SamplingConfig, ServerConfig
+            from gymserve.engine import resolve_engine_model
             from gymserve.server.run import start_background_server
 
-            # The model store says on stderr, with its estimate, when a first run prepares the model.
-            print("preparing the model (the first run assembles and converts the embedded model)...", file=out)
-            resolved = resolve_model(model)
-            teacher_spec = str(resolved.path)
-            t0 = time.perf_counter()
-            server = start_background_server(
-                GymserveConfig(
-                    backend=LocalBackendConfig(
-                        model=str(resolved.path), sampling=SamplingConfig(temperature=0.0, seed=0)
-                    ),
-                    server=ServerConfig(port=0),
-                )
+            teacher_spec = model or DEMO_MODEL
+            backend = LocalBackendConfig(
+                model=teacher_spec, engine=engine, sampling=SamplingConfig(temperature=0.0, seed=0)
             )
+            # A first run prepares the model here, its progress on stderr; the server then finds it ready.
+            print(
+                f"preparing the model {teacher_spec} for the {engine} engine (once: the first run builds it)...",
+                file=out,
+            )
+            resolved = resolve_engine_model(backend)
+            t0 = time.perf_counter()
+            server = start_background_server(GymserveConfig(backend=backend, server=ServerConfig(port=0)))
             print(
                 f"serving {resolved.name} in process at {server.base_url} ({time.perf_counter() - t0:.1f} s to load)",
                 file=out,
@@ -172,14 +179,25 @@ def run_demo(
 
     gc.collect()
 
-    return _check(results, teacher_spec, tolerance, out)
+    return _check(results, teacher_spec, engine, tolerance, out)
 
 
-def _check(results: list[tuple[str, Any, Any]], teacher_spec: str | None, tolerance: float, out: TextIO) -> int:
+def _called_then_answered(run: Any) -> bool:
+    """Whether a rollout ended with a message after at least one function call (the demo's goal)."""
+    return run.stop_reason == "message" and any(it.get("type") == "function_call" for it in run.output)
+
+
+def _check(
+    results: list[tuple[str, Any, Any]], teacher_spec: str | None, engine: str, tolerance: float, out: TextIO
+) -> int:
     from gymserve.harness.verify import check_contiguity, load_model, rollout_log_prob_diffs
     from gymserve.protocol import TokenInfo
 
     print("\n=== checks", file=out)
+    answered = sum(_called_then_answered(run) for _, run, _ in results)
+    rewards = [reward for _, _, reward in results if reward is not None]
+    mean = f"{sum(rewards) / len(rewards):.2f}" if rewards else "n/a"
+    print(f"answers: {answered}/{len(results)} rollouts called the tool, then answered; mean reward {mean}", file=out)
     ok = True
     errored = [r for r, run, _ in results if run.error]
     if errored:
@@ -225,7 +243,12 @@ def _check(results: list[tuple[str, Any, Any]], teacher_spec: str | None, tolera
         )
     else:
         t0 = time.perf_counter()
-        lm = load_model(teacher_spec)
+        try:
+            lm = load_model(teacher_spec, engine)
+        except ValueError as exc:  # an engine without teacher forcing here: said, not failed
+            print(f"log-probs: teacher forcing skipped ({exc})", file=out)
+            print("verdict: " + ("PASS" if ok else "FAIL"), file=out)
+            return 0 if ok else 1
         diffs: list[float] = []
         for r, _ in token_runs:
             diffs += rollout_log_prob_diffs(lm, turns_of[r], contig[r].ok)

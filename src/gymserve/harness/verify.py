@@ -73,9 +73,12 @@ def check_contiguity(turns: Sequence[TokenInfo | None]) -> Contiguity:
 # Teacher forcing
 
 
-def load_model(spec: str | os.PathLike | None):
-    """A float32 causal LM in eval mode from ``spec`` (``None``/"embedded", a directory or a .gguf),
-    resolved by ``gymserve.engine.model_store.resolve_model``."""
+def load_model(spec: str | os.PathLike | None, engine: str = "transformers"):
+    """A float32 causal LM in eval mode from ``spec`` (``None``/"embedded", an embedded model's name,
+    a directory or a .gguf), resolved by ``gymserve.engine.model_store.resolve_model``: the
+    teacher-forcing model of the ``transformers`` engine. Raises ``ValueError`` for another engine."""
+    if engine != "transformers":
+        raise ValueError(f"teacher forcing runs on the transformers engine, not {engine!r}")
     import torch
     from transformers import AutoModelForCausalLM
 

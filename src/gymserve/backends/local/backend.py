@@ -73,10 +73,9 @@ class LocalBackend(LocalLora, LocalControl, Backend):
         bounds the requests waiting for the engine (``OverloadedError``, 429, beyond)."""
         from transformers import AutoTokenizer
 
-        from gymserve.engine import create_engine
-        from gymserve.engine.model_store import resolve_model
+        from gymserve.engine import create_engine, resolve_engine_model
 
-        resolved = resolve_model(config.model)
+        resolved = resolve_engine_model(config)
         tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
         engine = create_engine(config, resolved)
         return cls(config, engine, tokenizer, max_queue=max_queue)
