@@ -77,7 +77,7 @@ def test_resolve_model_prepares_the_named_model_in_its_own_entry(fake_15b, fake_
     big = resolve_model(NAME_15B)
     err = capfd.readouterr().err
     assert big.name == NAME_15B and big.path == model_cache / "embedded" / NAME_15B
-    assert f"preparing the embedded model {NAME_15B} in {big.path}: one time, about 5 minutes" in err
+    assert f"preparing the embedded model {NAME_15B} in {big.path}: one time, about 2.5 minutes" in err
     assert "[1/4] assembling the GGUF from 22 wheels: done in" in err
     digest = (big.path / "model.safetensors").read_bytes()
     assert __import__("hashlib").sha256(digest).hexdigest() == expected_result(fake_15b)
