@@ -129,8 +129,8 @@ def run(args) -> dict[str, Any]:
     """All configurations loaded at once, then measured in interleaved rounds (1 stream for each,
     then 8 streams for each, then a prefill for each), so a change in the machine's load hits all
     of them alike; then the llamacpp engine's log-prob gap, in this process."""
-    from gymserve.engine.gguf_store import embedded_gguf, resolve_gguf_model
-    from gymserve.engine.model_store import embedded_model_dir
+    from gymserve.engine.gguf_store import resolve_gguf_model
+    from gymserve.engine.model_store import embedded_gguf, embedded_model_dir
 
     model_dir = Path(args.model) if args.model else embedded_model_dir()
     gguf = Path(args.gguf) if args.gguf else embedded_gguf()

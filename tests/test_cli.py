@@ -389,10 +389,10 @@ def test_an_unexpected_error_is_one_line_and_a_traceback_file(crashing_store, ca
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    # What failed and where: the demo's step that called the (here broken) model store.
+    # What failed and where: the step that called the (here broken) model store for the demo.
     assert re.match(
-        r"gymserve demo: unexpected error at gymserve/harness/demo\.py:\d+ in run_demo: TypeError: expected str, "
-        r"bytes or os\.PathLike object, not NoneType; ",
+        r"gymserve demo: unexpected error at gymserve/engine/__init__\.py:\d+ in resolve_engine_model: TypeError: "
+        r"expected str, bytes or os\.PathLike object, not NoneType; ",
         lines[0],
     ), lines[0]
     logs = list(crashing_store.glob("demo-*.log"))

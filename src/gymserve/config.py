@@ -122,7 +122,8 @@ class SamplingConfig(_Model):
 
 
 class LocalBackendConfig(_ServedModelNames):
-    """The engine runs in this process (token-exact). ``model``: "embedded", a directory or a .gguf."""
+    """The engine runs in this process (token-exact). ``model``: "embedded", an embedded model's name
+    (``engine.embedded_models``), a directory or a .gguf."""
 
     type: Literal["local"] = "local"
     model: str = "embedded"

@@ -299,10 +299,12 @@ def test_demo_local_tiny_model(tiny_model_dir):
 
 @pytest.mark.real_model
 def test_demo_real_model(capsys):
-    """The embedded model end to end: it calls get_weather, answers, and the rollout is token-exact."""
+    """The embedded 0.5B model (the one the real-model tests share) end to end: it calls get_weather,
+    and the two-turn rollout is token-exact. (It then calls the tool again instead of answering,
+    which is why the demo itself runs the 1.5B model.)"""
     from gymserve.harness.demo import run_demo
 
-    code = run_demo(max_output_tokens=48, requests=("What's the weather in Paris?",), max_steps=2)
+    code = run_demo(model="embedded", max_output_tokens=48, requests=("What's the weather in Paris?",), max_steps=2)
     text = capsys.readouterr().out
     assert code == 0, text
     assert "function_call: get_weather(" in text and "--- turn 2: prompt" in text

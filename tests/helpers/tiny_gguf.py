@@ -26,7 +26,10 @@ def _byte_tokens() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write the tiny model to ``path`` (a ``.gguf`` file of about 0.2 MB) and return ``path``."""
     import gguf
 
@@ -51,7 +54,7 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     w.add_bos_token_id(vocab - 3)
     w.add_eos_token_id(vocab - 1)
     w.add_pad_token_id(vocab - 3)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    w.add_chat_template(chat_template)
     rng = np.random.default_rng(seed)
 
     def t(name: str, *shape: int) -> None:

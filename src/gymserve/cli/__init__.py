@@ -31,6 +31,7 @@ from gymserve.cli.flags import (
     config_from_args,
     serve_overrides,
 )
+from gymserve.engine import ENGINES
 
 __all__ = ["build_parser", "config_from_args", "main", "run_server", "serve_overrides", "version"]
 
@@ -110,7 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="run the weather agent on the embedded model and verify the rollout", **sub_options
     )
     demo.add_argument("--base-url", help="use a running Responses endpoint instead of the embedded model")
-    demo.add_argument("--model", help="model name at --base-url, or a local model for the in-process server")
+    demo.add_argument(
+        "--model",
+        help="model name at --base-url, or a local model for the in-process server (an embedded model's name, "
+        "a directory or a .gguf; default: the demo's model)",
+    )
+    demo.add_argument(
+        "--engine",
+        choices=ENGINES.names(),
+        help="local engine of the in-process server, which also teacher-forces (default: the local backend's)",
+    )
     demo.add_argument("--verify-model", help="local model directory for teacher forcing with --base-url")
     demo.add_argument("--max-output-tokens", type=int, help="per model call (default: run_demo's)")
 
@@ -240,7 +250,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         from gymserve.harness.demo import run_demo
 
         kwargs = {"max_output_tokens": args.max_output_tokens} if args.max_output_tokens else {}
-        return run_demo(base_url=args.base_url, model=args.model, verify_model=args.verify_model, **kwargs)
+        return run_demo(
+            base_url=args.base_url, model=args.model, engine=args.engine, verify_model=args.verify_model, **kwargs
+        )
     if args.command == "rollout":
         from gymserve.harness.rollout import main_rollout
 

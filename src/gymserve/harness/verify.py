@@ -81,8 +81,8 @@ def check_contiguity(turns: Sequence[TokenInfo | None]) -> Contiguity:
 
 
 def load_model(spec: str | os.PathLike | None, engine: str = "transformers"):
-    """The teacher-forcing model of ``engine`` for ``spec`` (``None``/"embedded", a directory or a
-    .gguf): for ``transformers`` a float32 causal LM in eval mode, resolved by
+    """The teacher-forcing model of ``engine`` for ``spec`` (``None``/"embedded", an embedded model's
+    name, a directory or a .gguf): for ``transformers`` a float32 causal LM in eval mode, resolved by
     ``gymserve.engine.model_store.resolve_model``; for ``llamacpp`` a ``LlamaCppScorer`` over the
     GGUF file ``gguf_store.resolve_gguf_model`` finds. Raises ``ValueError`` for another engine."""
     if engine == "llamacpp":
