@@ -65,6 +65,7 @@ def test_every_sample_is_generated_by_the_script():
 DEMO_GRAMMAR = [
     ("serving", r"serving (?P<name>\S+) in process at (?P<url>http://127\.0\.0\.1:\d+/v1) \([\d.]+ s to load\)"),
     ("model", r"model (?P<name>\S+) at (?P<url>\S+); running (?P<n>\d+) requests with the weather tools"),
+    ("rollouts", r"rollouts: (?P<n>\d+) in [\d.]+ s \(run at once\)"),
     ("checks", r"=== checks"),
     ("request", r"=== (?P<request>.+)"),
     (
@@ -83,9 +84,10 @@ DEMO_GRAMMAR = [
     ("contiguity", r"contiguity: (?P<ok>\d+)/(?P<total>\d+) rollouts token-contiguous \((?P<multi>\d+) multi-turn\)"),
     (
         "log_probs",
-        r"log-probs: (?P<k>\d+) generated tokens teacher-forced, max \|diff\| = (?P<diff>\S+) "
-        r"\(tolerance (?P<tol>\S+), [\d.]+ s\)",
+        r"log-probs: (?P<k>\d+) generated tokens teacher-forced on the served weights, max \|diff\| = "
+        r"(?P<diff>\S+) \(tolerance (?P<tol>\S+), [\d.]+ s\)",
     ),
+    ("tolerance", r"  tolerance (?P<tol>\S+): (?P<why>.+)"),
     ("verdict", r"verdict: (?P<verdict>PASS|FAIL)"),
     ("blank", r""),
 ]
@@ -114,14 +116,15 @@ def parse_demo(text: str) -> dict:
             rollout["turns"][-1]["items"].append((kind, g))
         elif kind == "stop":
             rollout["stop"] = g
-        elif kind in ("answers", "contiguity", "log_probs", "verdict"):
+        elif kind in ("answers", "contiguity", "log_probs", "tolerance", "verdict", "rollouts"):
             out["checks"][kind] = g
     return out
 
 
 @pytest.fixture(scope="module")
-def tiny_demo(tiny_model_dir) -> str:
-    """What ``gymserve demo`` prints on the tiny model: the current code's output format."""
+def tiny_demo(tiny_gguf_dir) -> str:
+    """What ``gymserve demo`` prints on the tiny model (its GGUF, on the demo's llamacpp engine):
+    the current code's output format."""
     import contextlib
     import io
 
@@ -129,7 +132,7 @@ def tiny_demo(tiny_model_dir) -> str:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["demo", "--model", str(tiny_model_dir), "--max-output-tokens", "8"])
+        code = main(["demo", "--model", str(tiny_gguf_dir), "--max-output-tokens", "8"])
     assert code == 0, out.getvalue()
     return out.getvalue()
 
@@ -148,7 +151,8 @@ def test_demo_sample_is_in_the_demos_format(tiny_demo):
     assert sorted(r["request"] for r in sample["rollouts"]) == sorted(r["request"] for r in now["rollouts"]), (
         "the demo's requests changed: run scripts/gen_samples.py demo"
     )
-    assert set(sample["checks"]) == set(now["checks"]) == {"answers", "contiguity", "log_probs", "verdict"}
+    checks = {"answers", "contiguity", "log_probs", "tolerance", "verdict", "rollouts"}
+    assert set(sample["checks"]) == set(now["checks"]) == checks
 
 
 def test_demo_sample_counts_agree():
@@ -194,6 +198,11 @@ def test_demo_sample_counts_agree():
     lp = checks["log_probs"]
     assert int(lp["k"]) == sum(t["g"] for r in rollouts for t in r["turns"])
     assert float(lp["diff"]) <= float(lp["tol"]) and checks["verdict"]["verdict"] == "PASS"
+    # The tolerance is said with its reason: the documented one for the quantized GGUF on llama.cpp.
+    from gymserve.harness.verify import QUANTIZED_TOLERANCE
+
+    tol = checks["tolerance"]
+    assert float(tol["tol"]) == float(lp["tol"]) == QUANTIZED_TOLERANCE and "quantized weights" in tol["why"]
     documented = re.search(r"`stop_reason` \(([^)]*)\)", " ".join(prose_of(DOCS / "tutorial.md").split())).group(1)
     reasons = set(re.findall(r"`(\w+)`", documented))
     assert {r["stop"]["reason"] for r in rollouts} <= reasons, f"stop reasons beyond the documented {reasons}"

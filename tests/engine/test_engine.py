@@ -106,7 +106,10 @@ def test_top_logprobs_include_sampled_when_greedy(engine):
 def test_top_logprobs_leave_the_sampled_tokens_and_log_probs_unchanged(engine):
     from helpers.engine_contract import assert_top_logprobs_leave_sampling_unchanged
 
-    assert_top_logprobs_leave_sampling_unchanged(engine, _prompts()[1])
+    # llama.cpp rounds the same call's logits ~1e-8 differently with the batch shape (see
+    # tests/backends/test_stream_local.py); the other engines give the same numbers.
+    tol = 1e-6 if engine.engine_name == "llamacpp" else 0.0
+    assert_top_logprobs_leave_sampling_unchanged(engine, _prompts()[1], log_prob_tol=tol)
 
 
 def test_cancel_frees_the_slot(engine):

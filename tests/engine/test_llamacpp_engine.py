@@ -88,6 +88,54 @@ def test_next_turn_prefills_only_what_the_splice_appended(engine, scorer):
     assert max(abs(a - b) for a, b in zip(tf, gen2.log_probs)) <= 1e-4
 
 
+def test_rollouts_of_one_task_prefill_their_common_prefix_once(tiny_gguf_dir, scorer):
+    """Three calls at once whose prompts share 60 tokens (a task's system prompt and tools): the
+    first prefills them, the others wait one step and take its cells over (seq_cp), prefilling only
+    their own 5 tokens; tokens equal a pool without sharing, log-probs equal teacher forcing."""
+    shared = list(range(5000, 5060))
+    prompts = [shared + list(range(6000 + 10 * i, 6005 + 10 * i)) for i in range(3)]
+    plain = _engine(tiny_gguf_dir, engine_args={"kv_unified": False})
+    sharing = _engine(tiny_gguf_dir)
+    try:
+        want = _run(_all(plain, prompts))
+        got = _run(_all(sharing, prompts))
+        assert plain.stats["shared"] == 0 and plain.stats["prefilled"] == 3 * 65
+        assert sharing.stats["shared"] == 2 * 60 and sharing.stats["prefilled"] == 65 + 2 * 5
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        for p, g in zip(prompts, got):
+            tf = teacher_forced_log_probs(scorer, p, g.token_ids)
+            assert max(abs(a - b) for a, b in zip(tf, g.log_probs)) <= 1e-4
+        # A later call starting with the same prefix prefills only its own tokens (its sequence is
+        # one of the idle ones that hold the prefix).
+        before = dict(sharing.stats)
+        _run(sharing.generate(shared + [7000, 7001], GREEDY))
+        delta = {k: sharing.stats[k] - before.get(k, 0) for k in ("shared", "reused", "prefilled")}
+        assert delta["shared"] + delta["reused"] == 60 and delta["prefilled"] == 2
+    finally:
+        _run(plain.close())
+        _run(sharing.close())
+
+
+def test_teacher_forcer_shares_the_served_model_and_reuses_a_common_prefix(tiny_gguf_dir, engine, scorer):
+    """``teacher_forcer`` scores on the engine's loaded model (no second load) exactly as a scorer
+    that loads the file; scoring a sequence after one with a common prefix prefills only the rest
+    and gives the log-probs a fresh scorer gives."""
+    a = list(range(8000, 8050)) + list(range(100, 120))
+    b = list(range(8000, 8050)) + list(range(200, 230))
+    fresh = [load_model(tiny_gguf_dir, "llamacpp").token_log_probs(x, 50) for x in (a, b)]
+    forcer = engine.teacher_forcer()
+    try:
+        assert forcer.model is engine.model and forcer.quantized is False
+        got = [forcer.token_log_probs(x, 50) for x in (a, b)]
+        assert forcer._cached == b  # b's KV: a's first 49 positions were kept, the rest prefilled
+    finally:
+        forcer.close()
+    assert engine.model.ptr is not None  # closing the forcer leaves the served model alone
+    for g, f in zip(got, fresh):
+        assert len(g) == len(f) and max(abs(x - y) for x, y in zip(g, f)) <= 1e-6
+    assert _run(engine.generate(a[:10], GREEDY)).token_ids  # the engine still serves
+
+
 def test_full_kv_pool_evicts_and_preempts_without_changing_tokens(tiny_gguf_dir, engine):
     """A pool of 256 cells for 4 sequences of ~100 tokens: idle caches are evicted and the newest
     running sequence is preempted and recomputed, and every generation equals the unpressured one."""

@@ -118,11 +118,13 @@ def gguf_tensor_name(hf_name: str) -> str:
     raise KeyError(hf_name)
 
 
-def write_gguf_of_hf_model(model_dir: Path, path: Path) -> Path:
+def write_gguf_of_hf_model(model_dir: Path, path: Path, *, q8_0: bool = False) -> Path:
     """Write the Hugging Face Qwen2 model in ``model_dir`` (config.json, model.safetensors,
     tokenizer.json) as an F32 GGUF at ``path`` that llama.cpp loads: the same weights (so an engine on
     it can be compared with the transformers engine on ``model_dir``) and the same vocabulary, with
-    ``[PAD<id>]`` entries up to the config's ``vocab_size`` as convert_hf_to_gguf.py writes them."""
+    ``[PAD<id>]`` entries up to the config's ``vocab_size`` as convert_hf_to_gguf.py writes them.
+    ``q8_0``: the matrices as Q8_0 blocks instead (file type MOSTLY_Q8_0, as
+    ``convert_hf_to_gguf.py --outtype q8_0`` writes them): a quantized model."""
     import json
 
     import gguf
@@ -151,7 +153,7 @@ def write_gguf_of_hf_model(model_dir: Path, path: Path) -> Path:
     w.add_head_count_kv(int(cfg["num_key_value_heads"]))
     w.add_rope_freq_base(float(rope))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8_0 else gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
@@ -164,7 +166,12 @@ def write_gguf_of_hf_model(model_dir: Path, path: Path) -> Path:
     for name, value in state.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
-        w.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(value, dtype=np.float32))
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if q8_0 and value.ndim == 2:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_tensor_name(name), value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -20,6 +20,15 @@ full; then the least recently used idle sequences give theirs up, and when only 
 are left, the newest is preempted (its cells freed; it is recomputed from its tokens when cells are
 free again, as vLLM's recompute preemption does). Tokens already sent are never taken back.
 
+Prefix sharing across sequences (unified pool only): a prefilling sequence whose prompt starts with
+tokens another sequence already holds takes those cells over instead of computing them again
+(``llama_memory_seq_cp``: in the unified pool a cell may belong to several sequences, so this
+copies no data), and one that shares a prefix of at least ``SHARE_MIN_TOKENS`` with a sequence
+admitted before it, still prefilling, waits one step for that prefill. Rollouts of one task (the
+same system prompt and tools; a GRPO group's identical prompts) then prefill their common prefix
+once, as vLLM's automatic prefix caching and SGLang's radix cache do. The cells are what the
+sequence's own prefill would compute: same tokens, same positions.
+
 The control plane of a policy being trained (``engine.control``: pause modes, weight versions) runs
 on the worker between two decode steps. A weight update loads a new GGUF file (``update_weights(path=)``)
 or a LoRA adapter (``llamacpp_lora``); then every cached KV entry is dropped and running sequences
@@ -48,9 +57,11 @@ from gymserve.engine.llamacpp_runtime import (
     INSTALL_HINT,
     KVCacheFull,
     LlamaContext,
+    LlamaCppScorer,
     LlamaModel,
     RuntimeOptions,
     check_gguf,
+    common_prefix,
     log_normalizer,
 )
 from gymserve.engine.sampling_numpy import make_rng, sample_next, top_logprobs
@@ -133,16 +144,9 @@ class _Request(WorkerRequest):
         return self.known[len(self.slot.cached) :]
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix (a binary search over slice comparisons, which run in C)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+SHARE_MIN_TOKENS = 32
+"""A prefilling sequence waits a step for an earlier one's prefill when they share at least this
+many tokens it does not hold yet (less is not worth the delay of a step)."""
 
 
 class LlamaCppEngine(LlamaCppLora, WorkerEngine):
@@ -255,6 +259,21 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
         self._update_lock: asyncio.Lock | None = None
         self.stats: collections.Counter[str] = collections.Counter()  # prefilled / reused / decoded tokens, preemptions
         self._start_worker(self._run, "gymserve-llamacpp")
+
+    def teacher_forcer(self) -> LlamaCppScorer:
+        """Teacher forcing on the weights this engine serves, without loading them again: a
+        ``LlamaCppScorer`` sharing this engine's model (and LoRA adapter) with a context of its own.
+        Use it between calls (it computes beside the worker otherwise) and close it before the next
+        weight update, which frees the model it shares."""
+        loaded = self._lora_state["loaded"]
+        return LlamaCppScorer(
+            self.model,
+            n_threads=self.options.n_threads,
+            adapter=loaded.adapter if loaded is not None else None,
+            type_k=self.options.type_k,
+            type_v=self.options.type_v,
+            flash_attn=self.options.flash_attn,
+        )
 
     def _model_type(self) -> str | None:
         """``config.json``'s ``model_type`` in the tokenizer directory, else the GGUF's
@@ -402,7 +421,7 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
             if req.cancelled:
                 continue
             slot = self._pick_slot(req.known)
-            reuse = min(_common_prefix(slot.cached, req.known), len(req.known) - 1)
+            reuse = min(common_prefix(slot.cached, req.known), len(req.known) - 1)
             if reuse < len(slot.cached):
                 self.ctx.seq_rm(slot.seq_id, reuse, -1)
                 del slot.cached[reuse:]
@@ -414,7 +433,7 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
         """The free sequence whose cache shares the longest prefix with ``tokens``; among equals
         (no shared prefix included) an empty one, else the least recently used."""
         free = [s for s in self._slots if s.req is None]
-        return max(free, key=lambda s: (_common_prefix(s.cached, tokens), not s.cached, -s.used))
+        return max(free, key=lambda s: (common_prefix(s.cached, tokens), not s.cached, -s.used))
 
     def _release(self, req: _Request, *, forget: bool = False) -> None:
         """``req`` leaves the batch; its sequence keeps its cache for a later turn (``forget``: drop it)."""
@@ -428,15 +447,52 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
             slot.cached = []
         slot.req, slot.used, req.slot = None, next(self._released), None
 
+    def _share_prefix(self, req: _Request) -> None:
+        """Give ``req``'s sequence the cells of the longest prefix of its tokens that another
+        sequence holds beyond its own (unified pool: ``seq_cp`` tags the cells, copies nothing)."""
+        slot = req.slot
+        assert slot is not None
+        have, best, donor = len(slot.cached), len(slot.cached), None
+        for other in self._slots:
+            if other is not slot and len(other.cached) > best:
+                n = min(common_prefix(other.cached, req.known), len(req.known) - 1)
+                if n > best:
+                    best, donor = n, other
+        if donor is not None:
+            self.ctx.seq_cp(donor.seq_id, slot.seq_id, have, best)
+            slot.cached += req.known[have:best]
+            self.stats["shared"] += best - have
+
+    def _waits_for_prefix(self, req: _Request, earlier: list[_Request]) -> bool:
+        """Whether a sequence admitted before ``req`` is prefilling at least ``SHARE_MIN_TOKENS``
+        of ``req``'s tokens that ``req`` does not hold yet: ``req`` takes them over a step later."""
+        assert req.slot is not None
+        have = len(req.slot.cached)
+        for other in earlier:
+            assert other.slot is not None
+            shared = common_prefix(other.known, req.known)
+            if shared - have >= SHARE_MIN_TOKENS and len(other.slot.cached) < shared:
+                return True
+        return False
+
     def _plan(self) -> list[tuple[_Request, list[int], int]]:
         """This step's work: ``(request, tokens to feed, first position)``, decoding sequences
-        first, then prompt chunks in admission order, ``n_batch`` tokens in all."""
+        first, then prompt chunks in admission order, ``n_batch`` tokens in all; prefilling
+        sequences first take over the prefix other sequences hold (unified pool)."""
         budget = self.ctx.n_batch
-        plan = []
+        plan: list[tuple[_Request, list[int], int]] = []
+        share = self.options.kv_unified
+        prefilling: list[_Request] = []
         for req in sorted(self._active, key=lambda r: len(r.pending()) > 1):
             if budget == 0:
                 break
             assert req.slot is not None
+            if share and len(req.pending()) > 1:
+                self._share_prefix(req)
+                waits = self._waits_for_prefix(req, prefilling)
+                prefilling.append(req)
+                if waits and plan:
+                    continue
             todo = req.pending()[:budget]
             plan.append((req, todo, len(req.slot.cached)))
             budget -= len(todo)

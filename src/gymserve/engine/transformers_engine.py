@@ -138,6 +138,13 @@ class TransformersEngine(LoraEngine, WorkerEngine):
         self._batch = _Batch()
         self._start_worker(self._run, "gymserve-engine")
 
+    def teacher_forcer(self) -> Any:
+        """Teacher forcing on the weights this engine serves, without loading them again: the served
+        causal LM itself (float32 by default, a merged LoRA adapter included), which
+        ``harness.verify`` runs forward passes on. Use it between calls: a forward pass beside the
+        worker's shares its cores."""
+        return self.model
+
     def _new_request(self, prompt_ids: list[int], sampling: SamplingParams, **common: Any) -> _Request:
         return _Request(prompt_ids, sampling, generator=make_generator(sampling), **common)
 

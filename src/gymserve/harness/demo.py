@@ -7,9 +7,12 @@ teacher-forced recompute on the same weights. With ``base_url`` it runs the same
 Responses endpoint; teacher forcing then needs ``verify_model`` (a local copy of the policy model)
 and is skipped with a note otherwise.
 
-The demo serves the 1.5B embedded model (``DEMO_MODEL``, which says why); each rollout is printed
-as it ends, then how many called the tool and then answered. ``max_steps`` (default 3) bounds a
-model that keeps calling the tool. The token checks do not depend on the answers.
+The demo serves the 1.5B embedded model (``DEMO_MODEL``, which says why) on the llamacpp engine
+(``DEMO_ENGINE``); each rollout is printed as it ends, then how many called the tool and then
+answered. ``max_steps`` (default 3) bounds a model that keeps calling the tool. The token checks do
+not depend on the answers. Teacher forcing runs on the served engine's own loaded weights
+(``teacher_forcer``), so the model is loaded once; the tolerance fits the weights
+(``verify.tolerance_for``) and is printed with its reason.
 """
 
 from __future__ import annotations
@@ -27,6 +30,14 @@ three requests, it calls ``get_weather`` and then answers with the temperature o
 1.00), and on 7 of 8 wider weather questions; the 0.5B model calls the tool and then calls it again
 instead of answering, on every request and with every instruction, tool-output wording and
 ``tool_choice: none`` tried (``tool_choice: none`` only turns its repeated call into message text)."""
+
+DEMO_ENGINE = "llamacpp"
+"""The engine ``gymserve demo`` serves on unless ``--engine`` names another: llama.cpp on the GGUF
+file as it is, which starts in seconds with no conversion (the transformers engine first writes a
+7.1 GB fp32 copy of the 1.5B model, about 15 minutes on two busy cores) and decodes faster on a CPU.
+Its quantized weights' log-probs are checked at the tolerance its engine page documents."""
+
+DEMO_CONTEXT_WINDOW = 4096
 
 DEMO_REQUESTS = (
     "What's the weather in Paris?",
@@ -122,27 +133,29 @@ def run_demo(
     verify_model: str | None = None,
     requests: tuple[str, ...] | list[str] = DEMO_REQUESTS,
     max_steps: int = 3,
-    tolerance: float = 1e-4,
+    tolerance: float | None = None,
     out: TextIO | None = None,
 ) -> int:
     """Run the demo; return the exit code.
 
     ``base_url`` None: serve ``model`` (a ``--model`` spec: an embedded model's name, a directory or
-    a .gguf; default ``DEMO_MODEL``) in process on ``engine`` (default: the local backend's) with
-    temperature 0, and teacher-force on the same weights and engine. Otherwise ``model`` is the
+    a .gguf; default ``DEMO_MODEL``) in process on ``engine`` (default ``DEMO_ENGINE``) with
+    temperature 0, and teacher-force on the served engine's weights. Otherwise ``model`` is the
     model name to request (default: the first listed) and ``verify_model`` a local model spec for
-    teacher forcing (skipped when None).
+    teacher forcing on ``engine`` (default: the local backend's; skipped when None).
 
     Exit 0 when every rollout is token-contiguous and the log-probs match within ``tolerance``
-    (checks that could not run — no token fields, no local model — are reported and do not fail);
-    1 when a check fails or a rollout errored; 2 when the model or endpoint could not be used.
+    (None: ``verify.tolerance_for`` the teacher-forcing model, printed with its reason; checks that
+    could not run — no token fields, no local model — are reported and do not fail); 1 when a check
+    fails or a rollout errored; 2 when the model or endpoint could not be used.
     """
     from gymserve.config import LocalBackendConfig
 
     out = out or sys.stdout
     server = None
     teacher_spec: str | None = verify_model
-    engine = engine or LocalBackendConfig.model_fields["engine"].default
+    if engine is None:
+        engine = DEMO_ENGINE if base_url is None else LocalBackendConfig.model_fields["engine"].default
     try:
         if base_url is None:
             from gymserve.config import GymserveConfig, SamplingConfig, ServerConfig
@@ -151,7 +164,12 @@ def run_demo(
 
             teacher_spec = model or DEMO_MODEL
             backend = LocalBackendConfig(
-                model=teacher_spec, engine=engine, sampling=SamplingConfig(temperature=0.0, seed=0)
+                model=teacher_spec,
+                engine=engine,
+                sampling=SamplingConfig(temperature=0.0, seed=0),
+                # The demo's rollouts stay under 1,000 tokens; the 1.5B model's trained 32,768 would
+                # make the llamacpp engine allocate a 0.9 GB KV pool (and 0.6 s) for nothing.
+                context_window=DEMO_CONTEXT_WINDOW,
             )
             # A first run prepares the model here, its progress on stderr; the server then finds it ready.
             print(
@@ -166,7 +184,18 @@ def run_demo(
                 file=out,
             )
             base_url, model = server.base_url, None
+        t0 = time.perf_counter()
         name, results = asyncio.run(_run_agents(base_url, model, requests, max_output_tokens, max_steps, out))
+        print(f"rollouts: {len(results)} in {time.perf_counter() - t0:.1f} s (run at once)", file=out)
+        # The served engine's loaded weights teacher-force (no second copy); the engine is idle now.
+        forcer = getattr(getattr(getattr(server, "backend", None), "engine", None), "teacher_forcer", None)
+        served = forcer() if forcer else None
+        try:
+            return _check(results, teacher_spec, engine, tolerance, out, served=served)
+        finally:
+            close = getattr(served, "close", None)
+            if callable(close):
+                close()
     except Exception as exc:  # noqa: BLE001 - known failures are reported here; bugs go to the CLI's report
         from gymserve.failures import classify, report
 
@@ -176,14 +205,6 @@ def run_demo(
     finally:
         if server is not None:
             server.stop()
-    # Drop the served copy (the server object holds the backend, hence the weights) before the
-    # teacher-forcing copy loads: two copies of the model at once double peak memory.
-    server = None
-    import gc
-
-    gc.collect()
-
-    return _check(results, teacher_spec, engine, tolerance, out)
 
 
 def _called_then_answered(run: Any) -> bool:
@@ -192,9 +213,17 @@ def _called_then_answered(run: Any) -> bool:
 
 
 def _check(
-    results: list[tuple[str, Any, Any]], teacher_spec: str | None, engine: str, tolerance: float, out: TextIO
+    results: list[tuple[str, Any, Any]],
+    teacher_spec: str | None,
+    engine: str,
+    tolerance: float | None,
+    out: TextIO,
+    *,
+    served: Any = None,
 ) -> int:
-    from gymserve.harness.verify import check_contiguity, load_model, rollout_log_prob_diffs
+    """Print the checks of ``results`` and return the exit code. ``served``: the served engine's
+    teacher-forcing model (``teacher_forcer``), else ``teacher_spec`` is loaded on ``engine``."""
+    from gymserve.harness.verify import check_contiguity, load_model, rollout_log_prob_diffs, tolerance_for
     from gymserve.protocol import TokenInfo
 
     print("\n=== checks", file=out)
@@ -241,28 +270,36 @@ def _check(
         if not c.ok:
             print(f"  {results[i][0]!r}: turn {c.turn}: {c.reason}", file=out)
     ok = ok and n_ok == len(contig)
-    if teacher_spec is None:
+    if teacher_spec is None and served is None:
         print(
             "log-probs: teacher forcing skipped (pass --verify-model with a local copy of the policy model)", file=out
         )
     else:
         t0 = time.perf_counter()
-        try:
-            lm = load_model(teacher_spec, engine)
-        except ValueError as exc:  # an engine without teacher forcing here: said, not failed
-            print(f"log-probs: teacher forcing skipped ({exc})", file=out)
-            print("verdict: " + ("PASS" if ok else "FAIL"), file=out)
-            return 0 if ok else 1
+        if served is not None:
+            lm, where = served, "on the served weights"
+        else:
+            try:
+                lm, where = load_model(teacher_spec, engine), f"on {teacher_spec} ({engine})"
+            except ValueError as exc:  # an engine without teacher forcing here: said, not failed
+                print(f"log-probs: teacher forcing skipped ({exc})", file=out)
+                print("verdict: " + ("PASS" if ok else "FAIL"), file=out)
+                return 0 if ok else 1
+        why = None
+        if tolerance is None:
+            tolerance, why = tolerance_for(lm)
         diffs: list[float] = []
         for r, _ in token_runs:
             diffs += rollout_log_prob_diffs(lm, turns_of[r], contig[r].ok)
         md = max(diffs) if diffs else 0.0
         good = md <= tolerance
         print(
-            f"log-probs: {len(diffs)} generated tokens teacher-forced, max |diff| = {md:.3g} "
+            f"log-probs: {len(diffs)} generated tokens teacher-forced {where}, max |diff| = {md:.3g} "
             f"(tolerance {tolerance:g}, {time.perf_counter() - t0:.1f} s)" + ("" if good else "  FAIL"),
             file=out,
         )
+        if why:
+            print(f"  tolerance {tolerance:g}: {why}", file=out)
         ok = ok and good
     print("verdict: " + ("PASS" if ok else "FAIL"), file=out)
     return 0 if ok else 1
