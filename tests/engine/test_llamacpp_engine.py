@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -178,25 +177,9 @@ def test_pause_modes_and_versions(engine):
 
 
 def _perturbed_gguf(tiny_model_dir, tiny_gguf_dir, out, seed=1):
-    """The tiny model with noise on every weight, as a GGUF directory (another policy version)."""
-    from safetensors.numpy import load_file, save_file
+    from helpers.tiny_gguf import perturbed_gguf_dir
 
-    from helpers.tiny_gguf import write_gguf_of_hf_model
-
-    hf = out / "hf"
-    shutil.copytree(tiny_model_dir, hf)
-    rng = np.random.default_rng(seed)
-    state = load_file(str(hf / "model.safetensors"))
-    save_file(
-        {k: v + rng.standard_normal(v.shape).astype(v.dtype) * 0.05 for k, v in state.items()},
-        str(hf / "model.safetensors"),
-    )
-    gguf_dir = out / "gguf"
-    gguf_dir.mkdir()
-    write_gguf_of_hf_model(hf, gguf_dir / "model.gguf")
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(tiny_gguf_dir / name, gguf_dir / name)
-    return gguf_dir
+    return perturbed_gguf_dir(tiny_model_dir, tiny_gguf_dir, out, seed)
 
 
 def test_update_weights_from_a_gguf_file(tiny_model_dir, tiny_gguf_dir, tmp_path):

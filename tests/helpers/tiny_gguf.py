@@ -177,3 +177,26 @@ def write_gguf_of_hf_model(model_dir: Path, path: Path, *, q8_0: bool = False) -
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def perturbed_gguf_dir(tiny_model_dir: Path, tiny_gguf_dir: Path, out: Path, seed: int = 1) -> Path:
+    """The tiny model with noise (σ 0.05) on every weight, as a GGUF directory under ``out`` beside
+    ``tiny_gguf_dir``'s tokenizer files: another policy version for weight-update tests."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    hf = out / "hf"
+    shutil.copytree(tiny_model_dir, hf)
+    rng = np.random.default_rng(seed)
+    state = load_file(str(hf / "model.safetensors"))
+    save_file(
+        {k: v + rng.standard_normal(v.shape).astype(v.dtype) * 0.05 for k, v in state.items()},
+        str(hf / "model.safetensors"),
+    )
+    gguf_dir = out / "gguf"
+    gguf_dir.mkdir()
+    write_gguf_of_hf_model(hf, gguf_dir / "model.gguf")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_gguf_dir / name, gguf_dir / name)
+    return gguf_dir

@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--engine",
         choices=ENGINES.names(),
-        help="local engine of the in-process server, which also teacher-forces (default: the local backend's)",
+        help="local engine of the in-process server, which also teacher-forces (default: llamacpp; with "
+        "--base-url, the engine that teacher-forces --verify-model: transformers)",
     )
     demo.add_argument("--verify-model", help="local model directory for teacher forcing with --base-url")
     demo.add_argument("--max-output-tokens", type=int, help="per model call (default: run_demo's)")

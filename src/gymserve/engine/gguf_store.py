@@ -78,6 +78,16 @@ def gguf_tokenizer_dir(gguf: Path, out: Path) -> Path:
     )
 
 
+def gguf_file(spec: str | None) -> Path:
+    """The GGUF weights file ``--model`` names, without its tokenizer (what teacher forcing needs):
+    an embedded model's assembled file, a ``.gguf`` file, or the one in a directory. Raises
+    ``ModelStoreError`` as ``resolve_gguf_model`` does."""
+    embedded = find_embedded(spec)
+    if embedded is not None:
+        return embedded_gguf(embedded.name)
+    return find_gguf(Path(str(spec)).expanduser())
+
+
 def resolve_gguf_model(spec: str | None) -> ResolvedModel:
     """``--model`` for the llamacpp engine: ``ResolvedModel(name, path=tokenizer dir, gguf=file)``.
     Raises ``ModelStoreError`` naming the path and what to pass instead (gymserve never downloads)."""

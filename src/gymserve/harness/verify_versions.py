@@ -79,12 +79,10 @@ def _llamacpp_adapter_scorer(adapter: str | os.PathLike, base: str | None) -> An
     import tempfile
 
     from gymserve.engine.gguf_lora import write_gguf_lora
-    from gymserve.engine.gguf_store import resolve_gguf_model
+    from gymserve.engine.gguf_store import gguf_file
     from gymserve.engine.llamacpp_runtime import LlamaCppScorer, LlamaLora
 
-    gguf = resolve_gguf_model(base).gguf
-    assert gguf is not None
-    scorer = LlamaCppScorer(gguf)
+    scorer = LlamaCppScorer(gguf_file(base))
     with tempfile.TemporaryDirectory(prefix="gymserve-verify-lora-") as tmp:
         out = write_gguf_lora(adapter, Path(tmp) / "adapter.gguf", architecture=str(scorer.model.architecture))
         scorer.lora = LlamaLora(scorer.model, out)  # llama.cpp copies the adapter's tensors: the file may go
