@@ -178,20 +178,16 @@ def test_versions_served_by_the_llamacpp_engine_check_on_llama_cpp(tiny_model_di
         gens = asyncio.run(serve())
     finally:
         asyncio.run(eng.close())
-    rollouts = [
-        {
-            "id": str(g.weight_version),
-            "turns": [
-                {
-                    "prompt_token_ids": prompt,
-                    "generation_token_ids": g.token_ids,
-                    "generation_log_probs": g.log_probs,
-                    "weight_version": g.weight_version,
-                }
-            ],
+    rollouts = []
+    for g in gens:
+        (span,) = g.weight_version_spans  # each call ran on one version
+        turn = {
+            "prompt_token_ids": prompt,
+            "generation_token_ids": g.token_ids,
+            "generation_log_probs": g.log_probs,
+            "weight_version": span["version"],
         }
-        for g in gens
-    ]
+        rollouts.append({"id": str(span["version"]), "turns": [turn]})
     assert [r["id"] for r in rollouts] == ["0", "v1", "lora"]
     weights = parse_weights([f"0={tiny_gguf_dir}", f"v1={new}", f"lora={tmp_path / 'lora'}"])
     report = verify_by_version(rollouts, weights, base=str(tiny_gguf_dir), tolerance=1e-3, engine="llamacpp")
