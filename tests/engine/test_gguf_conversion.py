@@ -125,7 +125,7 @@ def test_demo_on_a_fresh_cache_beside_another_first_run(tmp_path, model_cache, m
     other: list[object] = []
     beside = threading.Thread(target=lambda: other.append(ms.embedded_model_dir()))
     beside.start()
-    code = run_demo(None, "embedded", 4, requests=("What's the weather in Paris?",), max_steps=1)
+    code = run_demo(None, "embedded", 4, engine="transformers", requests=("What's the weather in Paris?",), max_steps=1)
     beside.join(120)
     captured = capsys.readouterr()
     assert code == 0, captured.out + captured.err
