@@ -28,6 +28,7 @@ The cause of a failure is its class; ``code`` is only what the client reads, nev
         ├── UpstreamTokenIdsError      502 upstream_token_ids
         └── UpstreamConnectionError    502 upstream_connection_error
             ├── UpstreamUnreachableError 502 upstream_unreachable  [retried; the replica is marked down]
+            ├── NoReplicaError         502 no_replica              (every replica excluded or filtered out)
             └── UpstreamTimeoutError     504 upstream_timeout      (never retried: it may still run)
 
 ``retryable`` (a class attribute) is what the remote backends' caller retries. Errors cross process
@@ -286,6 +287,13 @@ class UpstreamUnreachableError(UpstreamConnectionError):
 
     code = "upstream_unreachable"
     retryable = True
+
+
+class NoReplicaError(UpstreamConnectionError):
+    """No replica of the pool can take the call: every one is excluded (it already failed this call)
+    or refused by a routing filter (loading new weights, not serving the call's weight version)."""
+
+    code = "no_replica"
 
 
 class UpstreamTimeoutError(UpstreamConnectionError):

@@ -17,10 +17,13 @@ item of a model call and on the Anthropic ``Message`` itself (beside ``content``
 ``message_delta`` event), and come back on input items/messages of the next turn for the prefix
 splice.
 
-Beside them, a backend that knows its weights (the local one) says which weights generated the call
-(``VERSION_FIELDS``, named as SGLang names its ``weight_version``):
+Beside them, a backend that knows its weights (local, Ray) says which weights generated the call
+(``VERSION_FIELDS``, named as SGLang names its ``weight_version``), and the chat gateway says what
+its servers said or what it forwarded to them (``backends.chat_versions``):
 
 - ``weight_version``: ``int | str``, the weight version that sampled the first generated token;
+  ``null`` from the chat gateway when it cannot name it (unknown, or a weight change was forwarded
+  while the call ran);
 - ``weight_version_spans``: only when the generation spans a weight update,
   ``[{"version": v, "start": i, "end": j}, ...]`` over ``generation_token_ids`` (token ``k`` for
   ``i <= k < j`` came from version ``v``), in order and covering every token.

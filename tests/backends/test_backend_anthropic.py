@@ -313,3 +313,35 @@ async def test_check_probes_every_api(anthropic_fake):
         ("messages", True, True),
     ]
     assert CLOUD_KEY not in report.format()
+
+
+async def test_a_required_token_prefix_is_refused_before_anything_is_sent(anthropic_fake):
+    """Anthropic takes no token IDs: NeMo RL's required_prefix_token_ids is a 400 naming it on every
+    API of this backend (Messages passed through included), never forwarded for Anthropic to refuse."""
+    backend = build_backend(_config(anthropic_fake.url))
+    hi = [{"role": "user", "content": "x"}]
+    asks = {
+        "messages": lambda: backend.messages(
+            {"messages": hi, "max_tokens": 2, "required_prefix_token_ids": [1]}, RequestContext()
+        ),
+        "messages_stream": lambda: anext(
+            aiter(
+                backend.messages_stream(
+                    {"messages": hi, "max_tokens": 2, "required_prefix_token_ids": [1]}, RequestContext()
+                )
+            )
+        ),
+        "count_tokens": lambda: backend.count_tokens(
+            {"messages": hi, "required_prefix_token_ids": [1]}, RequestContext()
+        ),
+        "chat": lambda: backend.chat({"messages": hi, "required_prefix_token_ids": [1]}, RequestContext()),
+    }
+    try:
+        for name, ask in asks.items():
+            with pytest.raises(Exception) as exc:
+                await ask()
+            assert getattr(exc.value, "param", None) == "required_prefix_token_ids", name
+            assert exc.value.status_code == 400, name
+        assert not _posts(anthropic_fake) and not _posts(anthropic_fake, "/v1/messages/count_tokens")
+    finally:
+        await backend.close()

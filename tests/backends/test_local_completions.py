@@ -109,7 +109,7 @@ def test_a_rollout_given_as_token_ids_stays_contiguous(client):
     [
         ({"prompt": "a", "suffix": "b"}, "suffix", "insert mode"),
         ({"prompt": "a", "echo": True, "logprobs": 1}, "echo", "prompt's tokens"),
-        ({"prompt": "a", "stop": ["\n"]}, "stop", "stop strings"),
+        ({"prompt": "a", "stop": ["\n"]}, "stop", "stop is not supported"),
         ({"prompt": "a", "temperature": 0.2}, "temperature", "pinned"),
         ({"prompt": [[1], [151936]]}, "prompt[1][0]", "outside the model's vocabulary"),
         ({"prompt": [5, -1]}, "prompt[1]", "non-negative"),

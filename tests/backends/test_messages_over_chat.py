@@ -76,7 +76,9 @@ async def _streamed(backend, request) -> list[dict[str, Any]]:
 )
 async def test_local_ray_and_chat_paths_give_the_same_message(tokenizer, servers, text, stop):
     request = {**REQUEST, "max_tokens": 8} if "Cut off" in text else REQUEST
-    local = LocalBackend(CONFIG, ScriptedEngine(tokenizer, text), tokenizer)
+    engine = ScriptedEngine(tokenizer, text)
+    engine.weight_version = "step-3"  # named on every path: the chat one passes the upstream's through
+    local = LocalBackend(CONFIG, engine, tokenizer)
     ray = await ray_over(local, CONFIG)
     ctx = RequestContext(session_id="s")
     by_local = await local.messages(request, ctx)

@@ -72,7 +72,9 @@ def _chat_backend(start_server, answer: tuple[int, dict[str, Any]]):
 )
 async def test_local_ray_and_chat_paths_give_the_same_response(tokenizer, servers, text):
     request = {**REQUEST, "max_output_tokens": 8} if "Cut off" in text else REQUEST
-    local = LocalBackend(CONFIG, ScriptedEngine(tokenizer, text), tokenizer)
+    engine = ScriptedEngine(tokenizer, text)
+    engine.weight_version = "step-3"  # named on every path: the chat one passes the upstream's through
+    local = LocalBackend(CONFIG, engine, tokenizer)
     ray = await _ray_over(local)
     ctx = RequestContext(session_id="s")
     by_local = await local.responses(request, ctx)

@@ -13,8 +13,9 @@ from helpers.fake_store import install, make_wheels, unique_prefix
 
 
 def test_tiny_gguf_converts_and_loads(tmp_path, model_cache, capfd):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from gymserve.engine.hf_models import load_causal_lm
     from gymserve.engine.model_store import model_dir_complete, resolve_model
     from helpers.tiny_gguf import write_tiny_gguf
 
@@ -31,7 +32,7 @@ def test_tiny_gguf_converts_and_loads(tmp_path, model_cache, capfd):
     assert "gymserve: [2/3] loading and de-quantizing the weights: done in" in err
     assert re.search(r"gymserve: \[3/3\] writing model.safetensors \(0.0 GB\): done in \d+ s", err)
     assert "Converting and de-quantizing" not in err and "\r" not in err  # transformers' own bars are routed
-    model = AutoModelForCausalLM.from_pretrained(str(resolved.path))
+    model = load_causal_lm(resolved.path)
     tok = AutoTokenizer.from_pretrained(str(resolved.path))
     assert model.config.num_hidden_layers == 2 and tok.convert_ids_to_tokens(tok("the").input_ids) == ["t", "he"]
 

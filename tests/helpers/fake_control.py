@@ -22,8 +22,12 @@ and follows its server's source:
   a 404 saying so), ``POST /load_lora_adapter`` / ``/unload_lora_adapter`` (``{"success",
   "error_message", "loaded_adapters"}``, 400 when not successful).
 
-Both serve ``/v1/models`` and ``/v1/chat/completions`` (streamed or not), generating ``tokens``
-words ``delay`` seconds apart, and honour their own pause: an abort pause ends the requests in
+Both serve ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions`` (streamed or not),
+generating ``tokens`` words ``delay`` seconds apart. Neither names a weight version in a streamed
+chunk; SGLang's whole answers carry ``metadata: {"weight_version": v}`` (its
+``ChatCompletionResponse`` / ``CompletionResponse``, set from the generation's ``meta_info``), and
+with ``return_meta_info: true`` each chat choice the generation's ``meta_info``; vLLM's name none.
+Both and honour their own pause: an abort pause ends the requests in
 flight with what they generated and ``finish_reason: "abort"``; a keep/retract/in_place pause
 freezes them until resumed; new requests wait while paused. ``api_key``: when set, every route
 wants ``Authorization: Bearer <api_key>`` (401 otherwise).
@@ -96,19 +100,33 @@ class _FakeInference:
         finally:
             self.in_flight -= 1
 
+    def whole_extras(self) -> dict[str, Any]:
+        """What a whole (non-streamed) answer adds at its top level: nothing (vLLM)."""
+        return {}
+
+    def choice_extras(self, body: dict[str, Any]) -> dict[str, Any]:
+        """What a whole chat answer adds to its choice: nothing (vLLM)."""
+        return {}
+
     async def chat(self, r: Recorded) -> Any:
+        return await self._generate(r, chat=True)
+
+    async def completions(self, r: Recorded) -> Any:
+        return await self._generate(r, chat=False)
+
+    async def _generate(self, r: Recorded, *, chat: bool) -> Any:
         model = r.body.get("model", "policy")
-        head = {"id": f"chatcmpl-{int(time.time() * 1e6)}", "created": int(time.time()), "model": model}
+        prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+        head = {"id": f"{prefix}-{int(time.time() * 1e6)}", "created": int(time.time()), "model": model}
         if r.body.get("stream"):
 
             async def events():
                 async for text, finish in self._tokens():
-                    delta = {"content": text} if text else {}
-                    chunk = {
-                        **head,
-                        "object": "chat.completion.chunk",
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-                    }
+                    if chat:
+                        choice = {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+                    else:
+                        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                    chunk = {**head, "object": "chat.completion.chunk" if chat else kind, "choices": [choice]}
                     yield f"data: {json.dumps(chunk)}\n\n"
                 yield "data: [DONE]\n\n"
 
@@ -118,11 +136,21 @@ class _FakeInference:
             text += piece or ""
             finish = fin or finish
         n = len(text.split())
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+                **self.choice_extras(r.body),
+            }
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         return 200, {
             **head,
-            "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+            "object": kind,
+            "choices": [choice],
             "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n},
+            **self.whole_extras(),
         }
 
     async def __call__(self, r: Recorded) -> Any:
@@ -132,6 +160,8 @@ class _FakeInference:
             return 200, {"object": "list", "data": [{"id": "policy", "object": "model"}]}
         if r.method == "POST" and r.path == "/v1/chat/completions":
             return await self.chat(r)
+        if r.method == "POST" and r.path == "/v1/completions":
+            return await self.completions(r)
         return await self.control(r)
 
     async def control(self, r: Recorded) -> Any:
@@ -270,6 +300,14 @@ class FakeSGLang(_FakeInference):
         self.weight_version = "default"  # SGLang's --weight-version default
         self.model_path = "/models/policy"
 
+    def whole_extras(self) -> dict[str, Any]:
+        return {"metadata": {"weight_version": self.weight_version}}
+
+    def choice_extras(self, body: dict[str, Any]) -> dict[str, Any]:
+        if not body.get("return_meta_info"):
+            return {}
+        return {"meta_info": {"id": "req-1", "finish_reason": {"type": "stop"}, "weight_version": self.weight_version}}
+
     async def control(self, r: Recorded) -> Any:
         body = r.body if isinstance(r.body, dict) else {}
         route = (r.method, r.path)
@@ -355,4 +393,5 @@ class FakeSGLang(_FakeInference):
 
 def routes(server: Any) -> list[tuple[str, str]]:
     """``(method, path)`` of every request a ``FakeServer`` recorded, except chat and model listing."""
-    return [(r.method, r.path) for r in server.requests if r.path not in ("/v1/chat/completions", "/v1/models")]
+    inference = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+    return [(r.method, r.path) for r in server.requests if r.path not in inference]

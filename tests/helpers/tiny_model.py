@@ -27,8 +27,11 @@ def build_tiny_model(out: Path, embedded_dir: Path) -> Path:
         bos_token_id=151643,
         eos_token_id=151645,
     )
+    from gymserve.engine.hf_models import MODEL_LOAD_LOCK
+
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg)
+    with MODEL_LOAD_LOCK:  # no other thread's model load may have torch patched while this one builds
+        model = Qwen2ForCausalLM(cfg)
     model.save_pretrained(str(out))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (embedded_dir / name).exists():

@@ -16,34 +16,22 @@ import torch
 from safetensors.torch import save_file
 
 from gymserve.errors import WeightUpdateError
-from gymserve.harness.verify import load_model, teacher_forced_log_probs
+from gymserve.harness.verify import load_model
 from gymserve.server.embed import serve_policy
-
-NORM = "model.norm.weight"  # noise here changes the answers of the random tiny model
-DOWN = "model.layers.1.mlp.down_proj.weight"
+from helpers.policy_weights import DOWN, check_teacher_forced, noisy, serve_tiny, weights_of
 
 
 # ------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir, tokenizer):
-    srv = serve_policy(
-        load_model(tiny_model_dir),
-        tokenizer,
-        backend_config={
-            # Seeded sampling: the same answer for the same weights, random text (a text delta per token) for streams.
-            "sampling": {"temperature": 1.0, "seed": 1234},
-            "num_threads": 1,
-            "tool_parser": "none",
-            "pause_timeout": 120,
-        },
-    )
+    srv = serve_tiny(tiny_model_dir, tokenizer, seed=1234)
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def original(tiny_model_dir):
-    return {k: v.clone() for k, v in load_model(tiny_model_dir).state_dict().items()}
+    return weights_of(tiny_model_dir)
 
 
 @pytest.fixture(autouse=True)
@@ -73,15 +61,6 @@ def ref(tiny_model_dir):
 
 
 # ------------------------------------------------------------------------------------ helpers
-def noisy(state, seed: int) -> dict[str, torch.Tensor]:
-    """New values for two of the model's 26 tensors (a subset update) that change its answers."""
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        name: state[name] + scale * torch.randn(state[name].shape, generator=gen)
-        for name, scale in ((NORM, 20.0), (DOWN, 0.05))
-    }
-
-
 def wait_until(predicate, timeout: float = 120, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -155,20 +134,6 @@ class Stream(threading.Thread):
         return f"{final.type}:{reason}", {**fields(item), "status": item.status}
 
 
-def check_teacher_forced(ref, states: dict, f: dict) -> None:
-    """Each token's reported log-prob equals teacher forcing on the weights of its version."""
-    spans = f.get("weight_version_spans") or [
-        {"version": f["weight_version"], "start": 0, "end": len(f["generation_token_ids"])}
-    ]
-    assert spans[0]["start"] == 0 and spans[-1]["end"] == len(f["generation_token_ids"])
-    for span in spans:
-        ref.load_state_dict(states[span["version"]])
-        tf = teacher_forced_log_probs(ref, f["prompt_token_ids"], f["generation_token_ids"])
-        got = f["generation_log_probs"]
-        s, e = span["start"], span["end"]
-        assert max(abs(a - b) for a, b in zip(tf[s:e], got[s:e])) < 1e-4, span
-
-
 # ------------------------------------------------------------------------------------ weight updates
 def test_updates_from_a_directory_and_from_tensors_change_outputs_and_version(
     policy, client, root, original, ref, tmp_path, tiny_model_dir
@@ -219,6 +184,34 @@ def test_a_trainer_changing_the_model_itself_names_the_version(policy, client, o
     after = answer(client)
     assert after["weight_version"] == "trainer-3" and after["generation_token_ids"] != before["generation_token_ids"]
     check_teacher_forced(ref, {"trainer-3": state}, after)
+
+
+def test_vllms_weight_update_session_names_the_new_weights(policy, client, root, original, ref, tmp_path):
+    """vLLM's sequence (start_weight_update, update_weights, finish_weight_update with the version
+    as a string), as a chat gateway with ``upstream_control: vllm`` sends it."""
+    r = httpx.post(root + "/finish_weight_update", json={"weight_version": "x"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "no_weight_update_session"
+    assert "POST /start_weight_update" in r.json()["error"]["message"]
+
+    step = noisy(original, seed=5)
+    save_file(step, str(tmp_path / "model.safetensors"))
+    assert httpx.post(root + "/start_weight_update").json() == {"message": "Weight update started"}
+    assert httpx.post(root + "/update_weights", json={"update_info": {"path": str(tmp_path)}}).status_code == 200
+    r = httpx.post(root + "/finish_weight_update", json={"weight_version": "step-5"})
+    assert r.json() == {"message": "Weight update finished", "weight_version": "step-5"}
+    after = answer(client)
+    assert after["weight_version"] == "step-5"
+    check_teacher_forced(ref, {"step-5": {**original, **step}}, after)
+
+    # A version that already names the weights (vLLM sends strings) renames nothing; none: neither.
+    updates = httpx.get(root + "/weight_info").json()["weight_updates"]
+    policy.update_weight_version(12)
+    httpx.post(root + "/start_weight_update")
+    r = httpx.post(root + "/finish_weight_update", json={"weight_version": "12"})
+    assert r.json()["weight_version"] == 12
+    httpx.post(root + "/start_weight_update")
+    assert httpx.post(root + "/finish_weight_update").json()["weight_version"] == 12
+    assert httpx.get(root + "/weight_info").json()["weight_updates"] == updates + 1
 
 
 def _bad_sources(tmp_path, original) -> list[tuple[str, dict, str, str]]:

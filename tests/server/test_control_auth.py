@@ -21,6 +21,8 @@ CALLS = [
     ("GET", "/weight_info", {}),
     ("POST", "/update_weight_version", {"json": {"new_version": "v2"}}),
     ("POST", "/update_weights", {"json": {"update_info": {"path": "/nowhere"}}}),
+    ("POST", "/start_weight_update", {}),
+    ("POST", "/finish_weight_update", {"json": {"weight_version": "v2"}}),
 ]
 
 

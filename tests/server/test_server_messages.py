@@ -186,7 +186,7 @@ def test_context_overflow_ends_the_rollout_cleanly(client):
     [
         # temperature/top_p/top_k are Messages fields this SDK release no longer names: extra_body.
         ({"max_tokens": 4}, {"temperature": 0.3}, "pinned"),  # the local backend pins sampling
-        ({"max_tokens": 4, "stop_sequences": ["END"]}, None, "stop strings"),
+        ({"max_tokens": 4, "stop_sequences": ["END"]}, None, "stop_sequences is not supported"),
         (
             {
                 "max_tokens": 4,
@@ -206,6 +206,64 @@ def test_refusals_are_anthropic_400s(client, ask, extra, words):
     body = exc.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
     assert words in body["error"]["message"]
+
+
+def _error(root: str, path: str, body: dict) -> str:
+    r = httpx.post(root + path, json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    return r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_errors_after_the_conversion_name_the_messages_fields(server, path):
+    """The engine, template and splice check the chat request Messages became, where a system prompt
+    is one more message and consecutive user messages are one: their errors still name the message
+    the caller sent (messages[1], not the chat request's messages[2]) and its fields."""
+    bad = {
+        "role": "assistant",
+        "content": "ok",
+        "prompt_token_ids": [1, 2],
+        "generation_token_ids": [10**9],
+        "generation_log_probs": [-0.1],
+    }
+    root = server.base_url.removesuffix("/v1")
+    user = {"role": "user", "content": "a"}
+    asked = {"max_tokens": 3} if path == "/v1/messages" else {}
+    with_system = _error(root, path, {**asked, "system": "S", "messages": [user, bad, user]})
+    assert with_system.startswith("messages[1].generation_token_ids holds token id 1000000000"), with_system
+    merged = _error(root, path, {**asked, "messages": [user, user, bad, user]})
+    assert merged.startswith("messages[2].generation_token_ids holds token id 1000000000"), merged
+    if path == "/v1/messages":
+        stop = _error(root, path, {"max_tokens": 3, "messages": [user], "stop_sequences": ["x"]})
+        assert stop.startswith("stop_sequences is not supported by the token-exact local backend"), stop
+
+
+def test_a_user_message_without_content_blocks_is_refused_by_name(server):
+    """An empty content list would vanish from the conversation; refused naming it, as Anthropic does."""
+    root = server.base_url.removesuffix("/v1")
+    message = _error(root, "/v1/messages", {"max_tokens": 3, "messages": [{"role": "user", "content": []}]})
+    assert message.startswith("messages[0].content is an empty list"), message
+
+
+def test_required_prefix_token_ids_binds_a_messages_call_too(client):
+    """NeMo RL's required prefix is honoured on /v1/messages as on chat and Responses: a prefix the
+    spliced prompt does not start with is a 400, never silently ignored; the right one is kept."""
+    first = client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    p, g, lp = _fields(first)
+    history = [
+        {"role": "user", "content": "Hi"},
+        {**first.to_param(), "prompt_token_ids": p, "generation_token_ids": g, "generation_log_probs": lp},
+        {"role": "user", "content": "Again"},
+    ]
+    second = client.messages.create(
+        model="tiny", max_tokens=2, messages=history, extra_body={"required_prefix_token_ids": p + g}
+    )
+    assert _fields(second)[0][: len(p) + len(g)] == p + g
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        client.messages.create(
+            model="tiny", max_tokens=2, messages=history, extra_body={"required_prefix_token_ids": [p[0] + 1]}
+        )
+    assert "required_prefix_token_ids" in exc.value.body["error"]["message"]
 
 
 def test_raw_http_errors_are_in_anthropic_shape(server):

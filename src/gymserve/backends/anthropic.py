@@ -123,7 +123,9 @@ class AnthropicBackend(RemoteBackend):
         return message
 
     async def messages(self, request: MessagesRequest, ctx: RequestContext) -> MessageDict:
-        """POST ``{base}/v1/messages``; an upstream context overflow gives ``context_exceeded_message``."""
+        """POST ``{base}/v1/messages``; an upstream context overflow gives ``context_exceeded_message``.
+        ``required_prefix_token_ids`` is a 400 before anything is sent (the API takes no token IDs)."""
+        self._refuse_token_prefix(request)
         try:
             return await self._messages(self.upstream.messages_body(request), ctx)
         except ContextLengthExceededError as exc:
@@ -133,6 +135,7 @@ class AnthropicBackend(RemoteBackend):
     def messages_stream(self, request: MessagesRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         """The upstream's own event stream, passed through (an error before the first event raises:
         a plain 4xx/5xx; an overflow yields ``context_exceeded_events``)."""
+        self._refuse_token_prefix(request)
         return self._events({**self.upstream.messages_body(request), "stream": True}, ctx, request.get("model"))
 
     def _events(self, body: dict[str, Any], ctx: RequestContext, model: Any) -> AsyncIterator[dict[str, Any]]:
@@ -146,6 +149,7 @@ class AnthropicBackend(RemoteBackend):
 
     async def count_tokens(self, request: MessagesRequest, ctx: RequestContext) -> int:
         """POST ``{base}/v1/messages/count_tokens``: the upstream's own count."""
+        self._refuse_token_prefix(request)
         counted, replica = await self.caller.call("count_tokens", self.upstream.messages_body(request), ctx)
         tokens = counted.get("input_tokens")
         if not isinstance(tokens, int):
@@ -155,6 +159,7 @@ class AnthropicBackend(RemoteBackend):
 
     # ------------------------------------------------------------------ chat (converted)
     def _as_messages(self, request: ChatRequest) -> dict[str, Any]:
+        self._refuse_token_prefix(request)  # the conversion would drop it silently
         converted = chat_to_messages_request(request, default_max_tokens=self.config.default_max_tokens)
         return self.upstream.messages_body(converted)
 

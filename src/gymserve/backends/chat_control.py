@@ -25,24 +25,25 @@ machine; in-process tensors cannot reach a remote server: 501), ``update_weight_
 LoRA routes are forwarded; without a flavour they answer 501 naming the operation and the setting.
 The gateway names each change's version (the trainer's ``weight_version``, else its count of
 changes) and ``control_status()`` reports per replica the version it last set or read
-(``/health``, ``/metrics``, ``/weight_info``).
+(``/health``, ``/metrics``, ``/weight_info``) and how many answers it left without a version
+because a change was forwarded while they ran; every answer carries its version
+(``chat_versions``).
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import os
 from collections.abc import Mapping
 from typing import Any
 
+from gymserve.backends.chat_versions import ReplicaVersions
 from gymserve.backends.upstream_control import UpstreamControl, control_for
 from gymserve.engine.base import PauseMode, WeightVersion
 from gymserve.engine.control import check_mode, check_timeout, check_version
 from gymserve.engine.pause_gate import PauseGate
 from gymserve.errors import ConflictError, GymserveError, NotSupportedError
 from gymserve.redaction import redact_url
-
-log = logging.getLogger("gymserve.backends")
 
 
 class ChatControl:
@@ -51,11 +52,13 @@ class ChatControl:
 
     gate: PauseGate | None
     upstream_control: UpstreamControl
+    versions: ReplicaVersions | None
 
     def _init_control(self, config: Any, max_queue: int) -> None:
         self.gate = PauseGate(name="the chat backend", default_timeout=float(config.pause_timeout), max_queue=max_queue)
         self.upstream_control = control_for(config)
-        self._versions: dict[str, Any] = {root: None for root in self.upstream_control.roots}
+        read = self.upstream_control.weight_versions if self._forwarding else None
+        self.versions = ReplicaVersions(self.upstream_control.roots, read)
         self._changes = 0
 
     @property
@@ -105,9 +108,9 @@ class ChatControl:
         return self._changes + 1 if weight_version is None else check_version(weight_version)
 
     def _changed(self, version: WeightVersion) -> WeightVersion:
+        assert self.versions is not None
         self._changes += 1
-        for root in self._versions:
-            self._versions[root] = version
+        self.versions.set_all(version)
         return version
 
     async def update_weights(
@@ -123,13 +126,21 @@ class ChatControl:
                 code="control_not_supported",
             )
         version = self._next_version(weight_version)
-        await self.upstream_control.update_weights(str(path), version)
-        return self._changed(version)
+        async with self._forwarding_change():
+            await self.upstream_control.update_weights(str(path), version)
+            return self._changed(version)
 
     async def update_weight_version(self, new_version: WeightVersion) -> None:
         version = check_version(new_version, "new_version")
-        await self.upstream_control.update_weight_version(version)
-        self._changed(version)
+        async with self._forwarding_change():
+            await self.upstream_control.update_weight_version(version)
+            self._changed(version)
+
+    def _forwarding_change(self):
+        """Around a weight change sent to the servers (``ReplicaVersions.changing``): answers that
+        overlap it get no version; nothing is sent without a flavour, so nothing changes then."""
+        assert self.versions is not None
+        return self.versions.changing() if self._forwarding else contextlib.nullcontext()
 
     async def load_lora_adapter(
         self,
@@ -149,40 +160,41 @@ class ChatControl:
                 code="control_not_supported",
             )
         version = self._next_version(weight_version)
-        await self.upstream_control.load_lora(lora_name, str(lora_path), load_inplace)
-        return self._changed(version)
+        async with self._forwarding_change():
+            await self.upstream_control.load_lora(lora_name, str(lora_path), load_inplace)
+            return self._changed(version)
 
     async def unload_lora_adapter(
         self, lora_name: str, *, weight_version: WeightVersion | None = None
     ) -> WeightVersion:
         version = self._next_version(weight_version)
-        await self.upstream_control.unload_lora(lora_name)
-        return self._changed(version)
+        async with self._forwarding_change():
+            await self.upstream_control.unload_lora(lora_name)
+            return self._changed(version)
 
     # ---- status ---------------------------------------------------------------------------------
 
     async def refresh_versions(self) -> None:
         """Read each server's version (``/health`` calls it; best effort: a failure keeps the last)."""
-        if not self._forwarding:
-            return
-        try:
-            self._versions.update(await self.upstream_control.weight_versions())
-        except GymserveError as exc:
-            log.info("could not read the servers' weight versions: %s", exc.message)
+        if self.versions is not None:
+            await self.versions.refresh(force=True)
 
     def control_status(self) -> list[dict[str, Any]]:
         """Per replica ``{"replica", "weight_version" (None until known), "weight_updates",
+        "version_overlaps" (answers left without a version: a change was forwarded while they ran),
         "paused", "pause_seconds_left", "upstream_control", "calls_waiting", "calls_in_flight"}``."""
+        assert self.versions is not None
         gate = self.gate.status() if self.gate is not None else {}
         return [
             {
                 "replica": redact_url(root),
                 "weight_version": version,
                 "weight_updates": self._changes,
+                "version_overlaps": self.versions.overlaps[root],
                 "upstream_control": self.upstream_control.flavour,
                 **gate,
             }
-            for root, version in self._versions.items()
+            for root, version in self.versions.versions.items()
         ]
 
     async def _close_control(self) -> None:

@@ -13,6 +13,9 @@ Every backend without a native Messages API (local, ray, chat, openai, azure) se
   first chat chunk is awaited before ``message_start``, so a request the backend rejects fails as a
   plain 4xx in Anthropic's error shape, not inside a 200 stream; a failure after that ends the
   stream with an ``error`` event;
+- an ``InvalidRequestError`` about the chat request (the local engine's checks, the template's, the
+  prefix splice's) is told in the Messages request's fields (``convert.field_paths``: the system
+  prompt and merged turns shift the chat messages' indices);
 - a prompt that fills the context window (``ContextLengthExceededError``): the empty Message with
   ``stop_reason: model_context_window_exceeded`` (``chat_to_messages.context_exceeded_message``),
   so the rollout ends cleanly (case CL-01).
@@ -28,9 +31,10 @@ from gymserve.backends.context import RequestContext
 from gymserve.backends.responses_over_chat import ChatAnswer, ChatSide, built_events
 from gymserve.convert import chat_to_response
 from gymserve.convert.chat_to_messages import context_exceeded_message, matched_stop_sequence, response_to_message
+from gymserve.convert.field_paths import MESSAGES, FieldPaths
 from gymserve.convert.messages_stream import MessageStreamBuilder, context_exceeded_events
 from gymserve.convert.messages_to_chat import messages_to_chat
-from gymserve.errors import ContextLengthExceededError
+from gymserve.errors import ContextLengthExceededError, InvalidRequestError
 from gymserve.protocol import ChatRequest, MessageDict, MessagesRequest
 
 log = logging.getLogger("gymserve.backends")
@@ -41,8 +45,9 @@ def _stop_sequences(request: MessagesRequest) -> list[str]:
     return [s for s in stops if isinstance(s, str)] if isinstance(stops, list) else []
 
 
-def _as_chat(backend: ChatSide, request: MessagesRequest) -> ChatRequest:
-    return messages_to_chat(request, backend.convert_options())
+def _as_chat(backend: ChatSide, request: MessagesRequest) -> tuple[ChatRequest, FieldPaths]:
+    paths = FieldPaths(MESSAGES)
+    return messages_to_chat(request, backend.convert_options(), paths), paths
 
 
 def answer_to_message(answer: ChatAnswer, request: MessagesRequest) -> MessageDict:
@@ -63,12 +68,14 @@ def answer_to_message(answer: ChatAnswer, request: MessagesRequest) -> MessageDi
 
 async def messages_over_chat(backend: ChatSide, request: MessagesRequest, ctx: RequestContext) -> MessageDict:
     """Convert → ``backend.answer`` → convert back; an overflow gives ``context_exceeded_message``."""
-    chat_request = _as_chat(backend, request)
+    chat_request, paths = _as_chat(backend, request)
     try:
         answer = await backend.answer(chat_request, ctx)
     except ContextLengthExceededError as exc:
         log.info("context window exceeded; answering with an empty Message: %s", exc.message)
         return context_exceeded_message(request.get("model") or "")
+    except InvalidRequestError as exc:  # named with the chat request's fields: tell them in the caller's
+        raise paths.translate(exc) from None
     return answer_to_message(answer, request)
 
 
@@ -76,7 +83,8 @@ async def messages_stream_over_chat(
     backend: ChatSide, request: MessagesRequest, ctx: RequestContext
 ) -> AsyncIterator[dict[str, Any]]:
     """Messages streaming events built from ``backend.chat_stream`` (see the module docstring)."""
-    chat_request = {**_as_chat(backend, request), "stream": True, "stream_options": {"include_usage": True}}
+    chat_request, paths = _as_chat(backend, request)
+    chat_request = {**chat_request, "stream": True, "stream_options": {"include_usage": True}}
     chunks = aiter(backend.chat_stream(chat_request, ctx))
     try:
         first = await anext(chunks, None)
@@ -85,6 +93,8 @@ async def messages_stream_over_chat(
         for event in context_exceeded_events(request.get("model") or ""):
             yield event
         return
+    except InvalidRequestError as exc:
+        raise paths.translate(exc) from None
     model = (first.get("model") if isinstance(first, dict) else None) or request.get("model") or ""
     builder = MessageStreamBuilder(model, stop_sequences=_stop_sequences(request))
     async for event in built_events(builder, first, chunks, lambda exc: builder.fail(exc.status_code, exc.message)):

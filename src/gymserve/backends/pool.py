@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
 
 from gymserve.backends.routing import CircuitBreaker, RetryBudget, RoutingPolicy, SessionTable, policy_for
-from gymserve.errors import OverloadedError, UpstreamConnectionError
+from gymserve.errors import NoReplicaError, OverloadedError
 
 log = logging.getLogger("gymserve.backends.pool")
 
@@ -120,7 +120,7 @@ class ReplicaPool(Generic[R]):
     ``filters``: predicates every picked replica must pass, for whoever needs to take replicas out
     of rotation for a while (e.g. while they load new weights); ``pick(where=...)`` adds one for a
     single call (e.g. "a replica on the weight version this rollout started on"). Neither is ever
-    relaxed: a call that no replica can take fails (``UpstreamConnectionError``, code ``no_replica``).
+    relaxed: a call that no replica can take fails (``NoReplicaError``, code ``no_replica``).
     """
 
     def __init__(
@@ -169,7 +169,7 @@ class ReplicaPool(Generic[R]):
         A session's turn stays on its replica when the policy keeps it there (``stay``); otherwise
         the policy places the call among the eligible replicas that are not in ``exclude`` (those
         that already failed this call), then among the eligible ones, then — none eligible — among
-        all that pass the filters. Raises ``UpstreamConnectionError`` (code ``no_replica``) when no
+        all that pass the filters. Raises ``NoReplicaError`` (code ``no_replica``) when no
         replica passes ``filters`` and ``where``. Every pick must be followed by one ``release``.
         """
         self.start()
@@ -190,10 +190,9 @@ class ReplicaPool(Generic[R]):
             if chosen is None:
                 chosen = self.policy.place(lambda r: self._allowed(r, where), session_id)
                 if chosen is None:
-                    raise UpstreamConnectionError(
+                    raise NoReplicaError(
                         f"no replica can take this call: none of the {len(self.replicas)} replicas passes the "
-                        "routing filters (e.g. every replica is loading new weights); retry once they are back",
-                        code="no_replica",
+                        "routing filters (e.g. every replica is loading new weights); retry once they are back"
                     )
                 self.panics += 1
                 log.warning("no healthy replica; sending the call to %s anyway", chosen.base_url)

@@ -24,6 +24,8 @@ Upstream behaviour followed:
   parser registry as the local engine (``tool_parser``, ``reasoning_parser`` options).
 - an upstream context-window overflow becomes an empty, length-terminated reply on the chat
   endpoint and the empty ``incomplete`` Response on the Responses one (case CL-01).
+- a backend that tracks its servers' weight versions (the chat gateway: ``versions``) puts
+  ``weight_version`` on every answer, whole and streamed (``chat_versions``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.caller import UpstreamCaller, replica_label
+from gymserve.backends.chat_versions import ReplicaVersions, StreamStamp, VersionWatch, root_of, stamp_choices
 from gymserve.backends.chat_wire import checked_chunk, completion_to_chunks, normalize_tool_call_arguments
 from gymserve.backends.pool import Limiter, ReplicaPool
 from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
@@ -75,6 +78,7 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
     upstream_type: type[Upstream]
     limiter: Limiter
     gate: PauseGate | None = None  # set by a backend that pauses at its door (chat_control)
+    versions: ReplicaVersions | None = None  # set by a backend that knows its servers' weight versions
     pool: ReplicaPool
 
     def __init__(self, upstream: Upstream, *, max_queue: int = 1024):
@@ -146,17 +150,24 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
         """Through the pause gate when there is one (held while paused; see ``pause_gate``)."""
         return self.gate.call() if self.gate is not None else contextlib.nullcontext()
 
+    async def _version_watch(self) -> VersionWatch | None:
+        """The weight versions as an admitted call starts (``chat_versions``), when tracked."""
+        return await self.versions.watch() if self.versions is not None else None
+
     async def _chat(self, request: ChatRequest, ctx: RequestContext) -> ChatCompletionDict:
         """The upstream completion, post-processed; raises ``ContextLengthExceededError`` on
         overflow. A call an ``abort`` pause ends before the upstream answered gives an empty
         ``finish_reason: "abort"`` completion (nothing was streamed to keep)."""
         body = self._chat_body(request)
         async with self._admitted() as call, self.limiter.slot():
+            watch = await self._version_watch()
             work = self.caller.call("chat", body, ctx)
             try:
                 completion, replica = await (call.race(work) if call is not None else work)
             except CallAborted:
-                return aborted_chat_completion(self.config.served_model_name or body.get("model") or "")
+                aborted = aborted_chat_completion(self.config.served_model_name or body.get("model") or "")
+                stamp_choices(watch, aborted, None, on="message")
+                return aborted
             choices = completion.get("choices")
             if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
                 raise UpstreamError(
@@ -169,6 +180,7 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
                 mirror_reasoning(choice["message"])
                 apply_parsers(choice, request.get("tools"), self._tool_parser, self._reasoning_parser)
                 normalize_tool_call_arguments(choice["message"])
+        stamp_choices(watch, completion, root_of(replica.base_url), on="message")
         if self.config.served_model_name:
             completion["model"] = self.config.served_model_name
         return completion
@@ -202,6 +214,7 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
         if request.get("stream_options"):
             body["stream_options"] = request["stream_options"]
         async with self._admitted() as call, self.limiter.slot():
+            watch = await self._version_watch()
             try:
                 work = self.caller.call("chat", body, ctx, stream=True)
                 stream, replica = await (call.race(work) if call is not None else work)
@@ -212,12 +225,15 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
                     yield chunk
                 return
             except CallAborted:
+                stamp = StreamStamp(watch, None, on="delta")
                 for chunk in completion_to_chunks(
                     aborted_chat_completion(self.config.served_model_name or body.get("model") or "")
                 ):
+                    stamp.see(chunk)
                     yield chunk
                 return
             where = redact_url(self.caller.url(replica, "chat"))
+            stamp = StreamStamp(watch, root_of(replica.base_url), on="delta")
             last: dict[str, Any] = {}
             call_index: dict[tuple[int, str], int] = {}  # (choice, call id) -> index, for servers that omit it
             async with contextlib.aclosing(self.caller.events(stream, replica, "chat", ctx)) as events:
@@ -234,6 +250,7 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
                                 await attach_token_info(
                                     self.caller, tokens.completion(piece, index), request, plain_body, replica, ctx
                                 )
+                        stamp.see(piece)
                         yield piece
             if call is not None and call.aborted.is_set() and not (tokens is not None and tokens.finished):
                 # An abort pause ended the stream: what was streamed stays, and the call ends
@@ -244,6 +261,7 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
                     done["choices"][0].setdefault("token_ids", [])
                     done["choices"][0].setdefault("logprobs", {"content": []})
                     await attach_token_info(self.caller, done, request, plain_body, replica, ctx)
+                stamp.see(piece)
                 yield piece
                 return
             if tokens is not None and not tokens.finished:

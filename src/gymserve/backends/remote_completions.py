@@ -9,16 +9,18 @@ local engine does; log-probs the client did not ask for are removed again. An up
 overflow is the 400 ``context_length_exceeded`` (no empty stand-in answer here: the legacy API's
 clients expect the error, as vLLM gives it). A gateway pause (``chat_control``) holds new calls
 like chat calls and a ``wait`` pause waits for them; an ``abort`` pause lets the ones in flight
-finish (the legacy API has no aborted answer to give back).
+finish (the legacy API has no aborted answer to give back). The gateway's weight version goes on
+each choice (streamed: on its finish chunk), as the local engine puts it (``chat_versions``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from gymserve.backends.chat_versions import StreamStamp, VersionWatch, root_of, stamp_choices
 from gymserve.backends.completion_tokens import CompletionTokens
 from gymserve.backends.context import RequestContext
 from gymserve.backends.token_stream import stream_cut_short
@@ -38,6 +40,7 @@ class RemoteCompletions:
     config: Any
     _wants_token_ids: bool
     _admitted: Callable[[], contextlib.AbstractAsyncContextManager[Any]]
+    _version_watch: Callable[[], Awaitable[VersionWatch | None]]
 
     def _completions_body(self, request: dict[str, Any]) -> dict[str, Any]:
         body = {**copy.deepcopy(self.config.extra_body), **request}
@@ -58,6 +61,7 @@ class RemoteCompletions:
         ``UpstreamTokenIdsError`` (502) for unusable token metadata."""
         body = self._completions_body(request)
         async with self._admitted(), self.caller.limiter.slot():
+            watch = await self._version_watch()
             result, replica = await self.caller.call("completions", body, ctx)
             where = redact_url(self.caller.url(replica, "completions"))
             choices = result.get("choices")
@@ -68,6 +72,7 @@ class RemoteCompletions:
                 for choice in choices:
                     tokens.take({"choices": [choice]})
                     await tokens.attach(choice, self.caller, replica, ctx, where)
+        stamp_choices(watch, result, root_of(replica.base_url), on=None)
         if self.config.served_model_name:
             result["model"] = self.config.served_model_name
         return result
@@ -80,8 +85,10 @@ class RemoteCompletions:
             body["stream_options"] = request["stream_options"]
         tokens = CompletionTokens(request, body.get("model")) if self._wants_token_ids else None
         async with self._admitted(), self.caller.limiter.slot():
+            watch = await self._version_watch()
             stream, replica = await self.caller.call("completions", body, ctx, stream=True)
             where = redact_url(self.caller.url(replica, "completions"))
+            stamp = StreamStamp(watch, root_of(replica.base_url), on=None)
             async with contextlib.aclosing(self.caller.events(stream, replica, "completions", ctx)) as events:
                 async for chunk in events:
                     if not isinstance(chunk, dict) or chunk.get("object") == "error":
@@ -93,6 +100,7 @@ class RemoteCompletions:
                     if tokens is not None:
                         for choice in tokens.take(chunk):
                             await tokens.attach(choice, self.caller, replica, ctx, where)
+                    stamp.see(chunk)
                     yield chunk
             if tokens is not None and not tokens.finished:
                 raise stream_cut_short(where)

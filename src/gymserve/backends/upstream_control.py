@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar
 
+from gymserve.backends.chat_versions import root_of
 from gymserve.engine.base import PauseMode, WeightVersion
 from gymserve.errors import (
     GymserveError,
@@ -298,7 +299,7 @@ def control_for(config: Any) -> UpstreamControl:
     headers = dict(config.default_headers or {})
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    roots = [b.rstrip("/").removesuffix("/v1") for b in config.base_urls]
+    roots = [root_of(b) for b in config.base_urls]
     return CONTROLS[config.upstream_control](roots, headers=headers, timeout=config.control_timeout)
 
 

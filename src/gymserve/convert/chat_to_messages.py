@@ -116,8 +116,9 @@ def training_fields(output: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The training and weight-version fields of a Response's output (they sit on its last item)."""
     fields: dict[str, Any] = {}
     for item in output:
-        if any(item.get(f) is not None for f in TRAINING_FIELDS):
-            fields = {f: item[f] for f in (*TRAINING_FIELDS, *VERSION_FIELDS) if item.get(f) is not None}
+        if any(item.get(f) is not None for f in TRAINING_FIELDS) or any(f in item for f in VERSION_FIELDS):
+            fields = {f: item[f] for f in TRAINING_FIELDS if item.get(f) is not None}
+            fields.update({f: item[f] for f in VERSION_FIELDS if f in item})
     return fields
 
 

@@ -236,7 +236,8 @@ def chat_to_response(
     the tool call id; ``arguments`` always a JSON string). ``finish_reason`` ``length`` /
     ``content_filter`` give status ``incomplete`` with ``incomplete_details`` and mark the last
     message/function_call item incomplete (only the end of a generation is cut off). Training
-    fields go on the last output item; a call with token fields but no visible output gets one
+    fields and the weight version (``protocol.VERSION_FIELDS``, even null, and even without training
+    fields) go on the last output item; a call with token fields but no visible output gets one
     empty message item to carry them.
 
     ``item_ids`` fixes the ids of the output items in order (the streaming builder passes the ids
@@ -271,7 +272,8 @@ def chat_to_response(
             output.append(message_item(next_id("msg"), "", "incomplete" if status == "incomplete" else "completed"))
         # On the last item, which the next turn's input carries back unchanged.
         output[-1].update(tokens)
-        output[-1].update({f: message[f] for f in VERSION_FIELDS if message.get(f) is not None})
+    if output:  # the weight version, also without token fields (null: a gateway that cannot name it)
+        output[-1].update({f: message[f] for f in VERSION_FIELDS if f in message})
     response = response_envelope(
         request,
         model=completion.get("model"),

@@ -110,7 +110,7 @@ class ChunkAccumulator:
             else:
                 self.tokens[name] = [*self.tokens.get(name, []), *value]
         for name in VERSION_FIELDS:
-            if obj.get(name) is not None:
+            if name in obj:  # null too: a gateway saying it cannot name the version
                 self.versions[name] = obj[name]
 
     def message_view(self) -> dict[str, Any]:
@@ -130,7 +130,7 @@ class ChunkAccumulator:
         if any(k != "prompt_token_ids" for k in self.tokens):
             # prompt_token_ids alone is a server's own metadata (vLLM's return_token_ids), not a record.
             message.update(self.tokens)
-            message.update(self.versions)
+        message.update(self.versions)
         return {
             "id": self.id or new_id("chatcmpl"),
             "object": "chat.completion",

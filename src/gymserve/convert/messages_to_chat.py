@@ -33,7 +33,8 @@ Rules, and where they come from:
   ``response_format`` (as vLLM's Messages endpoint does). ``thinking``, ``cache_control``,
   ``service_tier``, ``speed``, ``inference_geo``, ``diagnostics``, ``user_profile_id`` and
   ``workspace_id`` are accepted and change nothing here (hints for Anthropic's own service);
-  ``chat_template_kwargs`` is carried as the engine extra vLLM's Messages endpoint also takes.
+  ``chat_template_kwargs`` is carried as the engine extra vLLM's Messages endpoint also takes, and
+  NeMo RL's ``required_prefix_token_ids`` as the chat and Responses routes take it.
   Other fields are ignored, as vLLM's Messages endpoint and gymserve's Responses route do (new
   SDK releases and harness betas add fields faster than a server can list them), except: a Chat
   Completions or Responses field is a 400 naming the Messages field to use, and ``container`` /
@@ -50,6 +51,7 @@ import json
 from typing import Any
 
 from gymserve.convert.assistant_turn import assistant_message, new_turn, token_info_at
+from gymserve.convert.field_paths import MESSAGES, FieldPaths
 from gymserve.convert.messages_fields import (
     check_top_level,
     convert_tool_choice,
@@ -61,6 +63,7 @@ from gymserve.convert.options import ConvertOptions
 from gymserve.convert.request_checks import json_type, required_str, without_nulls
 from gymserve.errors import InvalidRequestError
 from gymserve.protocol import ChatRequest, MessagesRequest, TokenInfo
+from gymserve.wire.reasoning import REASONING_FIELDS
 
 _NOT_ON_CHAT = {
     "image": "image blocks are not supported on /v1/messages by gymserve's chat conversion (text and tools only); "
@@ -75,7 +78,11 @@ _NOT_ON_CHAT = {
 
 
 def messages_to_chat(
-    request: MessagesRequest, options: ConvertOptions | None = None, *, count_only: bool = False
+    request: MessagesRequest,
+    options: ConvertOptions | None = None,
+    paths: FieldPaths | None = None,
+    *,
+    count_only: bool = False,
 ) -> ChatRequest:
     """Translate a Messages create request into a Chat Completions create request.
 
@@ -84,6 +91,8 @@ def messages_to_chat(
     params, ``tools``, ``tool_choice``...), ``stream`` left to the caller. ``options``: how the
     backend wants history rendered (``reasoning_mode``; ``max_tokens_field``). ``count_only``: the
     request of ``POST /v1/messages/count_tokens``, which has no ``max_tokens`` and no sampling.
+    ``paths``: filled with where each chat message came from (a ``field_paths.FieldPaths`` of the
+    ``MESSAGES`` vocabulary), so an error about the chat request can name the Messages field.
 
     Raises ``InvalidRequestError`` (400) with ``param`` naming the field in the caller's words
     (``messages[2].content[0].tool_use_id``) for malformed input and for what this conversion
@@ -97,7 +106,7 @@ def messages_to_chat(
     if "model" in request and not isinstance(request["model"], str):
         raise InvalidRequestError(f"model must be a string, got {json_type(request['model'])}", param="model")
 
-    builder = _Builder(options)
+    builder = _Builder(options, paths if paths is not None else FieldPaths(MESSAGES))
     builder.add_system(request.get("system"), "system")
     raw = request.get("messages")
     if raw is None:
@@ -126,6 +135,9 @@ def messages_to_chat(
     kwargs = of_type(request, "chat_template_kwargs", dict, "an object")
     if kwargs is not None:
         chat["chat_template_kwargs"] = kwargs
+    prefix = request.get("required_prefix_token_ids")
+    if prefix is not None:  # NeMo RL's, as on the chat and Responses routes; checked where it is used
+        chat["required_prefix_token_ids"] = prefix
     if not count_only:
         copy_sampling(request, chat, options)
     return chat
@@ -137,12 +149,15 @@ def messages_to_chat(
 class _Builder:
     """Walks the messages in order: one leading system message, one chat message per turn."""
 
-    def __init__(self, options: ConvertOptions):
+    def __init__(self, options: ConvertOptions, paths: FieldPaths):
         self.options = options
+        self.paths = paths
         self.system: list[str] = []
+        self.system_origin: dict[str, str] | None = None
         self.messages: list[dict[str, Any]] = []
         self.turn: dict[str, Any] | None = None  # the assistant turn being gathered
         self.user: list[str] | None = None  # the user text being gathered
+        self.user_origin: dict[str, str] = {}
         self.last_tokens: tuple[TokenInfo, str] | None = None
         self.last: tuple[str, str] | None = None  # (role, where) of the last user/assistant message
 
@@ -158,6 +173,8 @@ class _Builder:
                 f"{where} must be a string or a list of text blocks, got {json_type(system)}", param=where
             )
         self.system += [t for t in texts if t]
+        if self.system and self.system_origin is None:
+            self.system_origin = {"": where, "content": where}
 
     def add_message(self, message: Any, where: str) -> None:
         if not isinstance(message, dict):
@@ -198,24 +215,37 @@ class _Builder:
             )
         self._flush_turn()
         self._flush_user()
-        system = [{"role": "system", "content": "\n\n".join(self.system)}] if self.system else []
-        return system + self.messages
+        if not self.system:
+            return self.messages
+        self.paths.origins.insert(0, self.system_origin or {})
+        return [{"role": "system", "content": "\n\n".join(self.system)}, *self.messages]
+
+    def _append(self, message: dict[str, Any], origin: dict[str, str]) -> None:
+        self.messages.append(message)
+        self.paths.origins.append(origin)
 
     # -- user ----------------------------------------------------------------------------------
 
     def _user(self, content: str | list[Any], where: str) -> None:
+        if content == []:  # it would vanish from the conversation (an assistant's may be empty: an EOS at once)
+            raise InvalidRequestError(
+                f"{where}.content is an empty list: a user message needs at least one content block (a text or "
+                "tool_result block), as Anthropic requires non-empty content",
+                param=f"{where}.content",
+            )
         self._flush_turn()
         if isinstance(content, str):
-            self._user_text(content)
+            self._user_text(content, where)
             return
         for j, block in enumerate(content):
             at = f"{where}.content[{j}]"
             kind = _block_type(block, at)
             if kind == "text":
-                self._user_text(_text_block(block, at))
+                self._user_text(_text_block(block, at), where)
             elif kind == "tool_result":
                 self._flush_user()
-                self.messages.append(_tool_result(block, at))
+                origin = {"": at, "tool_call_id": f"{at}.tool_use_id", "content": f"{at}.content"}
+                self._append(_tool_result(block, at), origin)
             elif kind in ("tool_use", "thinking", "redacted_thinking"):
                 raise InvalidRequestError(
                     f"{at}: a {kind} block belongs in an assistant message, not a user message", param=f"{at}.type"
@@ -223,25 +253,27 @@ class _Builder:
             else:
                 raise _unsupported(kind, at)
 
-    def _user_text(self, text: str) -> None:
+    def _user_text(self, text: str, where: str) -> None:
         if self.user is None:
             self.user = []
+            self.user_origin = {"": where, "content": f"{where}.content", "role": f"{where}.role"}
         self.user.append(text)
 
     def _flush_user(self) -> None:
         if self.user is not None:
-            self.messages.append({"role": "user", "content": "\n".join(self.user)})
+            self._append({"role": "user", "content": "\n".join(self.user)}, self.user_origin)
             self.user = None
 
     # -- assistant ---------------------------------------------------------------------------
 
     def _assistant(self, message: dict[str, Any], content: str | list[Any], where: str) -> None:
         self._flush_user()
-        turn = self._open_turn()
+        turn = self._open_turn(where)
         tokens = _tokens(message, where)
         if isinstance(content, str):
             if content:
                 turn["texts"].append(content)
+                turn["origin"].setdefault("content", f"{where}.content")
         else:
             for j, block in enumerate(content):
                 at = f"{where}.content[{j}]"
@@ -250,6 +282,7 @@ class _Builder:
                     text = _text_block(block, at)
                     if text:
                         turn["texts"].append(text)
+                        turn["origin"].setdefault("content", f"{at}.text")
                 elif kind == "thinking":
                     thinking = block.get("thinking")
                     if not isinstance(thinking, str):
@@ -258,9 +291,12 @@ class _Builder:
                         )
                     if thinking:
                         turn["reasoning"].append(thinking)
+                        for key in REASONING_FIELDS:
+                            turn["origin"].setdefault(key, f"{at}.thinking")
                 elif kind == "redacted_thinking":
                     pass  # opaque, encrypted by Anthropic: no text a template could render
                 elif kind == "tool_use":
+                    turn["origin"][f"tool_calls[{len(turn['tool_calls'])}]"] = at
                     turn["tool_calls"].append(_tool_use(block, at))
                 elif kind == "tool_result":
                     raise InvalidRequestError(
@@ -280,19 +316,20 @@ class _Builder:
         if tokens is not None:
             info, at = tokens
             turn["tokens"] = info
+            turn["origin"].update({field: f"{at}.{field}" for field in info})
             self.last_tokens = tokens
             # A message with token fields is one model call: whatever follows starts another.
             self._flush_turn()
 
-    def _open_turn(self) -> dict[str, Any]:
+    def _open_turn(self, where: str) -> dict[str, Any]:
         if self.turn is None:
-            self.turn = new_turn()
+            self.turn = {**new_turn(), "origin": {"": where}}
         return self.turn
 
     def _flush_turn(self) -> None:
         turn, self.turn = self.turn, None
         if turn is not None:
-            self.messages.append(assistant_message(turn, self.options))
+            self._append(assistant_message(turn, self.options), turn["origin"])
 
 
 # -- blocks ---------------------------------------------------------------------------------

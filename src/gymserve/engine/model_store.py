@@ -216,9 +216,10 @@ def write_safetensors_copy(gguf_path: Path, out_dir: Path, *, step: int = 1, ste
     steps ``step`` … ``step + 2`` of ``steps``: the tokenizer, the weights (tensors de-quantized),
     the safetensors file (bytes written). Raises ModelStoreError if ``gguf_path`` vanishes meanwhile.
     """
-    import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from gymserve.engine.hf_models import load_causal_lm
 
     out_dir.mkdir()
     with _CONVERT_LOCK:
@@ -229,9 +230,7 @@ def write_safetensors_copy(gguf_path: Path, out_dir: Path, *, step: int = 1, ste
                 Progress(f"[{step + 1}/{steps}] loading and de-quantizing the weights", unit="tensors") as bar,
                 _quiet_transformers(bar),
             ):
-                model = AutoModelForCausalLM.from_pretrained(
-                    str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-                )
+                model = load_causal_lm(gguf_path.parent, gguf_file=gguf_path.name)
         except Exception as exc:
             # transformers resolves the file more than once; if it vanished in between, it passes
             # None on and fails with "TypeError: expected str, bytes or os.PathLike object".

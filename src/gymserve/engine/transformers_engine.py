@@ -99,7 +99,9 @@ class TransformersEngine(LoraEngine, WorkerEngine):
         weight_version: WeightVersion = 0,
         pause_timeout: float = 300.0,
     ):
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
+
+        from gymserve.engine.hf_models import load_causal_lm
 
         if model_dir is None and model is None:
             raise ValueError("TransformersEngine needs model_dir (a model directory) or model (a loaded causal LM)")
@@ -107,11 +109,7 @@ class TransformersEngine(LoraEngine, WorkerEngine):
         cfg_path = model_dir or getattr(getattr(model, "config", None), "_name_or_path", None) or ""
         self.model_dir = Path(cfg_path)
         self.model_name = model_name or self.model_dir.name or "policy"
-        self.model = (
-            model
-            if model is not None
-            else AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-        )
+        self.model = model if model is not None else load_causal_lm(str(model_dir), dtype=getattr(torch, dtype))
         self.model.eval()
         cfg = self.model.config
         self.model_type = getattr(cfg, "model_type", None) or None

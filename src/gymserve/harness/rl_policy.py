@@ -62,6 +62,7 @@ class LoraPolicy:
         import torch
         from peft import LoraConfig, get_peft_model
 
+        from gymserve.engine.hf_models import MODEL_LOAD_LOCK
         from gymserve.harness.verify import load_model
 
         torch.manual_seed(seed)
@@ -77,7 +78,8 @@ class LoraPolicy:
             layers_to_transform=chosen,
             bias="none",
         )
-        self.model = get_peft_model(base, self.config)
+        with MODEL_LOAD_LOCK:  # builds modules: not while another thread's load has patched torch
+            self.model = get_peft_model(base, self.config)
         self.model.eval()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=lr)

@@ -90,8 +90,9 @@ def check_contiguity(turns: Sequence[TokenInfo | None]) -> Contiguity:
 def load_model(spec: str | os.PathLike | None, engine: str = "transformers"):
     """The teacher-forcing model of ``engine`` for ``spec`` (``None``/"embedded", an embedded model's
     name, a directory or a .gguf): for ``transformers`` a float32 causal LM in eval mode, resolved by
-    ``gymserve.engine.model_store.resolve_model``; for ``llamacpp`` a ``LlamaCppScorer`` over the
-    GGUF file ``gguf_store.gguf_file`` finds. Raises ``ValueError`` for another engine."""
+    ``gymserve.engine.model_store.resolve_model`` and loaded by ``hf_models.load_causal_lm`` (model
+    loads take turns); for ``llamacpp`` a ``LlamaCppScorer`` over the GGUF file
+    ``gguf_store.gguf_file`` finds. Raises ``ValueError`` for another engine."""
     if engine == "llamacpp":
         from gymserve.engine.gguf_store import gguf_file
         from gymserve.engine.llamacpp_runtime import LlamaCppScorer
@@ -99,13 +100,11 @@ def load_model(spec: str | os.PathLike | None, engine: str = "transformers"):
         return LlamaCppScorer(gguf_file(None if spec is None else str(spec)))
     if engine != "transformers":
         raise ValueError(f"teacher forcing runs on the transformers or llamacpp engine, not {engine!r}")
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    from gymserve.engine.hf_models import load_causal_lm
     from gymserve.engine.model_store import resolve_model
 
     resolved = resolve_model(None if spec is None else str(spec))
-    model = AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=torch.float32)
+    model = load_causal_lm(resolved.path)
     model.eval()
     return model
 

@@ -68,7 +68,10 @@ def load_version(path: str | os.PathLike, base: str | None, engine: str = "trans
     if is_adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(load_model(base), str(path))
+        from gymserve.engine.hf_models import MODEL_LOAD_LOCK
+
+        with MODEL_LOAD_LOCK:
+            model = PeftModel.from_pretrained(load_model(base), str(path))
         model.eval()
         return model
     return load_model(path)

@@ -42,7 +42,7 @@ from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.local.request import echo_pinned_sampling
 from gymserve.backends.pool import Limiter, Outcome, ReplicaPool, usage_of
 from gymserve.backends.responses_over_chat import ChatAnswer
-from gymserve.errors import EngineError, UpstreamConnectionError
+from gymserve.errors import EngineError, NoReplicaError, UpstreamConnectionError
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponsesRequest
 from gymserve.ray_cluster.control import FleetControl
 from gymserve.ray_cluster.fleet import RayReplica, ReplicaFleet, failure_reason, import_ray
@@ -190,9 +190,7 @@ class RayBackend(FleetControl, Backend):
         failed it. Raises ``no_replica_error`` (502 ``version_unavailable``) when none serves it."""
         try:
             return self.pool.pick(session_id, exclude=exclude, where=self.serves(version))
-        except UpstreamConnectionError as exc:
-            if exc.code != "no_replica":
-                raise
+        except NoReplicaError:
             raise self.no_replica_error(version, failed=failed) from None
 
     def _failed(

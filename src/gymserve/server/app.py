@@ -38,6 +38,7 @@ from gymserve.convert.request_checks import check_request, without_nulls
 from gymserve.errors import GymserveError, InvalidRequestError, ShuttingDownError
 from gymserve.server.capture import CaptureWriter, install_log_redaction
 from gymserve.server.control import CONTROL_PATHS, control_health, install_control
+from gymserve.server.disconnect import ClientLeft, until_disconnected
 from gymserve.server.errors import anthropic_status, error_response, install_error_handlers, is_anthropic_route
 from gymserve.server.limits import read_body
 from gymserve.server.lora import LORA_PATHS, install_lora
@@ -283,9 +284,13 @@ def create_app(
             ctx = _context(request)
             stream = checked.get("stream")
             if stream:
-                events = await _first_then_rest(call_stream(checked, ctx))
+                events = await until_disconnected(request, _first_then_rest(call_stream(checked, ctx)))
             else:
-                result = await call(checked, ctx)
+                result = await until_disconnected(request, call(checked, ctx))
+        except ClientLeft:  # nobody to answer: its work was cancelled (server.disconnect)
+            gauge.dec()
+            record(route, ctx, body, t0, 499, error_type="cancelled")
+            return Response(status_code=499)
         except BaseException as exc:
             gauge.dec()
             status, etype, err = _error_info(exc)

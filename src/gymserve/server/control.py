@@ -16,9 +16,18 @@ route                              answer
                                    (vLLM's disk transfer; ``weight_version`` is gymserve's, vLLM takes
                                    it in ``/finish_weight_update``) → ``{"message", "weight_version",
                                    "seconds"}``
+``POST /start_weight_update``      ``{"message"}``: opens vLLM's weight-update session (nothing is
+                                   held in it: a second start opens a new one)
+``POST /finish_weight_update``     body ``{"weight_version": V}`` (optional) → ``{"message",
+                                   "weight_version"}``: closes the session and names the weights V
+                                   (a rename, unless V already names them); 409 without a session
 ``GET /weight_info``               ``{"weight_version", "weight_updates", ...}``
 ``POST /update_weight_version``    body ``{"new_version": V}`` → ``{"success": true, "new_version": V}``
 =================================  =========================================================
+
+With the session routes a gymserve answers vLLM's whole disk-transfer sequence (``start_weight_update``,
+``update_weights``, ``finish_weight_update``), so a chat gateway with ``upstream_control: vllm``
+drives a gymserve behind it like a vLLM server.
 
 Who may call them: with ``server.admin_api_key`` set, only that key; otherwise the server API key
 when one is set (``server.auth``); on a loopback bind without any key, anyone who can connect. A
@@ -41,10 +50,19 @@ from fastapi import Depends, FastAPI, Query
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from gymserve.errors import NotSupportedError, PermissionDeniedError
+from gymserve.errors import ConflictError, NotSupportedError, PermissionDeniedError
 
 CONTROL_PATHS = frozenset(
-    {"/pause", "/resume", "/is_paused", "/update_weights", "/weight_info", "/update_weight_version"}
+    {
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/weight_info",
+        "/update_weight_version",
+    }
 )
 
 Version = Annotated[
@@ -79,6 +97,12 @@ class UpdateWeightsRequest(_Body):
 
 class UpdateWeightVersionRequest(_Body):
     new_version: Version
+
+
+class FinishWeightUpdateRequest(_Body):
+    weight_version: Version | None = Field(
+        None, description="the updated weights' version (vLLM's finish_weight_update field; vLLM takes strings)"
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -123,6 +147,11 @@ class _ControlCollector:
             "gymserve_weight_updates", "Weight updates applied (renames included)", labels=labels
         )
         paused = GaugeMetricFamily("gymserve_generation_paused", "1 while generation is paused", labels=labels)
+        overlaps = CounterMetricFamily(
+            "gymserve_version_overlaps",
+            "Answers the chat gateway left with weight_version null: a weight change was forwarded while they ran",
+            labels=labels,
+        )
         seconds = GaugeMetricFamily(
             "gymserve_weight_update_last_seconds",
             "Seconds the last weight update took (read, validate, apply)",
@@ -136,7 +165,9 @@ class _ControlCollector:
             paused.add_metric([name, replica], 1 if s.get("paused") else 0)
             if s.get("last_update_seconds") is not None:
                 seconds.add_metric([name, replica], s["last_update_seconds"])
-        yield from (version, updates, paused, seconds)
+            if s.get("version_overlaps") is not None:
+                overlaps.add_metric([name, replica], s["version_overlaps"])
+        yield from (version, updates, paused, seconds, overlaps)
 
     def describe(self):
         return []
@@ -155,7 +186,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "bad input (the message names the field, tensor or file)"),
         (401, "missing or wrong key"),
         (403, "control routes are closed on this bind (no key set)"),
-        (409, "a wait pause ended before the calls in flight finished"),
+        (409, "a wait pause ended before the calls in flight finished, or no weight update session is open"),
         (501, "the backend has no weights of its own"),
     )
 }
@@ -232,14 +263,43 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
         version = await backend.update_weights(path=body.update_info.path, weight_version=body.weight_version)
         return {"message": "Weights updated", "weight_version": version, "seconds": round(time.perf_counter() - t0, 6)}
 
-    @route("GET", "/weight_info", "The weight version serving (vLLM's GET /weight_info)")
-    async def weight_info():
+    session = {"open": False}  # vLLM's weight-update session (start / finish_weight_update)
+
+    def serving() -> list[dict[str, Any]]:
+        """The backend's ``control_status()``; 501 for a backend without weights of its own."""
         status = backend.control_status()
         if not status:
             raise NotSupportedError(
                 f"the {backend.name} backend has no weights of its own, so no weight version; ask the upstream server",
                 code="control_not_supported",
             )
+        return status
+
+    @route("POST", "/start_weight_update", "Open a weight-update session (vLLM's POST /start_weight_update)")
+    async def start_weight_update():
+        serving()
+        session["open"] = True
+        return {"message": "Weight update started"}
+
+    @route("POST", "/finish_weight_update", "Close the session, naming the weights (vLLM's POST /finish_weight_update)")
+    async def finish_weight_update(body: FinishWeightUpdateRequest | None = None):
+        version = serving()[0]["weight_version"]
+        if not session["open"]:
+            raise ConflictError(
+                "no weight update session is open: POST /start_weight_update, then /update_weights, then "
+                "/finish_weight_update (vLLM's sequence); or POST /update_weights alone with its weight_version",
+                code="no_weight_update_session",
+            )
+        session["open"] = False
+        wanted = body.weight_version if body is not None else None
+        if wanted is not None and str(wanted) != str(version):  # vLLM's versions are strings: "3" names 3
+            await backend.update_weight_version(wanted)
+            version = wanted
+        return {"message": "Weight update finished", "weight_version": version}
+
+    @route("GET", "/weight_info", "The weight version serving (vLLM's GET /weight_info)")
+    async def weight_info():
+        status = serving()
         return dict(status[0]) if len(status) == 1 else {"replicas": status}
 
     @route("POST", "/update_weight_version", "Name the serving weights (vLLM's POST /update_weight_version)")

@@ -194,15 +194,19 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
     async def count_tokens(self, request: MessagesRequest, ctx: RequestContext) -> int:
         """The prompt length of a Messages request as the engine would see it (chat template, tools,
         the prefix splice), even when it fills the context window; no engine slot is taken."""
+        from gymserve.convert.field_paths import MESSAGES, FieldPaths
         from gymserve.convert.messages_to_chat import messages_to_chat
 
-        chat = messages_to_chat(request, self.convert_options(), count_only=True)
+        paths = FieldPaths(MESSAGES)
+        chat = messages_to_chat(request, self.convert_options(), paths, count_only=True)
         try:
             call, _ = self._prepare({**chat, "max_tokens": 1})
         except ContextLengthExceededError as exc:
             if exc.prompt_tokens is None:
                 raise
             return exc.prompt_tokens
+        except InvalidRequestError as exc:  # named with the chat request's fields (messages_over_chat)
+            raise paths.translate(exc) from None
         return len(call.prompt.token_ids)
 
     async def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:

@@ -138,7 +138,7 @@ def check_supported(request: ChatRequest) -> None:
     stop = request.get("stop")
     if stop:
         raise InvalidRequestError(
-            "stop strings are not supported by the token-exact local backend (a string can end inside a "
+            "stop is not supported by the token-exact local backend (a stop string can end inside a "
             "token); configure sampling.stop_token_ids instead",
             param="stop",
         )
@@ -162,8 +162,8 @@ def check_supported(request: ChatRequest) -> None:
     choice = request.get("tool_choice")
     if isinstance(choice, dict) or choice == "required":
         raise InvalidRequestError(
-            "tool_choice 'required' or a named function cannot be enforced by the local engine (no guided "
-            "decoding); use 'auto' or 'none'",
+            "tool_choice that forces a tool call ('required', 'any' or a named tool) cannot be enforced by the "
+            "local engine (no guided decoding); use 'auto' or 'none'",
             param="tool_choice",
         )
     if choice not in (None, "auto", "none") and not isinstance(choice, dict):
