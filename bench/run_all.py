@@ -5,7 +5,8 @@ Runs ``bench/growth.py``, ``bench/gateway.py``, ``bench/engine.py``, ``bench/par
 cores), then ``bench/plot.py``, then rewrites
 ``docs/performance.md`` from the JSON results under ``docs/assets/perf/``. ``make bench`` calls this.
 
-Usage: ``python bench/run_all.py [--quick] [--only growth,gateway,engine] [--docs-only] [--no-peer]``.
+Usage: ``python bench/run_all.py [--quick] [--only growth,gateway,engine] [--docs-only] [--no-peer]
+[--llama-server PATH]`` (``make bench BENCH_ARGS="--llama-server PATH"``).
 ``--docs-only`` rewrites the page (and plots) from the results already there.
 """
 
@@ -26,12 +27,14 @@ DOC = common.ROOT / "docs" / "performance.md"
 ORDER = ("growth", "gateway", "engine", "parsers", "ttft", "control", "fleet")
 
 
-def run_benchmarks(names: list[str], quick: bool, no_peer: bool) -> list[str]:
+def run_benchmarks(names: list[str], quick: bool, no_peer: bool, llama_server: str | None = None) -> list[str]:
     failed = []
     for name in names:
         cmd = [sys.executable, str(BENCH / f"{name}.py")] + (["--quick"] if quick else [])
         if no_peer and name in ("gateway", "engine"):
             cmd.append("--no-peer")
+        if llama_server and name == "engine":
+            cmd += ["--llama-server", llama_server]
         print(f"\n=== {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
         if subprocess.run(cmd).returncode != 0:
@@ -85,10 +88,16 @@ def write_docs(prefer_quick: bool = False) -> Path:
         _section(
             "engine",
             "Local engine throughput",
-            "gymserve's token-exact local backend over HTTP against the ceiling (`model.generate` in one "
-            "process; 8 streams as one left-padded batch) and against `transformers serve` with and "
-            "without `--continuous-batching` on the same safetensors copy of the embedded model. All "
-            "configurations are loaded first and measured in interleaved rounds. Script: `bench/engine.py`.",
+            "gymserve's token-exact local backend over HTTP, on each CPU engine, against its ceiling and "
+            "its peers, on the embedded model: the transformers engine against `model.generate` in one "
+            "process (8 streams as one left-padded batch) and `transformers serve` with and without "
+            "`--continuous-batching` on the fp32 safetensors copy; the llamacpp engine against a raw "
+            "llama.cpp decode loop in one process, llama.cpp's own `llama-server -np 8` and "
+            "llama-cpp-python's server on the GGUF file itself. *prefill tok/s*: a ~1,000-token prompt "
+            "no cache holds; *of bandwidth bound*: weight bytes read per decode step × steps/s ÷ a numpy "
+            "copy bandwidth measured in the same run. All configurations are loaded first and measured "
+            "in interleaved rounds. Script: `bench/engine.py` (`--llama-server PATH` names the binary, "
+            "built from the llama.cpp source llama-cpp-python vendors).",
             prefer_quick,
         ),
         _section(
@@ -169,11 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help=f"comma-separated subset of {','.join(ORDER)}")
     p.add_argument("--no-peer", action="store_true", help="skip the peers (NeMo Gym, transformers serve)")
     p.add_argument("--docs-only", action="store_true", help="only rewrite plots and docs from existing results")
+    p.add_argument("--llama-server", help="llama.cpp's llama-server binary for bench/engine.py's anchor")
     args = p.parse_args(argv)
     failed = []
     if not args.docs_only:
         names = [n for n in ORDER if not args.only or n in args.only.split(",")]
-        failed = run_benchmarks(names, args.quick, args.no_peer)
+        failed = run_benchmarks(names, args.quick, args.no_peer, args.llama_server)
     print(write_docs(prefer_quick=args.quick))
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

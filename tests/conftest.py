@@ -37,6 +37,38 @@ def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("Qwen2.5-Coder-tiny"), embedded_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_gguf_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model's weights as an F32 GGUF (``model.gguf``) beside the same tokenizer files: the
+    llamacpp engine's tiny model, comparable token for token with ``tiny_model_dir``. Skips when
+    llama-cpp-python is not installed."""
+    import shutil
+
+    pytest.importorskip(
+        "llama_cpp", reason='the llamacpp engine needs llama-cpp-python: pip install "gymserve[llamacpp]"'
+    )
+    from helpers.tiny_gguf import write_gguf_of_hf_model
+
+    out = tmp_path_factory.mktemp("Qwen2.5-Coder-tiny-gguf")
+    write_gguf_of_hf_model(tiny_model_dir, out / "model.gguf")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (tiny_model_dir / name).exists():
+            shutil.copy(tiny_model_dir / name, out / name)
+    return out
+
+
+LOCAL_ENGINES = ("transformers", "llamacpp")
+
+
+@pytest.fixture(scope="module", params=LOCAL_ENGINES)
+def local_engine(request) -> tuple[str, Path]:
+    """``(engine, tiny model for it)`` for each in-process CPU engine: the token-exactness tests run on
+    all of them (the transformers engine on ``tiny_model_dir``, llamacpp on ``tiny_gguf_dir``)."""
+    if request.param == "llamacpp":
+        return "llamacpp", request.getfixturevalue("tiny_gguf_dir")
+    return "transformers", request.getfixturevalue("tiny_model_dir")
+
+
 # ---------------------------------------------------------------- transformers serve (a real chat server)
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT / ".venv-peer"

@@ -380,19 +380,20 @@ def crashing_store(monkeypatch, tmp_path):
         raise TypeError("expected str, bytes or os.PathLike object, not NoneType")
 
     monkeypatch.setattr(store, "resolve_model", resolve_model)
+    monkeypatch.setattr("gymserve.engine.gguf_store.resolve_gguf_model", resolve_model)  # never a real demo
     monkeypatch.setenv("GYMSERVE_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache" / "logs"
 
 
 def test_an_unexpected_error_is_one_line_and_a_traceback_file(crashing_store, capsys):
-    assert cli.main(["demo"]) == 1
+    assert cli.main(["demo", "--engine", "transformers"]) == 1
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    # What failed and where: the demo's step that called the (here broken) model store.
+    # What failed and where: the step that called the (here broken) model store for the demo.
     assert re.match(
-        r"gymserve demo: unexpected error at gymserve/harness/demo\.py:\d+ in run_demo: TypeError: expected str, "
-        r"bytes or os\.PathLike object, not NoneType; ",
+        r"gymserve demo: unexpected error at gymserve/engine/__init__\.py:\d+ in resolve_engine_model: TypeError: "
+        r"expected str, bytes or os\.PathLike object, not NoneType; ",
         lines[0],
     ), lines[0]
     logs = list(crashing_store.glob("demo-*.log"))
@@ -402,12 +403,12 @@ def test_an_unexpected_error_is_one_line_and_a_traceback_file(crashing_store, ca
 
 
 def test_debug_prints_the_traceback(crashing_store, capsys):
-    assert cli.main(["demo", "--debug"]) == 1
+    assert cli.main(["demo", "--engine", "transformers", "--debug"]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "TypeError: expected str" in err
     assert err.strip().splitlines()[-1].startswith("gymserve demo: unexpected error at")
     assert not crashing_store.exists()  # printed, not written
-    assert cli.main(["--debug", "demo"]) == 1  # before the command too
+    assert cli.main(["--debug", "demo", "--engine", "transformers"]) == 1  # before the command too
     assert "Traceback (most recent call last)" in capsys.readouterr().err
 
 

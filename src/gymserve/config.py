@@ -122,7 +122,8 @@ class SamplingConfig(_Model):
 
 
 class LocalBackendConfig(_ServedModelNames):
-    """The engine runs in this process (token-exact). ``model``: "embedded", a directory or a .gguf."""
+    """The engine runs in this process (token-exact). ``model``: "embedded", an embedded model's name
+    (``engine.embedded_models``), a directory or a .gguf."""
 
     type: Literal["local"] = "local"
     model: str = "embedded"
@@ -151,9 +152,10 @@ class LocalBackendConfig(_ServedModelNames):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
-        description="Arguments for a GPU engine (`vllm`, `trtllm`): `tensor_parallel_size`, "
-        "`gpu_memory_utilization`, `max_model_len`, `dtype`, and any other engine argument by its "
-        "vLLM `AsyncEngineArgs` / TensorRT-LLM `LLM` name. Ignored by `transformers`.",
+        description="Engine arguments. `llamacpp`: `kv_cells`, `kv_unified`, `cache_sessions`, `n_batch`, "
+        "`n_ubatch`, `n_threads_batch`, `flash_attn`, `type_k`, `type_v`, `use_mmap`. GPU engines (`vllm`, "
+        "`trtllm`): `tensor_parallel_size`, `gpu_memory_utilization`, `max_model_len`, `dtype`, and any other "
+        "engine argument by its vLLM `AsyncEngineArgs` / TensorRT-LLM `LLM` name. Ignored by `transformers`.",
     )
 
     @field_validator("engine")

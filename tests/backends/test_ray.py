@@ -1,4 +1,5 @@
-"""The ray backend: 2 CPU replicas of the tiny model on a local Ray instance behind the real server.
+"""The ray backend: 2 CPU replicas of the tiny model on a local Ray instance behind the real server,
+on each in-process CPU engine (``local_engine``).
 
 One Ray instance and one front end serve the whole module (start-up costs ~30 s on 2 cores); the
 tests run in file order and the last one shuts everything down and checks no Ray process is left.
@@ -26,7 +27,8 @@ WAIT = 120  # seconds: the bound on any single wait in this file
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
+def cluster(local_engine):
+    engine, model = local_engine
     if ray.is_initialized():  # pragma: no cover - another test left Ray connected
         pytest.skip("Ray is already initialised in this process")
     cfg = GymserveConfig(
@@ -34,7 +36,8 @@ def cluster(tiny_model_dir):
         backend=RayBackendConfig.model_validate(
             {
                 "type": "ray",
-                "model": str(tiny_model_dir),
+                "model": str(model),
+                "engine": engine,
                 "replicas": 2,
                 "ray_address": "local",
                 "replica_resources": {"num_cpus": 1},
@@ -140,7 +143,7 @@ def test_sessions_spread_across_replicas_and_stick(http, cluster):
     assert sum(r["sessions"] for r in _health(http)["replicas"]) >= len(sessions)
 
 
-def test_killed_replica_sessions_continue_on_the_other_with_exact_tokens(http, cluster, tiny_model_dir):
+def test_killed_replica_sessions_continue_on_the_other_with_exact_tokens(http, cluster, local_engine):
     """Kill a replica's actor while its sessions' calls are in flight: those calls are retried on the
     other replica (re-prefilled from the token fields), their token fields are exact, the sessions
     stay there, and Ray restarts the dead replica."""
@@ -171,7 +174,7 @@ def test_killed_replica_sessions_continue_on_the_other_with_exact_tokens(http, c
         ray.kill(victim.client, no_restart=False)  # a crash: Ray restarts the actor (max_restarts=-1)
         second = {s: f.result(timeout=WAIT) for s, f in futures.items()}
 
-    model = load_model(str(tiny_model_dir))
+    model = load_model(str(local_engine[1]), local_engine[0])
     for s in sessions:
         p1, g1 = first[s]["prompt_token_ids"], first[s]["generation_token_ids"]
         p2, g2, lp2 = (second[s][k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"))

@@ -416,6 +416,11 @@ ERROR_MODULES = (
     "backends/upstream_control.py",
     "ray_cluster/control.py",
     "ray_cluster/replica_control.py",
+    "engine/gguf_store.py",
+    "engine/gguf_lora.py",
+    "engine/llamacpp_runtime.py",
+    "engine/llamacpp_engine.py",
+    "engine/llamacpp_lora.py",
 )
 HINT_FUNCTIONS = ("_not_found_hint", "_connection_hint")
 

@@ -65,6 +65,7 @@ def test_every_sample_is_generated_by_the_script():
 DEMO_GRAMMAR = [
     ("serving", r"serving (?P<name>\S+) in process at (?P<url>http://127\.0\.0\.1:\d+/v1) \([\d.]+ s to load\)"),
     ("model", r"model (?P<name>\S+) at (?P<url>\S+); running (?P<n>\d+) requests with the weather tools"),
+    ("rollouts", r"rollouts: (?P<n>\d+) in [\d.]+ s \(run at once\)"),
     ("checks", r"=== checks"),
     ("request", r"=== (?P<request>.+)"),
     (
@@ -76,12 +77,17 @@ DEMO_GRAMMAR = [
     ("call", r"  function_call: (?P<name>\w+)\((?P<args>.*)\)  call_id=(?P<call_id>\S+)"),
     ("item", r"  (?P<kind>function_call_output|message|reasoning|[a-z_]+): (?P<text>.*)"),
     ("no_items", r"  \(no output items\)"),
+    (
+        "answers",
+        r"answers: (?P<n>\d+)/(?P<total>\d+) rollouts called the tool, then answered; mean reward (?P<mean>\d\.\d\d|n/a)",
+    ),
     ("contiguity", r"contiguity: (?P<ok>\d+)/(?P<total>\d+) rollouts token-contiguous \((?P<multi>\d+) multi-turn\)"),
     (
         "log_probs",
-        r"log-probs: (?P<k>\d+) generated tokens teacher-forced, max \|diff\| = (?P<diff>\S+) "
-        r"\(tolerance (?P<tol>\S+), [\d.]+ s\)",
+        r"log-probs: (?P<k>\d+) generated tokens teacher-forced on the served weights, max \|diff\| = "
+        r"(?P<diff>\S+) \(tolerance (?P<tol>\S+), [\d.]+ s\)",
     ),
+    ("tolerance", r"  tolerance (?P<tol>\S+): (?P<why>.+)"),
     ("verdict", r"verdict: (?P<verdict>PASS|FAIL)"),
     ("blank", r""),
 ]
@@ -110,14 +116,15 @@ def parse_demo(text: str) -> dict:
             rollout["turns"][-1]["items"].append((kind, g))
         elif kind == "stop":
             rollout["stop"] = g
-        elif kind in ("contiguity", "log_probs", "verdict"):
+        elif kind in ("answers", "contiguity", "log_probs", "tolerance", "verdict", "rollouts"):
             out["checks"][kind] = g
     return out
 
 
 @pytest.fixture(scope="module")
-def tiny_demo(tiny_model_dir) -> str:
-    """What ``gymserve demo`` prints on the tiny model: the current code's output format."""
+def tiny_demo(tiny_gguf_dir) -> str:
+    """What ``gymserve demo`` prints on the tiny model (its GGUF, on the demo's llamacpp engine):
+    the current code's output format."""
     import contextlib
     import io
 
@@ -125,7 +132,7 @@ def tiny_demo(tiny_model_dir) -> str:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["demo", "--model", str(tiny_model_dir), "--max-output-tokens", "8"])
+        code = main(["demo", "--model", str(tiny_gguf_dir), "--max-output-tokens", "8"])
     assert code == 0, out.getvalue()
     return out.getvalue()
 
@@ -140,18 +147,21 @@ def test_demo_sample_is_in_the_demos_format(tiny_demo):
         "the demo's first lines changed: run scripts/gen_samples.py demo"
     )
     sample, now = parse_demo(sample_body("demo")), parse_demo(tiny_demo)
-    assert [r["request"] for r in sample["rollouts"]] == [r["request"] for r in now["rollouts"]], (
+    # Rollouts are printed as they end, so in any order.
+    assert sorted(r["request"] for r in sample["rollouts"]) == sorted(r["request"] for r in now["rollouts"]), (
         "the demo's requests changed: run scripts/gen_samples.py demo"
     )
-    assert set(sample["checks"]) == set(now["checks"]) == {"contiguity", "log_probs", "verdict"}
+    checks = {"answers", "contiguity", "log_probs", "tolerance", "verdict", "rollouts"}
+    assert set(sample["checks"]) == set(now["checks"]) == checks
 
 
 def test_demo_sample_counts_agree():
-    from gymserve.engine.model_store import EMBEDDED_MODEL_NAME
+    from gymserve.engine.embedded_models import find_embedded
+    from gymserve.harness.demo import DEMO_MODEL
 
     demo = parse_demo(sample_body("demo"))
     header, rollouts, checks = demo["header"], demo["rollouts"], demo["checks"]
-    assert header["serving"]["name"] == header["model"]["name"] == EMBEDDED_MODEL_NAME
+    assert header["serving"]["name"] == header["model"]["name"] == find_embedded(DEMO_MODEL).name
     assert header["serving"]["url"] == header["model"]["url"] and int(header["model"]["n"]) == len(rollouts)
     call_ids = []
     for r in rollouts:
@@ -171,12 +181,28 @@ def test_demo_sample_counts_agree():
                     # The tool's answer is printed right under the call it answers.
                     assert i > 0 and kinds[i - 1] == "call", f"{r['request']}: an output without its call"
     assert len(call_ids) == len(set(call_ids)), "call_ids repeat"
+    a = checks["answers"]
+    done = [
+        r
+        for r in rollouts
+        if r["stop"]["reason"] == "message" and any(k == "call" for t in r["turns"] for k, _ in t["items"])
+    ]
+    assert int(a["n"]) == len(done) and int(a["total"]) == len(rollouts)
+    rewards = [float(r["stop"]["reward"]) for r in rollouts]
+    assert a["mean"] == f"{sum(rewards) / len(rewards):.2f}"
+    # What the demo is for (issue #16): the agent calls the tool and then answers, on most tasks.
+    assert 2 * len(done) > len(rollouts), f"only {len(done)}/{len(rollouts)} rollouts answered after the tool call"
     c = checks["contiguity"]
     assert int(c["ok"]) == int(c["total"]) == len(rollouts)
     assert int(c["multi"]) == sum(len(r["turns"]) > 1 for r in rollouts)
     lp = checks["log_probs"]
     assert int(lp["k"]) == sum(t["g"] for r in rollouts for t in r["turns"])
     assert float(lp["diff"]) <= float(lp["tol"]) and checks["verdict"]["verdict"] == "PASS"
+    # The tolerance is said with its reason: the documented one for the quantized GGUF on llama.cpp.
+    from gymserve.harness.verify import QUANTIZED_TOLERANCE
+
+    tol = checks["tolerance"]
+    assert float(tol["tol"]) == float(lp["tol"]) == QUANTIZED_TOLERANCE and "quantized weights" in tol["why"]
     documented = re.search(r"`stop_reason` \(([^)]*)\)", " ".join(prose_of(DOCS / "tutorial.md").split())).group(1)
     reasons = set(re.findall(r"`(\w+)`", documented))
     assert {r["stop"]["reason"] for r in rollouts} <= reasons, f"stop reasons beyond the documented {reasons}"

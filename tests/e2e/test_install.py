@@ -38,9 +38,10 @@ def _index(lines: list[str], needle: str) -> int:
 def test_torch_is_installed_first_then_pinned_for_the_extras():
     lines = make_n()
     torch_step = _index(lines, "scripts/install_torch.py --torch")
-    extras = _index(lines, '-e ".[local,test,docs,lint]"')
+    llama_step = _index(lines, "scripts/install_llamacpp.py --constraints /tmp/gymserve-venv/torch-constraints.txt")
+    extras = _index(lines, '-e ".[local,llamacpp,test,docs,lint]"')
     check = _index(lines, "scripts/install_torch.py --check")
-    assert torch_step < extras < check
+    assert torch_step < llama_step < extras < check
     assert '--torch "torch==2.13.0"' in lines[torch_step] and "--try-local" in lines[torch_step]
     assert '--index "https://download.pytorch.org/whl/cpu"' in lines[torch_step]
     assert "-c /tmp/gymserve-venv/torch-constraints.txt" in lines[extras]
@@ -104,3 +105,56 @@ def test_getting_started_quotes_the_makefiles_install_commands():
     [extras] = [x for x in make_n() if "-c /tmp/gymserve-venv/torch-constraints.txt -e" in x]
     assert f'-e "{quoted}"' in extras, f"docs say {quoted}; the Makefile runs: {extras}"
     assert "`.venv/torch-constraints.txt`" in page
+
+
+# ------------------------------------------------------------------ llama-cpp-python (scripts/install_llamacpp.py)
+def _install_llamacpp():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import install_llamacpp
+    finally:
+        sys.path.pop(0)
+    return install_llamacpp
+
+
+def test_llamacpp_build_progress_is_one_line_per_tenth():
+    """pip -v's build output (ninja's [N/TOTAL] steps among compiler lines) becomes one progress
+    line per tenth with the time spent; pip's results pass through; other lines are dropped."""
+    mod = _install_llamacpp()
+    pip_output = [
+        "Collecting llama-cpp-python>=0.3.36",
+        "  Building wheel for llama-cpp-python (pyproject.toml): started",
+    ]
+    pip_output += [f"  [{n}/206] /usr/bin/c++ -O3 -c ggml/src/file{n}.cpp" for n in range(1, 207)]
+    pip_output += ["Successfully built llama-cpp-python", "Successfully installed llama-cpp-python-0.3.36"]
+    clock = iter(float(t) for t in range(0, 10_000, 3)).__next__  # 3 s later at each reading
+    shown = list(mod.progress(pip_output, clock=clock))
+    steps = [s for s in shown if s.startswith("llama-cpp-python: building")]
+    assert len(steps) == 11  # 0%, 10%, ... 100%
+    assert steps[0] == (
+        "llama-cpp-python: building llama.cpp from source (once; pip caches the wheel): 1/206 (0%), 3 s"
+    )
+    assert steps[-1].endswith("206/206 (100%), 33 s")
+    assert shown[-2:] == ["Successfully built llama-cpp-python", "Successfully installed llama-cpp-python-0.3.36"]
+
+
+def test_llamacpp_installed_is_left_alone():
+    """With llama-cpp-python installed and importable, the script runs no pip and says so."""
+    pytest.importorskip("llama_cpp")
+    mod = _install_llamacpp()
+    installed = metadata.version("llama-cpp-python")
+    assert mod.satisfied(mod.SPEC) == installed
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "install_llamacpp.py")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0
+    assert done.stdout == f"llama-cpp-python {installed} is installed ({mod.SPEC}); nothing to do\n"
+    assert mod.satisfied("llama-cpp-python>=99") is None
+
+
+def test_llamacpp_spec_is_the_extras():
+    """The script installs what the llamacpp extra asks for, so the extras step finds it satisfied."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    assert _install_llamacpp().SPEC in extra["llamacpp"]

@@ -458,7 +458,7 @@ def test_unknown_engine_lists_choices(model_dir):
     from gymserve.engine import create_engine
     from gymserve.engine.model_store import ResolvedModel
 
-    with pytest.raises(ValueError, match="transformers, vllm, trtllm"):
+    with pytest.raises(ValueError, match="transformers, llamacpp, vllm, trtllm"):
         create_engine(LocalBackendConfig(engine="tgi"), ResolvedModel("m", model_dir))
 
 

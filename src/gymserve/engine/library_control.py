@@ -116,9 +116,7 @@ class LibraryControl(NoControl):
             self._lora.name if self._lora else None,
             lora_name,
             load_inplace,
-            "serves as the policy and this "
-            "engine serves one adapter at a time. Unload it first (POST /v1/unload_lora_adapter), or load with "
-            "load_inplace: true to swap",
+            serving="serves as the policy",
         )
         path = Path(os.fspath(lora_path))
         if not (path / ADAPTER_CONFIG).is_file():

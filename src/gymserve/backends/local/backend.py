@@ -86,13 +86,10 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
     def from_config(cls, config, *, max_queue: int = 1024) -> LocalBackend:
         """Resolve the model (embedded by default), load tokenizer and engine; ``max_queue``
         bounds the requests waiting for the engine (``OverloadedError``, 429, beyond)."""
-        from transformers import AutoTokenizer
+        from gymserve.engine import create_engine, load_engine_tokenizer, resolve_engine_model
 
-        from gymserve.engine import create_engine
-        from gymserve.engine.model_store import resolve_model
-
-        resolved = resolve_model(config.model)
-        tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+        resolved = resolve_engine_model(config)
+        tokenizer = load_engine_tokenizer(config, resolved)
         engine = create_engine(config, resolved)
         return cls(config, engine, tokenizer, max_queue=max_queue)
 

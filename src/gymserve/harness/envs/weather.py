@@ -29,10 +29,15 @@ from pydantic import BaseModel
 
 TOOL_NAME = "get_weather"
 
+# The description names what the tool returns and when to call it: with the bare "Get the current
+# weather in a city." the 1.5B embedded model answered "Is it raining in Tokyo right now?" by
+# describing the call it would make instead of making it (measured greedy on eight questions: 6
+# called the tool, then 7 with this description; see docs/getting-started.md#run-the-demo).
 WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
     "name": TOOL_NAME,
-    "description": "Get the current weather in a city.",
+    "description": "Get the current weather in a city: temperature in degrees Celsius, condition (sunny, rain, "
+    "snow, ...), humidity and wind. Call it for any question about the weather.",
     "parameters": {
         "type": "object",
         "properties": {"city": {"type": "string", "description": "City name, e.g. Paris"}},
