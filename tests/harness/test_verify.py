@@ -98,8 +98,11 @@ def test_contiguous_file_passes(tiny_model, tiny_model_dir, tmp_path, capsys):
     per_turn = rollout_log_prob_diffs(tiny_model, turns, contiguous=False)
     assert len(one_pass) == len(per_turn) == sum(len(t["generation_token_ids"]) for t in turns)
     assert main_verify(_write(tmp_path / "ok.jsonl", rollouts), str(tiny_model_dir)) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "4/4 rollouts token-contiguous (100.0%)" in out and "PASS" in out
+    # No --tolerance: the one that fits the weights, said with its reason (fp32 here).
+    assert "tolerance 0.0001: unquantized weights" in captured.err
 
 
 def test_broken_contiguity_fails(tiny_model, tiny_model_dir, tmp_path, capsys):

@@ -158,7 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine that served the rollouts and recomputes their log-probs (default: transformers)",
     )
     ver.add_argument(
-        "--tolerance", type=float, default=1e-4, help="the largest |log-prob - teacher forcing| that passes"
+        "--tolerance",
+        type=float,
+        default=None,
+        help="the largest |log-prob - teacher forcing| that passes (default: 1e-4; 0.5 for quantized GGUF "
+        "weights on --engine llamacpp, with the reason printed)",
     )
     return parser
 

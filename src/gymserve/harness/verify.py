@@ -335,7 +335,7 @@ def format_report(report: VerifyReport, *, max_listed: int = 10) -> str:
 def main_verify(
     path: str,
     model: str | None = None,
-    tolerance: float = DEFAULT_TOLERANCE,
+    tolerance: float | None = None,
     weights: Sequence[str] = (),
     engine: str = "transformers",
 ) -> int:
@@ -345,7 +345,9 @@ def main_verify(
     embedded model). ``engine``: the engine that served them (``transformers`` or ``llamacpp``),
     which recomputes them on its own kernels. ``weights``: ``VERSION=DIR`` specs: each token is then
     checked on the weights of its own version (``verify_versions``; a LoRA adapter DIR applies to
-    ``model``), and turns of versions without weights are listed as not checked."""
+    ``model``), and turns of versions without weights are listed as not checked. ``tolerance``
+    None: ``tolerance_for`` the teacher-forcing model (with ``weights``: 1e-4, or
+    ``QUANTIZED_TOLERANCE`` on llamacpp), printed with its reason."""
     try:
         rollouts = load_rollouts(path)
     except (OSError, ValueError) as exc:
@@ -361,6 +363,9 @@ def main_verify(
                 f"{', '.join(map(repr, by_version))}",
                 file=sys.stderr,
             )
+            if tolerance is None:
+                tolerance = QUANTIZED_TOLERANCE if engine == "llamacpp" else DEFAULT_TOLERANCE
+                print(f"tolerance {tolerance:g} (pass --tolerance to change it)", file=sys.stderr)
             report = verify_by_version(rollouts, by_version, base=model, tolerance=tolerance, engine=engine)
         except (OSError, ValueError) as exc:
             print(f"gymserve verify-rollouts: {exc}", file=sys.stderr)
@@ -376,6 +381,9 @@ def main_verify(
         except Exception as exc:  # noqa: BLE001
             print(f"gymserve verify-rollouts: cannot load model {model or 'embedded'}: {exc}", file=sys.stderr)
             return 2
+        if tolerance is None:
+            tolerance, why = tolerance_for(lm)
+            print(f"tolerance {tolerance:g}: {why}", file=sys.stderr)
         report = verify_rollouts(rollouts, lm, tolerance=tolerance)
     print(format_report(report))
     print("PASS" if report.ok else "FAIL")
