@@ -243,26 +243,39 @@ def test_streaming_and_responses_go_through_replicas(http, cluster):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
-def test_completions_and_tokens_go_through_replicas(http, cluster):
+def test_completions_and_tokens_go_through_replicas(http, cluster, local_engine):
     """/v1/completions (whole and streamed, echo + logprobs), /tokenize and /detokenize are the
-    replicas' local backends' answers, routed by session as chat is."""
+    replicas' local backends' answers, routed by session as chat is. The llamacpp engine computes
+    no prompt log-probs: its replicas' 501 comes through as it is."""
     import openai
 
     client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
-    kwargs = dict(model="tiny", prompt=[9707, 11, 1879], max_tokens=3, echo=True, logprobs=1)
+    scored = local_engine[0] == "transformers"  # prompt log-probs
+    kwargs = dict(model="tiny", prompt=[9707, 11, 1879], max_tokens=3, echo=scored, logprobs=1)
+    if not scored:
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(**{**kwargs, "echo": True})
+        assert refused.value.status_code == 501 and "llamacpp engine does not compute prompt log-probs" in str(
+            refused.value
+        )
     head = {"X-Session-ID": "cmpl-1"}
     whole = client.completions.create(**kwargs, extra_headers=head).choices[0]
     gen = whole.model_extra["generation_token_ids"]
     assert whole.model_extra["prompt_token_ids"] == [9707, 11, 1879] and len(gen) == 3
-    assert whole.logprobs.token_logprobs[0] is None and len(whole.logprobs.tokens) == 6
-    assert whole.logprobs.token_logprobs[3:] == whole.model_extra["generation_log_probs"]
+    shown = 3 if scored else 0  # prompt tokens listed before the generated ones
+    assert len(whole.logprobs.tokens) == shown + 3
+    assert whole.logprobs.token_logprobs[shown:] == whole.model_extra["generation_log_probs"]
     chunks = list(client.completions.create(**kwargs, stream=True, extra_headers=head))
     [final] = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert "".join(c.choices[0].text for c in chunks if c.choices).startswith("Hello, world")
-    # The prompt's scores do not depend on sampling: the streamed call's equal the whole one's.
-    # (one prefill each, alone, on the same weights: the same numbers).
-    assert final.logprobs.token_logprobs[:3] == whole.logprobs.token_logprobs[:3]
-    assert final.model_extra["prompt_logprobs"] == whole.model_extra["prompt_logprobs"]
+    if scored:
+        assert whole.logprobs.token_logprobs[0] is None
+        assert "".join(c.choices[0].text for c in chunks if c.choices).startswith("Hello, world")
+        # The prompt's scores do not depend on sampling: the streamed call's equal the whole one's.
+        # (one prefill each, alone, on the same weights: the same numbers).
+        assert final.logprobs.token_logprobs[:3] == whole.logprobs.token_logprobs[:3]
+        assert final.model_extra["prompt_logprobs"] == whole.model_extra["prompt_logprobs"]
+    else:
+        assert final.model_extra["prompt_token_ids"] == [9707, 11, 1879]
 
     r = http.post("/tokenize", json={"prompt": "Hello world"}, headers={"X-Session-ID": "cmpl-1"})
     assert r.status_code == 200 and r.json()["tokens"] == [9707, 1879] and r.json()["max_model_len"] == 512
