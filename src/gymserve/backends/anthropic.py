@@ -40,17 +40,10 @@ class AnthropicTransport(Transport):
     """``Transport`` over ``AsyncAnthropic``: its server-sent events parsed by the anthropic SDK's
     own stream (``ping`` skipped, an ``error`` event raised as ``APIStatusError``)."""
 
-    async def stream(self, url: str, body: dict[str, Any], *, headers: dict[str, str] | None = None) -> Any:
+    def stream_class(self) -> Any:
         from anthropic import AsyncStream
 
-        return await self.sdk.post(
-            url,
-            body=body,
-            cast_to=object,
-            stream=True,
-            stream_cls=AsyncStream[object],
-            options={"headers": headers} if headers else {},
-        )
+        return AsyncStream
 
 
 class AnthropicUpstream(Upstream):

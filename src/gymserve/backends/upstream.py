@@ -46,16 +46,20 @@ class Transport:
             return await self.lean.post(url, body, headers=headers)
         return await self.sdk.post(url, body=body, cast_to=object, options={"headers": headers} if headers else {})
 
-    async def stream(self, url: str, body: dict[str, Any], *, headers: dict[str, str] | None = None) -> Any:
-        """The SDK's ``AsyncStream`` of server-sent events, each parsed as JSON."""
+    def stream_class(self) -> Any:
+        """The SDK's stream class for ``sdk`` (the openai SDK's ``AsyncStream``)."""
         from openai import AsyncStream
 
+        return AsyncStream
+
+    async def stream(self, url: str, body: dict[str, Any], *, headers: dict[str, str] | None = None) -> Any:
+        """The SDK's ``AsyncStream`` of server-sent events, each parsed as JSON."""
         return await self.sdk.post(
             url,
             body=body,
             cast_to=object,
             stream=True,
-            stream_cls=AsyncStream[object],
+            stream_cls=self.stream_class()[object],
             options={"headers": headers} if headers else {},
         )
 
