@@ -196,12 +196,8 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
         return cls(
             resolved.gguf,
             tokenizer_dir=resolved.path,
-            model_name=resolved.name,
-            max_batch_size=config.max_batch_size,
-            context_window=config.context_window,
-            num_threads=config.num_threads,
-            pause_timeout=config.pause_timeout,
             engine_args=dict(config.engine_args or {}),
+            **cls.config_args(config, resolved),
         )
 
     def __init__(

@@ -81,14 +81,7 @@ class TransformersEngine(LoraEngine, WorkerEngine):
     @classmethod
     def from_config(cls, config, resolved) -> TransformersEngine:
         """The engine for a ``LocalBackendConfig`` and a ``model_store.ResolvedModel``."""
-        return cls(
-            resolved.path,
-            model_name=resolved.name,
-            max_batch_size=config.max_batch_size,
-            context_window=config.context_window,
-            num_threads=config.num_threads,
-            pause_timeout=config.pause_timeout,
-        )
+        return cls(resolved.path, **cls.config_args(config, resolved))
 
     def __init__(
         self,

@@ -55,6 +55,18 @@ class WorkerEngine(WorkerControl):
     _waiting: deque
     _thread: threading.Thread
 
+    @staticmethod
+    def config_args(config: Any, resolved: Any) -> dict[str, Any]:
+        """The constructor arguments every CPU engine takes from a ``LocalBackendConfig`` and a
+        ``model_store.ResolvedModel`` (each engine's ``from_config`` adds its own)."""
+        return {
+            "model_name": resolved.name,
+            "max_batch_size": config.max_batch_size,
+            "context_window": config.context_window,
+            "num_threads": config.num_threads,
+            "pause_timeout": config.pause_timeout,
+        }
+
     def _start_worker(self, run: Callable[[], None], name: str) -> None:
         self._waiting = deque()  # worker-only: requests not admitted yet
         self._inbox: queue.Queue[Any] = queue.Queue()
