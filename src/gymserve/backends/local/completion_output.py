@@ -3,8 +3,9 @@
 The legacy Completions API's shapes (OpenAI's ``Completion`` / ``CompletionChoice``, as vLLM serves
 them), with gymserve's training fields on each choice:
 
-- ``text``: the generated text (after the prompt's text with ``echo``); the final stop/EOS token is
-  trimmed with its log-prob, as on the chat routes (``output.kept``);
+- ``text``: the generated text (after the prompt's text with ``echo``), without the text of the
+  EOS/stop token that ended it (``output.text_ids``); that token stays in the training fields and
+  the log-probs, as on the chat routes and in vLLM's ``token_ids``;
 - ``finish_reason``: ``stop``, ``length``, or ``abort`` (a call ended by ``POST /pause?mode=abort``,
   vLLM's value);
 - ``logprobs`` (when the request sends ``logprobs: k``): ``{"tokens", "token_logprobs",
@@ -32,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from gymserve.backends.local.control import version_fields
-from gymserve.backends.local.output import kept
+from gymserve.backends.local.output import text_ids
 from gymserve.engine.base import Generation, PromptLogprobs
 from gymserve.errors import EngineError
 
@@ -46,7 +47,7 @@ class CompletionOutput:
     no prompt scores). ``echo``: the prompt's text (and, with ``logprobs``, its tokens' log-probs)
     comes first. ``tokens_as_ids``: tokens as ``token_id:N``.
     Use as ``stream.stream_chunks`` uses a chat ``CallOutput`` (:meth:`role`, :meth:`text`,
-    :meth:`kept`, :meth:`end`), or :meth:`choice` for the whole choice at once.
+    :meth:`text_ids`, :meth:`end`), or :meth:`choice` for the whole choice at once.
     """
 
     def __init__(
@@ -91,9 +92,9 @@ class CompletionOutput:
         """The chunk for the next piece of final generated text (none for empty text)."""
         return [self._chunk(text)] if text else []
 
-    def kept(self, gen: Generation) -> Generation:
-        """``gen`` without its final stop/EOS token and its log-prob (``output.kept``)."""
-        return kept(gen, self.stop_token_ids)
+    def text_ids(self, gen: Generation) -> list[int]:
+        """The tokens of ``gen`` whose text is shown (``output.text_ids``)."""
+        return text_ids(gen, self.stop_token_ids)
 
     def end(self, gen: Generation, tail_text: str, *, include_usage: bool) -> list[dict[str, Any]]:
         """The last chunks of the choice: ``tail_text`` (final text not yet sent), then the finish
@@ -112,23 +113,22 @@ class CompletionOutput:
     def choice(self, gen: Generation) -> dict[str, Any]:
         """The ``CompletionChoice`` dict of a finished generation (what the stream's chunks add up to)."""
         self.sampled = len(gen.token_ids)
-        text = self.tokenizer.decode(self.kept(gen).token_ids, skip_special_tokens=False)
+        text = self.tokenizer.decode(self.text_ids(gen), skip_special_tokens=False)
         return {"index": self.index, "text": (self.prompt_text if self.echo else "") + text, **self._final(gen)}
 
     # ---- rules -----------------------------------------------------------------------------------
 
     def _final(self, gen: Generation) -> dict[str, Any]:
-        k = self.kept(gen)
         finish = "abort" if gen.finish_reason == "abort" else "length" if gen.finish_reason == "length" else "stop"
         scores = self._prompt_scores(gen)
         return {
             "finish_reason": finish,
-            "logprobs": self._logprobs(k, scores) if self.logprobs is not None else None,
+            "logprobs": self._logprobs(gen, scores) if self.logprobs is not None else None,
             **({"prompt_logprobs": self._vllm_prompt_logprobs(scores)} if scores is not None else {}),
             "prompt_token_ids": self.prompt_ids,
-            "generation_token_ids": k.token_ids,
-            "generation_log_probs": k.log_probs,
-            **version_fields(gen, len(k.token_ids), self.engine),
+            "generation_token_ids": gen.token_ids,
+            "generation_log_probs": gen.log_probs,
+            **version_fields(gen, self.engine),
         }
 
     def _token(self, tid: int) -> str:

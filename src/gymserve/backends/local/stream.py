@@ -59,7 +59,7 @@ async def stream_chunks(
     the tokens arrive.
 
     ``output`` shapes the chunks: a chat ``CallOutput``, or anything with its methods (``role()``,
-    ``text(str)``, ``kept(gen)``, ``end(gen, tail, include_usage=)``) and a ``tokenizer`` — the
+    ``text(str)``, ``text_ids(gen)``, ``end(gen, tail, include_usage=)``) and a ``tokenizer`` — the
     completions route's ``CompletionOutput``. A stream that ends without a finish reason counts as
     ``length``."""
     detok = IncrementalDetokenizer(output.tokenizer)
@@ -86,6 +86,6 @@ async def stream_chunks(
     finally:
         await stream.aclose()
     gen = Generation(ids, lps, finish, tops, spans, prompt_logprobs)
-    tail = detok.push(output.kept(gen).token_ids[len(detok.ids) :], final=True)
+    tail = detok.push(output.text_ids(gen)[len(detok.ids) :], final=True)
     for chunk in output.end(gen, tail, include_usage=include_usage):
         yield chunk
