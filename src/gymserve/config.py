@@ -69,6 +69,11 @@ class ServerConfig(_Model):
     capture_path: str | None = None
     max_queue: int = Field(1024, ge=0)
     shutdown_timeout: float = Field(30.0, gt=0, description="seconds in-flight requests get to finish after SIGTERM")
+    return_tokens_as_token_ids: bool = Field(
+        False,
+        description="vLLM's server flag: every log-prob token of /v1/chat/completions and /v1/completions is "
+        "spelled token_id:N unless the request sends return_tokens_as_token_ids itself",
+    )
 
 
 class _ServedModelNames(_Model):

@@ -171,6 +171,29 @@ def test_standard_logprobs_with_token_ids(client):
     assert all(len(c.top_logprobs) == 2 for c in content)
 
 
+def test_vllm_token_fields_in_vllm_places(client):
+    """``return_token_ids`` (vLLM ≥ 0.10.2): top-level ``prompt_token_ids`` and ``choices[].token_ids``
+    on chat, ``choices[].prompt_token_ids`` + ``token_ids`` on completions, equal to gymserve's own
+    fields; without it, neither appears."""
+    msgs = [{"role": "user", "content": "x"}]
+    r = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=3, n=2, extra_body={"return_token_ids": True}
+    ).model_dump()
+    for choice in r["choices"]:
+        assert choice["token_ids"] == choice["message"]["generation_token_ids"]
+        assert r["prompt_token_ids"] == choice["message"]["prompt_token_ids"]
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    c = client.completions.create(model="tiny", prompt="x", max_tokens=3, extra_body={"return_token_ids": True})
+    extra = c.choices[0].model_extra
+    assert extra["token_ids"] == extra["generation_token_ids"] and extra["prompt_token_ids"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=3, extra_body={"return_token_ids": "yes"}
+        )
+    assert exc.value.body["param"] == "return_token_ids"
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -229,10 +252,15 @@ def test_malformed_json_and_unknown_route(server):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(server.base_url.removesuffix("/v1") + "/chat/completions", json={}, timeout=10)
     assert r.status_code == 404 and "/v1" in r.json()["error"]["message"]
+    # Every route is listed, read from the app (the old hand-written list had five).
+    for route in ("POST /v1/completions", "POST /tokenize", "POST /v1/messages/count_tokens", "GET /v1/models"):
+        assert route in r.json()["error"]["message"]
 
 
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == [server.backend.engine.model_name]
+    # vLLM's max_model_len: the context window the renderers library checks prompts against.
+    assert [m.model_extra["max_model_len"] for m in client.models.list().data] == [512]
     h = httpx.get(server.base_url.removesuffix("/v1") + "/health", timeout=10).json()
     assert h["status"] == "ok" and h["tool_call_parser"] == "qwen2_5_coder"
 

@@ -304,6 +304,15 @@ SAMPLING = (
 
 SERVER = (
     Flag(("--host",), "server.host", {"help": "bind address (default 127.0.0.1)"}),
+    Flag(
+        ("--return-tokens-as-token-ids",),
+        "server.return_tokens_as_token_ids",
+        {
+            "action": "store_true",
+            "default": None,
+            "help": "vllm serve's flag: log-prob tokens are spelled token_id:N unless a request says otherwise",
+        },
+    ),
     Flag(("--port",), "server.port", {"type": int, "help": "port (default 8000; 0 picks a free one)"}),
     Flag(
         ("--api-key",),

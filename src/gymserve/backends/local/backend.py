@@ -189,6 +189,10 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
         completion = completions[0]
         completion["choices"] = [c["choices"][0] for c in completions]
         completion["usage"] = _usage(call, outputs)
+        if call.return_token_ids:  # vLLM's places: the prompt once, each choice's generation
+            completion["prompt_token_ids"] = call.prompt.token_ids
+            for choice in completion["choices"]:
+                choice["token_ids"] = choice["message"]["generation_token_ids"]
         return completion
 
     async def count_tokens(self, request: MessagesRequest, ctx: RequestContext) -> int:

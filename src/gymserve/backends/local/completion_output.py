@@ -24,8 +24,13 @@ them), with gymserve's training fields on each choice:
 - ``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` and the weight version
   (``control.version_fields``) on the choice itself (a completion choice has no message).
 
-Streamed, the chunks carry text as it becomes final (``stream.IncrementalDetokenizer``); the finish
-chunk of each choice carries its finish reason, training fields and log-probs.
+With vLLM's ``return_token_ids`` each choice also carries ``token_ids`` (the generation, as vLLM's
+``CompletionResponseChoice``; its ``prompt_token_ids`` is gymserve's field already). Streamed, the
+chunks carry text as it becomes final (``stream.IncrementalDetokenizer``); the finish chunk of each
+choice carries its finish reason, training fields and log-probs; with ``return_token_ids``, as in
+vLLM's ``completion_stream_generator``, the choice's first chunk carries ``prompt_token_ids`` and
+each engine step's tokens ride as ``token_ids`` on the chunk that step produced
+(``output.with_token_ids``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from gymserve.backends.local.control import version_fields
-from gymserve.backends.local.output import text_ids
+from gymserve.backends.local.output import text_ids, with_token_ids
 from gymserve.engine.base import Generation, PromptLogprobs
 from gymserve.errors import EngineError
 
@@ -63,6 +68,7 @@ class CompletionOutput:
         echo: bool,
         prompt_logprobs: int | None = None,
         tokens_as_ids: bool,
+        return_token_ids: bool = False,
         engine: Any = None,
     ):
         self.prompt_ids = prompt_ids
@@ -75,8 +81,10 @@ class CompletionOutput:
         self.prompt_logprobs = prompt_logprobs
         self.echo = echo
         self.tokens_as_ids = tokens_as_ids
+        self.return_token_ids = return_token_ids
         self.engine = engine
         self.sampled = 0  # tokens the engine sampled (usage), known at end()
+        self.ids_sent = 0  # generation tokens already sent as token_ids (return_token_ids)
 
     # ---- chunks (streaming) ---------------------------------------------------------------------
 
@@ -85,12 +93,23 @@ class CompletionOutput:
         return {**self.head, "choices": [body]}
 
     def role(self) -> dict[str, Any]:
-        """The first chunk: the prompt's text with ``echo``, else empty text."""
-        return self._chunk(self.prompt_text if self.echo else "")
+        """The first chunk: the prompt's text with ``echo``, else empty text (and the choice's
+        ``prompt_token_ids`` with ``return_token_ids``, as vLLM's first chunk of a choice)."""
+        extra = {"prompt_token_ids": self.prompt_ids} if self.return_token_ids else {}
+        return self._chunk(self.prompt_text if self.echo else "", **extra)
 
     def text(self, text: str) -> list[dict[str, Any]]:
         """The chunk for the next piece of final generated text (none for empty text)."""
         return [self._chunk(text)] if text else []
+
+    def step(self, ids: list[int], text: str) -> list[dict[str, Any]]:
+        """The chunks of one engine step (``ids``, their final ``text``), with the step's
+        ``token_ids`` when asked for (module docstring)."""
+        chunks = self.text(text)
+        if self.return_token_ids:
+            self.ids_sent += len(ids)
+            chunks = with_token_ids(chunks, ids, lambda: self._chunk(""))
+        return chunks
 
     def text_ids(self, gen: Generation) -> list[int]:
         """The tokens of ``gen`` whose text is shown (``output.text_ids``)."""
@@ -101,7 +120,8 @@ class CompletionOutput:
         chunk with the training fields and log-probs, then (``include_usage``) this choice's usage."""
         self.sampled = len(gen.token_ids)
         out = self.text(tail_text)
-        out.append(self._chunk("", **self._final(gen)))
+        last = {"token_ids": gen.token_ids[self.ids_sent :]} if self.return_token_ids else {}
+        out.append(self._chunk("", **self._final(gen), **last))
         if include_usage:
             prompt, completion = len(self.prompt_ids), len(gen.token_ids)
             usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -114,7 +134,10 @@ class CompletionOutput:
         """The ``CompletionChoice`` dict of a finished generation (what the stream's chunks add up to)."""
         self.sampled = len(gen.token_ids)
         text = self.tokenizer.decode(self.text_ids(gen), skip_special_tokens=False)
-        return {"index": self.index, "text": (self.prompt_text if self.echo else "") + text, **self._final(gen)}
+        choice = {"index": self.index, "text": (self.prompt_text if self.echo else "") + text, **self._final(gen)}
+        if self.return_token_ids:
+            choice["token_ids"] = gen.token_ids
+        return choice
 
     # ---- rules -----------------------------------------------------------------------------------
 

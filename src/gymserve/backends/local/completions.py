@@ -54,6 +54,7 @@ class CompletionCall:
     echo: bool
     tokens_as_ids: bool
     include_usage: bool
+    return_token_ids: bool = False
 
     def sampling_for(self, prompt: int, choice: int) -> SamplingParams:
         """Sampling of choice ``choice`` of prompt ``prompt``: its ``max_tokens``, ``seed + choice``."""
@@ -121,6 +122,7 @@ def prepare_completion(
         echo=bool(request.get("echo")),
         tokens_as_ids=bool(request.get("return_tokens_as_token_ids")),
         include_usage=bool(options.get("include_usage")),
+        return_token_ids=bool(request.get("return_token_ids")),
     )
 
 
@@ -162,6 +164,7 @@ class LocalCompletions:
                 prompt_logprobs=call.prompt_logprobs,
                 echo=call.echo,
                 tokens_as_ids=call.tokens_as_ids,
+                return_token_ids=call.return_token_ids,
                 engine=self.engine,
             )
             for i, (ids, text) in enumerate(zip(call.prompt_ids, call.prompt_texts))

@@ -14,6 +14,12 @@
   ``tool_calls`` when calls were parsed, else ``stop``;
 - log-probs: ``choices[].logprobs`` in the OpenAI shape (vLLM's ``return_tokens_as_token_ids``
   spelling honoured), on the finish chunk;
+- vLLM's ``return_token_ids`` (``LocalCall.return_token_ids``), in vLLM's places on a stream
+  (``serving_chat.py``'s ``chat_completion_stream_generator``): the first chunk carries the
+  top-level ``prompt_token_ids``, and each engine step's tokens ride as ``choices[0].token_ids`` on
+  the first chunk that step produces (a chunk with an empty delta when it produces no text), the
+  last step's on the finish chunk: concatenated, they are the generation, its stop token included.
+  The whole answer's ``prompt_token_ids`` and ``choices[].token_ids`` are set by the backend;
 - the training fields (``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs``) and
   the weight version(s) that sampled them (``control.version_fields``) on the finish chunk's delta,
   and usage (every sampled token counted, the stop token included).
@@ -63,6 +69,7 @@ class CallOutput:
         self.stop_token_ids = stop_token_ids
         self.index = index
         self.sampled = 0  # tokens the engine sampled for this choice (usage), known at end()
+        self.ids_sent = 0  # generation tokens already sent as choices[0].token_ids (return_token_ids)
         self._head = {"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
         self._parser = ChatDeltas(
             # No tools to parse calls for (tool_choice "none"): the parser still reads a channel
@@ -82,12 +89,25 @@ class CallOutput:
         }
 
     def role(self) -> dict[str, Any]:
-        """The first chunk: ``{"role": "assistant", "content": ""}``."""
-        return self._chunk({"role": "assistant", "content": ""})
+        """The first chunk: ``{"role": "assistant", "content": ""}`` (and, with ``return_token_ids``,
+        the top-level ``prompt_token_ids``, as vLLM's first chunk)."""
+        chunk = self._chunk({"role": "assistant", "content": ""})
+        if self.call.return_token_ids:
+            chunk["prompt_token_ids"] = self.call.prompt.token_ids
+        return chunk
 
     def text(self, text: str) -> list[dict[str, Any]]:
         """Chunks for the next piece of generated text (none while the parsers hold it back)."""
         return [self._chunk(delta) for delta in self._parser.feed(text)]
+
+    def step(self, ids: list[int], text: str) -> list[dict[str, Any]]:
+        """Chunks for one engine step: ``ids`` sampled, ``text`` their final text (``text``), with the
+        step's ``token_ids`` when the call asked for them (module docstring)."""
+        chunks = self.text(text)
+        if self.call.return_token_ids:
+            self.ids_sent += len(ids)
+            chunks = with_token_ids(chunks, ids, lambda: self._chunk({}))
+        return chunks
 
     def text_ids(self, gen: Generation) -> list[int]:
         """The tokens of ``gen`` whose text is shown (see module docstring)."""
@@ -110,6 +130,8 @@ class CallOutput:
         )
         if self.call.logprobs:
             final["choices"][0]["logprobs"] = self._logprobs(gen)
+        if self.call.return_token_ids:
+            final["choices"][0]["token_ids"] = gen.token_ids[self.ids_sent :]
         out.append(final)
         if include_usage:
             prompt, completion = len(self.call.prompt.token_ids), len(gen.token_ids)
@@ -157,6 +179,18 @@ class CallOutput:
             ]
             content.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": top})
         return {"content": content, "refusal": None}
+
+
+def with_token_ids(chunks: list[dict[str, Any]], ids: list[int], empty: Any) -> list[dict[str, Any]]:
+    """``chunks`` with ``ids`` as the first one's ``choices[0].token_ids`` (vLLM's ``return_token_ids``
+    placement: one engine step's tokens on the chunk that step produced); ``empty()`` makes a chunk
+    to carry them when the step produced none. No ``ids``: ``chunks`` unchanged."""
+    if not ids:
+        return chunks
+    if not chunks:
+        chunks = [empty()]
+    chunks[0]["choices"][0]["token_ids"] = list(ids)
+    return chunks
 
 
 def text_ids(gen: Generation, stop_token_ids: tuple[int, ...]) -> list[int]:

@@ -52,6 +52,7 @@ class LocalCall:
     tokens_as_ids: bool
     include_usage: bool = False
     n: int = 1
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and choices[].token_ids in vLLM's places
 
     def sampling_for(self, choice: int) -> SamplingParams:
         """The sampling of choice ``choice`` (0-based): ``seed + choice`` when seeded (vLLM's rule)."""
@@ -259,10 +260,21 @@ def prepare_call(
         tools=tools,
         parse_tools=bool(tools) and request.get("tool_choice") != "none",
         logprobs=logprobs,
-        tokens_as_ids=bool(request.get("return_tokens_as_token_ids")),
+        tokens_as_ids=_flag(request, "return_tokens_as_token_ids"),
         include_usage=bool((stream_options or {}).get("include_usage")),
         n=n,
+        return_token_ids=_flag(request, "return_token_ids"),
     )
+
+
+def _flag(request: dict[str, Any], key: str) -> bool:
+    """A boolean request field (absent or null: false); anything else is a 400 naming it."""
+    value = request.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{key} must be true or false, got {type(value).__name__}", param=key)
+    return value
 
 
 def chat_prompt(request: dict[str, Any], *, template, engine: Engine):

@@ -59,7 +59,7 @@ async def stream_chunks(
     the tokens arrive.
 
     ``output`` shapes the chunks: a chat ``CallOutput``, or anything with its methods (``role()``,
-    ``text(str)``, ``text_ids(gen)``, ``end(gen, tail, include_usage=)``) and a ``tokenizer`` — the
+    ``step(ids, text)``, ``text_ids(gen)``, ``end(gen, tail, include_usage=)``) and a ``tokenizer`` — the
     completions route's ``CompletionOutput``. A stream that ends without a finish reason counts as
     ``length``."""
     detok = IncrementalDetokenizer(output.tokenizer)
@@ -81,7 +81,7 @@ async def stream_chunks(
             if step.finish_reason:
                 finish = step.finish_reason
                 break
-            for chunk in output.text(detok.push(step.token_ids)):
+            for chunk in output.step(step.token_ids, detok.push(step.token_ids)):
                 yield chunk
     finally:
         await stream.aclose()
