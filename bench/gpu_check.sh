@@ -109,7 +109,7 @@ backend:
   engine: vllm
   max_batch_size: 256
   engine_args: {dtype: $GYMSERVE_GPU_DTYPE, max_model_len: 4096, gpu_memory_utilization: $GYMSERVE_GPU_MEMORY}
-  sampling: {temperature: 1.0, top_p: 1.0, on_mismatch: override}
+  sampling: {temperature: 1.0, top_p: 1.0, pin: override}
 EOF
 "$PY" -m gymserve.cli serve --config "$OUT/gymserve.yaml" --port "$P2" >"$OUT/gymserve.log" 2>&1 &
 GPID=$!; PIDS+=("$GPID")

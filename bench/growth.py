@@ -108,8 +108,8 @@ class Pipeline:
             ],
             "usage": {
                 "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(gen_ids) + 1,
-                "total_tokens": len(prompt_ids) + len(gen_ids) + 1,
+                "completion_tokens": len(gen_ids),
+                "total_tokens": len(prompt_ids) + len(gen_ids),
             },
         }
 
@@ -119,9 +119,10 @@ class Pipeline:
         return chat_to_response(completion, request)
 
     def generation(self, city: str) -> list[int]:
-        """What the embedded model emits for a tool call (a bare JSON object), EOS trimmed."""
+        """What the embedded model emits for a tool call (a bare JSON object), ended by its EOS as
+        gymserve returns it."""
         text = json.dumps({"name": "get_weather", "arguments": {"city": city}})
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)
 
 
 def build_rollouts(pipe: Pipeline, max_turns: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:

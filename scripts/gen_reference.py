@@ -39,12 +39,16 @@ NOTES: dict[tuple[str, str], str] = {
     "keys redacted) to this JSONL file (`--capture FILE`).",
     ("ServerConfig", "max_queue"): "Requests that may wait for a free backend slot before 429 `overloaded` "
     "with `Retry-After` (every backend).",
-    ("SamplingConfig", "temperature"): "0 is greedy.",
-    ("SamplingConfig", "top_k"): "None, 0 or -1: off.",
-    ("SamplingConfig", "seed"): "Seeds each request's sampler (None: unseeded).",
+    ("SamplingConfig", "temperature"): "0 is greedy. For a request that sends none (unless `pin`).",
+    ("SamplingConfig", "top_p"): "1: off. For a request that sends none (unless `pin`).",
+    ("SamplingConfig", "top_k"): "None, 0 or -1: off. For a request that sends none (unless `pin`).",
+    ("SamplingConfig", "min_p"): "0: off; keeps the tokens at least `min_p` times as likely as the most likely "
+    "one, after temperature (vLLM's order). For a request that sends none (unless `pin`).",
+    ("SamplingConfig", "seed"): "Seeds each request's sampler (None: unseeded) unless it sends its own (or `pin`).",
     ("SamplingConfig", "stop_token_ids"): "Extra token IDs that end a generation, besides the model's EOS IDs.",
-    ("SamplingConfig", "on_mismatch"): "`reject`: a request sending another temperature/top_p/top_k/seed gets a 400; "
-    "`override`: the config's values are used silently.",
+    ("SamplingConfig", "pin"): "`off`: each request's temperature/top_p/top_k/min_p/seed are applied, these are "
+    "the defaults (as `vllm serve`); `reject` (`--pin-sampling`): these are fixed, a request sending another value "
+    "gets a 400 (`sampling_param_pinned`); `override`: these are fixed and a request's are ignored.",
     ("LocalBackendConfig", "model"): f"`embedded` (the bundled {EMBEDDED_MODEL_NAME}, which `/v1/models` lists "
     "under that name), another embedded model by name ("
     + ", ".join(f"`{m.name}`" for m in EMBEDDED_MODELS.values() if m.name != EMBEDDED_MODEL_NAME)

@@ -118,7 +118,9 @@ def test_engine_and_sampling_flags_land_in_the_config(tmp_path):
         "--stop-token-ids",
         "5",
         "6",
-        "--sampling-on-mismatch",
+        "--min-p",
+        "0.05",
+        "--pin-sampling",
         "override",
         "--max-num-seqs",
         "3",
@@ -130,14 +132,17 @@ def test_engine_and_sampling_flags_land_in_the_config(tmp_path):
     b = c.backend
     assert (b.context_window, b.max_batch_size, b.tool_parser, b.reasoning_parser) == (2000, 3, "hermes", "qwen3")
     s = b.sampling
-    assert (s.temperature, s.top_p, s.top_k, s.seed, s.stop_token_ids, s.on_mismatch) == (
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.stop_token_ids, s.pin) == (
         0.0,
         0.9,
         20,
+        0.05,
         7,
         [5, 6],
         "override",
     )
+    assert _config("serve", "--pin-sampling").backend.sampling.pin == "reject"  # the bare switch pins
+    assert _config("serve").backend.sampling.pin == "off"
     assert _config("serve", "--max-model-len", "32K").backend.context_window == 32768
     assert _config("serve", "--max-model-len", "4096").backend.context_window == 4096
     gpu = _config("serve", "--engine", "vllm", "-tp", "2", "--gpu-memory-utilization", "0.8")
@@ -302,6 +307,7 @@ def served(tiny_model_dir):
         "384",
         "--temperature",
         "0",
+        "--pin-sampling",
     ]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env(), cwd=ROOT)
     out = _Lines(proc.stderr)
@@ -345,7 +351,7 @@ def test_served_model_names_in_models_and_answers(served):
     assert chat.model == "policy"
     response = client.responses.create(model="policy", input="Hi", max_output_tokens=3)
     assert response.model == "policy"
-    # --temperature 0 is pinned: a request asking for another temperature is refused, naming the field.
+    # --pin-sampling fixes --temperature 0: a request asking for another is refused, naming the field.
     with pytest.raises(
         openai.BadRequestError, match="temperature=0.7 differs from the server's pinned temperature=0.0"
     ):

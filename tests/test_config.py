@@ -30,7 +30,7 @@ def test_defaults_are_the_local_embedded_model():
     cfg = load_config(None)
     assert isinstance(cfg, GymserveConfig)
     assert isinstance(cfg.backend, LocalBackendConfig)
-    assert cfg.backend.model == "embedded" and cfg.backend.sampling.on_mismatch == "reject"
+    assert cfg.backend.model == "embedded" and cfg.backend.sampling.pin == "off"
     assert (cfg.server.host, cfg.server.port, cfg.server.max_queue, cfg.server.max_body_bytes) == (
         "127.0.0.1",
         8000,
@@ -177,6 +177,13 @@ def test_validation_errors_name_the_key(backend, key_path):
     with pytest.raises(ConfigError) as info:
         validate_config({"backend": backend})
     assert f"{key_path}:" in str(info.value)
+
+
+def test_the_old_sampling_switch_names_its_replacement():
+    """sampling.on_mismatch (requests could never choose) became sampling.pin (off by default)."""
+    with pytest.raises(ConfigError) as info:
+        validate_config({"backend": {"type": "local", "sampling": {"on_mismatch": "reject"}}})
+    assert "backend.sampling" in str(info.value) and "sampling.pin" in str(info.value)
 
 
 def test_unknown_top_level_key_and_missing_variable(tmp_path):

@@ -69,6 +69,11 @@ class ServerConfig(_Model):
     capture_path: str | None = None
     max_queue: int = Field(1024, ge=0)
     shutdown_timeout: float = Field(30.0, gt=0, description="seconds in-flight requests get to finish after SIGTERM")
+    return_tokens_as_token_ids: bool = Field(
+        False,
+        description="vLLM's server flag: every log-prob token of /v1/chat/completions and /v1/completions is "
+        "spelled token_id:N unless the request sends return_tokens_as_token_ids itself",
+    )
 
 
 class _ServedModelNames(_Model):
@@ -110,15 +115,34 @@ class _ServedModelNames(_Model):
 
 
 class SamplingConfig(_Model):
-    """Local-engine sampling defaults. ``on_mismatch``: a request asking for other values is
-    rejected (``"reject"``) or served with these (``"override"``)."""
+    """Local-engine sampling: the server's ``temperature``/``top_p``/``top_k``/``min_p``/``seed``
+    and whether requests may choose their own.
+
+    ``pin``: ``off`` (the default, as ``vllm serve``): these are the defaults, and a request's own
+    values are applied; ``reject``: these are fixed, and a request sending another value gets a 400
+    naming it (code ``sampling_param_pinned``) — what an on-policy trainer wants, so every rollout
+    is sampled from the distribution it assumes (``gymserve train-demo`` pins); ``override``: these
+    are fixed and a request's other values are ignored (for clients that always send their own).
+    ``min_p`` 0 and ``top_p`` 1 are off; ``top_k`` None, 0 or -1 is off."""
 
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
-    on_mismatch: Literal["reject", "override"] = "reject"
+    pin: Literal["off", "reject", "override"] = "off"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "on_mismatch" in data:
+            raise ValueError(
+                "sampling.on_mismatch is now sampling.pin: off (requests choose their own sampling, as in "
+                "vLLM; the default), reject (the server's values are fixed: a request asking for others is "
+                "a 400; on_mismatch: reject) or override (on_mismatch: override)"
+            )
+        return data
 
 
 class LocalBackendConfig(_ServedModelNames):

@@ -9,7 +9,9 @@ path of every rollout and re-validating 100 KB histories per call would dominate
 gymserve adds only the training fields, the names NeMo RL's generation servers use:
 
 - ``prompt_token_ids``: ``list[int]``, the exact prompt the policy saw;
-- ``generation_token_ids``: ``list[int]``, the tokens it sampled (trailing EOS/stop trimmed);
+- ``generation_token_ids``: ``list[int]``, the tokens it sampled, including the EOS/stop token
+  that ended the turn (``finish_reason`` ``stop``; vLLM's ``token_ids`` include it too); a
+  generation cut by ``length`` or ``abort`` has none;
 - ``generation_log_probs``: ``list[float]``, one log-probability (natural log) per generated token.
 
 They ride on the chat assistant message (``choices[0].message``), on the last Responses output

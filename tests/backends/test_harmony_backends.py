@@ -2,8 +2,9 @@
 control tokens, gymserve's harmony template, a scripted engine) and the chat backend's raw-text path.
 
 The local engine's turns are token-contiguous: each prompt starts with the previous prompt +
-generation, and what follows is exactly the harmony the format prescribes (the tool output message,
-``<|end|>`` in place of the sampled ``<|return|>``)."""
+generation — the sampled ``<|call|>`` / ``<|return|>`` included, as vLLM returns them — and what
+follows is the harmony the format prescribes (the tool output message, the next user turn), with no
+second end-of-turn token after the model's own."""
 
 from __future__ import annotations
 
@@ -68,8 +69,9 @@ def test_local_harmony_rollout_is_token_contiguous_and_parsed(harmony_tokenizer)
         assert (call.name, call.arguments) == ("get_weather", '{"city":"Oslo"}')
         items = [i.model_dump(exclude_none=True) for i in first.output]
         p1, g1 = items[-1]["prompt_token_ids"], items[-1]["generation_token_ids"]
-        # The sampled <|call|> is trimmed from the generation (the template closes the turn).
-        assert tok.decode(g1, skip_special_tokens=False) == ANALYSIS + CALL.removesuffix("<|call|>")
+        # The sampled <|call|> is a training token: it ends the generation, with its log-prob.
+        assert tok.decode(g1, skip_special_tokens=False) == ANALYSIS + CALL
+        assert len(items[-1]["generation_log_probs"]) == len(g1)
 
         engine.text_ids = tok.encode(FINAL, add_special_tokens=False)
         history = [
@@ -86,8 +88,7 @@ def test_local_harmony_rollout_is_token_contiguous_and_parsed(harmony_tokenizer)
         p2, g2 = last["prompt_token_ids"], last["generation_token_ids"]
         assert p2[: len(p1) + len(g1)] == p1 + g1
         assert tok.decode(p2[len(p1) + len(g1) :], skip_special_tokens=False) == (
-            "<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>20<|end|>"
-            "<|start|>assistant"
+            "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>20<|end|><|start|>assistant"
         )
 
         engine.text_ids = tok.encode("<|channel|>final<|message|>Bye.<|return|>", add_special_tokens=False)
@@ -103,9 +104,11 @@ def test_local_harmony_rollout_is_token_contiguous_and_parsed(harmony_tokenizer)
         )
         p3 = third.output[-1].model_dump(exclude_none=True)["prompt_token_ids"]
         assert p3[: len(p2) + len(g2)] == p2 + g2
-        # <|return|> was sampled and trimmed; history closes the final answer with <|end|>.
+        # The sampled <|return|> closes the answer in the next prompt (the model's own token, where
+        # harmony's history would write <|end|>): the template's <|end|> is not added after it.
+        assert tok.decode(g2, skip_special_tokens=False).endswith("20 °C.<|return|>")
         assert tok.decode(p3[len(p2) + len(g2) :], skip_special_tokens=False) == (
-            "<|end|><|start|>user<|message|>Thanks<|end|><|start|>assistant"
+            "<|start|>user<|message|>Thanks<|end|><|start|>assistant"
         )
 
 

@@ -102,9 +102,10 @@ async def test_a_tool_call_message_has_the_blocks_and_training_fields(tokenizer)
     assert message["content"][0]["thinking"] == "Plan." and message["content"][1]["text"] == "Checking."
     tool = message["content"][2]
     assert (tool["name"], tool["input"]) == ("get_weather", {"city": "Paris"}) and tool["id"].startswith("call_")
-    generated = tokenizer.encode("<think>Plan.</think>Checking.\n" + CALL, add_special_tokens=False)
+    # Every sampled token, the <|im_end|> that ended the turn included (a training token, as in vLLM).
+    generated = tokenizer.encode("<think>Plan.</think>Checking.\n" + CALL + "<|im_end|>", add_special_tokens=False)
     assert message["generation_token_ids"] == generated and len(message["generation_log_probs"]) == len(generated)
-    assert message["usage"]["output_tokens"] == len(generated) + 1  # the trimmed end-of-turn token counts
+    assert message["usage"]["output_tokens"] == len(generated)
     assert message["usage"]["input_tokens"] == len(message["prompt_token_ids"])
 
 
@@ -127,7 +128,8 @@ async def test_context_overflow_is_the_same_empty_message_on_every_path(tokenize
 
 
 async def test_a_rejected_request_fails_before_the_first_event(tokenizer):
-    local = LocalBackend(CONFIG, ScriptedEngine(tokenizer, "Hi"), tokenizer)
+    pinned = CONFIG.model_copy(update={"sampling": SamplingConfig(temperature=0.5, pin="reject")})
+    local = LocalBackend(pinned, ScriptedEngine(tokenizer, "Hi"), tokenizer)
     events = aiter(local.messages_stream({**REQUEST, "stream": True, "temperature": 0.9}, RequestContext()))
     with pytest.raises(InvalidRequestError) as exc:
         await anext(events)

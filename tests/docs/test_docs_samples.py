@@ -168,8 +168,8 @@ def test_demo_sample_counts_agree():
         turns = r["turns"]
         assert [t["k"] for t in turns] == list(range(1, len(turns) + 1)) and r["stop"], r["request"]
         for prev, t in zip(turns, turns[1:]):
-            # Contiguous: the next prompt holds the previous prompt + generation, plus at least the
-            # trimmed EOS and the tool's answer.
+            # Contiguous: the next prompt holds the previous prompt + generation (its EOS included),
+            # plus at least the tool's answer.
             assert t["p"] > prev["p"] + prev["g"], (r["request"], t)
         for t in turns:
             kinds = [g.get("kind", kind) for kind, g in t["items"]]

@@ -11,6 +11,7 @@ import pytest
 from gymserve.backends.local import LocalBackend
 from gymserve.config import GymserveConfig, LocalBackendConfig, SamplingConfig, ServerConfig
 from gymserve.harness.verify import teacher_forced_log_probs
+from gymserve.protocol import TRAINING_FIELDS
 from gymserve.server.run import start_background_server
 
 pytestmark = pytest.mark.real_model
@@ -58,3 +59,35 @@ def test_tool_call_then_answer_is_token_contiguous_and_exact(client, real_server
     for t in (t1, t2):
         tf = teacher_forced_log_probs(model, t["prompt_token_ids"], t["generation_token_ids"])
         assert max(abs(a - b) for a, b in zip(tf, t["generation_log_probs"])) <= 1e-4
+
+
+def test_the_sampled_eos_is_a_training_token(client, real_server, tokenizer):
+    """The issue's probe (vLLM 0.32 on CPU, same model and prompt, ``return_token_ids``: ``token_ids:
+    [3925, 151645]``, both with log-probs, ``completion_tokens: 2``): the model's own ``<|im_end|>``
+    ends the generation with its log-prob, on chat and on completions, in gymserve's fields and in
+    vLLM's; the text shows "OK" only; the next turn's prompt holds that EOS once, and every log-prob
+    (the EOS's included) matches teacher forcing."""
+    messages = [{"role": "user", "content": "Reply with only the word OK."}]
+    r = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=8, logprobs=True, extra_body={"return_token_ids": True}
+    )
+    choice, extra = r.choices[0], r.choices[0].message.model_extra
+    assert choice.finish_reason == "stop" and choice.message.content == "OK"
+    assert extra["generation_token_ids"] == [3925, 151645] == choice.model_extra["token_ids"]
+    assert r.usage.completion_tokens == 2 and len(choice.logprobs.content) == 2
+    assert [e.token for e in choice.logprobs.content] == ["OK", "<|im_end|>"]
+    model = real_server.backend.engine.model
+    tf = teacher_forced_log_probs(model, extra["prompt_token_ids"], extra["generation_token_ids"])
+    assert max(abs(a - b) for a, b in zip(tf, extra["generation_log_probs"])) <= 1e-4
+    done = client.completions.create(model="m", prompt=extra["prompt_token_ids"], max_tokens=8, logprobs=0)
+    assert done.choices[0].model_extra["generation_token_ids"] == [3925, 151645] and done.choices[0].text == "OK"
+    assert done.usage.completion_tokens == 2
+    # Next turn: P + G (its EOS included) + "\n<|im_start|>user..." — no second <|im_end|>.
+    messages += [
+        {"role": "assistant", "content": "OK", **{k: extra[k] for k in TRAINING_FIELDS}},
+        {"role": "user", "content": "Again."},
+    ]
+    nxt = client.chat.completions.create(model="m", messages=messages, max_tokens=4).choices[0].message.model_extra
+    head = extra["prompt_token_ids"] + extra["generation_token_ids"]
+    assert nxt["prompt_token_ids"][: len(head)] == head
+    assert tokenizer.decode(nxt["prompt_token_ids"][len(head) :]).startswith("\n<|im_start|>user\nAgain.")

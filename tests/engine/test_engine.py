@@ -136,3 +136,14 @@ def test_logprobs_are_raw_distribution_not_tempered(engine, scorer):
     raw = teacher_forced_log_probs(scorer, p, gen.token_ids)
     for j in range(len(gen.token_ids)):
         assert abs(raw[j] - gen.log_probs[j]) < 1e-4
+
+
+def test_min_p_one_is_greedy_and_log_probs_stay_raw(engine, scorer):
+    """min_p 1 keeps only the most likely token (vLLM's rule: p >= min_p * p_max), so it samples as
+    greedy does at any temperature; the reported log-probs stay the raw model's."""
+    p = _prompts()[2]
+    greedy = asyncio.run(engine.generate(p, SamplingParams(max_tokens=5, temperature=0)))
+    cut = asyncio.run(engine.generate(p, SamplingParams(max_tokens=5, temperature=1.5, min_p=1.0, seed=3)))
+    assert cut.token_ids == greedy.token_ids
+    raw = teacher_forced_log_probs(scorer, p, cut.token_ids)
+    assert max(abs(a - b) for a, b in zip(raw, cut.log_probs)) < 1e-4

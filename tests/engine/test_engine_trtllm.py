@@ -511,11 +511,16 @@ def test_without_include_stop_the_real_engine_would_misalign():
     assert res.outputs[0].token_ids == [11, 12] and len(res.outputs[0].logprobs) == 3
 
 
-def test_dropped_end_id_is_put_back(engine, monkeypatch):
+def test_a_dropped_end_id_is_not_made_up(engine, monkeypatch, caplog):
+    """A build that leaves the EOS out: its log-prob is unknown, so the generation ends without it
+    (never with an invented log-prob) and the log says so once."""
     monkeypatch.setattr(FakeLLM, "drop_end_id", True)
-    gen = asyncio.run(engine.generate([1], _sp()))
-    assert gen.token_ids == [11, 12, 13, 14, 15, EOS] and gen.finish_reason == "stop"
-    assert math.isnan(gen.log_probs[-1]) and len(gen.log_probs) == 6
+    with caplog.at_level("WARNING", logger="gymserve.engine.trtllm_engine"):
+        gen = asyncio.run(engine.generate([1], _sp()))
+        asyncio.run(engine.generate([1], _sp()))
+    assert gen.token_ids == [11, 12, 13, 14, 15] and gen.finish_reason == "stop"
+    assert len(gen.log_probs) == 5 and not any(math.isnan(x) for x in gen.log_probs)
+    assert sum("left the EOS" in r.message for r in caplog.records) == 1
 
 
 def test_length_finish(engine):
@@ -590,7 +595,8 @@ def test_local_backend_chat_over_trtllm(fake_trtllm, model_dir, tokenizer):
     out = asyncio.run(backend.chat({"messages": [{"role": "user", "content": "hi"}]}, RequestContext()))
     msg = out["choices"][0]["message"]
     assert msg["content"] == "Bonjour!" and out["choices"][0]["finish_reason"] == "stop"
-    assert msg["generation_token_ids"] == answer and len(msg["generation_log_probs"]) == len(answer)
+    # The EOS that ended the answer is a training token (vLLM's token_ids include it too).
+    assert msg["generation_token_ids"] == [*answer, EOS] and len(msg["generation_log_probs"]) == len(answer) + 1
     res = FakeLLM.instances[-1].results[-1]
     assert res.prompt_token_ids == msg["prompt_token_ids"]
     assert res.sampling_params.seed == 3 and res.sampling_params.max_tokens == 4096 - len(msg["prompt_token_ids"])
@@ -704,7 +710,7 @@ def test_serve_policy_around_the_trainers_own_llm(fake_trtllm, model_dir, tokeni
     try:
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60)
         done = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}])
-        assert done.choices[0].message.model_extra["generation_token_ids"] == [11, 12, 13, 14, 15]
+        assert done.choices[0].message.model_extra["generation_token_ids"] == [11, 12, 13, 14, 15, EOS]
         root = srv.base_url.removesuffix("/v1")
         assert httpx.post(root + "/pause", params={"mode": "wait"}).status_code == 200
         assert httpx.get(root + "/is_paused").json()["is_paused"] is True

@@ -766,10 +766,11 @@ def test_local_backend_chat_over_vllm(backend, tokenizer):
     msg = out["choices"][0]["message"]
     assert msg["content"] == "Hello there!"
     assert out["choices"][0]["finish_reason"] == "stop"
-    # The EOS is trimmed together with its log-prob; the rest is exactly what the engine sampled.
-    assert msg["generation_token_ids"] == answer
-    assert msg["generation_log_probs"] == pytest.approx([-0.1 * (i + 1) for i in range(len(answer))])
-    assert len(out["choices"][0]["logprobs"]["content"]) == len(answer)
+    # Exactly what the engine sampled, the EOS that ended it included with its log-prob (vLLM's own
+    # token_ids include it); the text does not show it.
+    assert msg["generation_token_ids"] == [*answer, EOS]
+    assert msg["generation_log_probs"] == pytest.approx([-0.1 * (i + 1) for i in range(len(answer) + 1)])
+    assert len(out["choices"][0]["logprobs"]["content"]) == len(answer) + 1
     prompt, params, _ = FakeAsyncLLM.instances[-1].calls[-1]
     assert prompt["prompt_token_ids"] == msg["prompt_token_ids"]
     assert tokenizer.decode(prompt["prompt_token_ids"]).endswith("<|im_start|>assistant\n")
@@ -806,13 +807,14 @@ def test_local_backend_stream_over_vllm(backend, tokenizer):
     assert text == "Streaming works."
     last = chunks[-1]["choices"][0]
     assert last["finish_reason"] == "stop"
-    assert last["delta"]["generation_token_ids"] == answer
-    assert len(last["delta"]["generation_log_probs"]) == len(answer)
+    assert last["delta"]["generation_token_ids"] == [*answer, EOS]
+    assert len(last["delta"]["generation_log_probs"]) == len(answer) + 1
     assert FakeAsyncLLM.instances[-1].calls[-1][1].output_kind == RequestOutputKind.DELTA
 
 
 def test_local_backend_multi_turn_stays_contiguous(backend, tokenizer):
-    """Turn 2's prompt starts with turn 1's prompt + generation (+ the EOS the template closes with)."""
+    """Turn 2's prompt starts with turn 1's prompt + generation (the model's EOS closing the turn,
+    not followed by a second one from the template)."""
     from gymserve.backends.base import RequestContext
 
     FakeAsyncLLM.script = tokenizer.encode("First answer.", add_special_tokens=False)
@@ -831,7 +833,9 @@ def test_local_backend_multi_turn_stays_contiguous(backend, tokenizer):
     ]
     second = asyncio.run(backend.chat({"messages": msgs2}, RequestContext()))["choices"][0]["message"]
     prefix = first["prompt_token_ids"] + first["generation_token_ids"]
+    assert first["generation_token_ids"][-1] == EOS
     assert second["prompt_token_ids"][: len(prefix)] == prefix
+    assert tokenizer.decode(second["prompt_token_ids"][len(prefix) :]).startswith("\n<|im_start|>user\ntwo")
 
 
 def test_fake_sampling_params_mirror_vllm_field_names():
@@ -1007,7 +1011,7 @@ def test_serve_policy_around_the_trainers_own_async_llm(fake_vllm, model_dir, to
             return done.choices[0].message.model_extra
 
         first = ask()
-        assert first["generation_token_ids"] == [11, 12, 13, 14, 15] and first["weight_version"] == 0
+        assert first["generation_token_ids"] == [11, 12, 13, 14, 15, EOS] and first["weight_version"] == 0
         assert httpx.post(root + "/pause", params={"mode": "keep"}).status_code == 200 and llm.paused == "keep"
         save_file({"lm_head.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
         r = httpx.post(root + "/update_weights", json={"update_info": {"path": str(tmp_path)}, "weight_version": "s1"})

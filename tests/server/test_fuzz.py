@@ -138,7 +138,7 @@ def local_server(tiny_model_dir):
     cfg = GymserveConfig(
         server=ServerConfig(port=0),
         backend=LocalBackendConfig(
-            model=str(tiny_model_dir), context_window=512, sampling=SamplingConfig(seed=1, on_mismatch="override")
+            model=str(tiny_model_dir), context_window=512, sampling=SamplingConfig(seed=1, pin="override")
         ),
     )
 

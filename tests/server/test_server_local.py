@@ -84,17 +84,58 @@ def test_three_turns_stay_token_contiguous(client, tokenizer):
     assert len(prev[0]) > 60
 
 
-def test_pinned_sampling_rejects_other_temperature(client):
+def test_requests_choose_their_own_sampling_by_default(client):
+    """As vllm serve: a server not told to pin applies each request's temperature/top_k/min_p/seed
+    (the config's values are the defaults). Observable: top_k 1, min_p 1 and temperature 0 all
+    sample the most likely token, whatever the server's temperature (1.0 here); a request seed
+    replays a generation."""
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+
+    def gen(route: str = "chat", **sampling) -> list[int]:
+        if route == "completions":
+            done = client.completions.create(model="tiny", prompt="Once upon", max_tokens=6, **sampling)
+            return done.choices[0].model_extra["generation_token_ids"]
+        done = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, **sampling)
+        return _fields(done.choices[0].message)[1]
+
+    greedy = gen(temperature=0)
+    assert gen(extra_body={"top_k": 1}) == greedy
+    assert gen(extra_body={"min_p": 1.0}, temperature=1.5) == greedy
+    assert gen(seed=77) == gen(seed=77) != gen(seed=78)
+    assert gen("completions", temperature=0) == gen("completions", extra_body={"min_p": 1.0})
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, temperature=0.3
-        )
-    err = exc.value.body
-    assert err["param"] == "temperature" and "pinned" in err["message"]
-    # The same value as the config is fine, as NeMo Gym sends it.
-    client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, temperature=1.0, top_p=1.0
-    )
+        gen(extra_body={"min_p": 1.5})
+    assert exc.value.body["param"] == "min_p" and "out of range" in exc.value.body["message"]
+
+
+def test_a_pinned_server_rejects_other_sampling(tiny_model_dir):
+    """``sampling.pin: reject`` (``--pin-sampling``): another temperature/top_k/min_p/seed is a 400
+    naming it; the server's own values (or "off" values for its off filters), as NeMo Gym sends
+    them, are fine. ``pin: override`` samples with the server's values whatever is sent."""
+    pinned = SamplingConfig(temperature=1.0, seed=1234, pin="reject")
+    srv = _server(tiny_model_dir, sampling=pinned, context_window=512)
+    try:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": "x"}]
+        for field, value in (("temperature", 0.3), ("top_k", 5), ("min_p", 0.1), ("seed", 9)):
+            with pytest.raises(openai.BadRequestError) as exc:
+                c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, extra_body={field: value})
+            err = exc.value.body
+            assert (
+                err["param"] == field and err["code"] == "sampling_param_pinned" and "--pin-sampling" in err["message"]
+            )
+        same = {"temperature": 1.0, "top_p": 1.0, "seed": 1234, "extra_body": {"top_k": -1, "min_p": 0}}
+        c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, **same)
+    finally:
+        srv.stop()
+    srv = _server(tiny_model_dir, sampling=SamplingConfig(temperature=0, pin="override"))
+    try:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": "x"}]
+        runs = [c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=1.9) for _ in "ab"]
+        assert _fields(runs[0].choices[0].message)[1] == _fields(runs[1].choices[0].message)[1]  # greedy both
+    finally:
+        srv.stop()
 
 
 def test_context_length_error_names_both_numbers(client):
@@ -128,6 +169,29 @@ def test_standard_logprobs_with_token_ids(client):
     assert [c.token for c in content] == [f"token_id:{t}" for t in g]
     assert [c.logprob for c in content] == pytest.approx(lp)
     assert all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_vllm_token_fields_in_vllm_places(client):
+    """``return_token_ids`` (vLLM ≥ 0.10.2): top-level ``prompt_token_ids`` and ``choices[].token_ids``
+    on chat, ``choices[].prompt_token_ids`` + ``token_ids`` on completions, equal to gymserve's own
+    fields; without it, neither appears."""
+    msgs = [{"role": "user", "content": "x"}]
+    r = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=3, n=2, extra_body={"return_token_ids": True}
+    ).model_dump()
+    for choice in r["choices"]:
+        assert choice["token_ids"] == choice["message"]["generation_token_ids"]
+        assert r["prompt_token_ids"] == choice["message"]["prompt_token_ids"]
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    c = client.completions.create(model="tiny", prompt="x", max_tokens=3, extra_body={"return_token_ids": True})
+    extra = c.choices[0].model_extra
+    assert extra["token_ids"] == extra["generation_token_ids"] and extra["prompt_token_ids"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=3, extra_body={"return_token_ids": "yes"}
+        )
+    assert exc.value.body["param"] == "return_token_ids"
 
 
 @pytest.mark.parametrize(
@@ -188,35 +252,17 @@ def test_malformed_json_and_unknown_route(server):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(server.base_url.removesuffix("/v1") + "/chat/completions", json={}, timeout=10)
     assert r.status_code == 404 and "/v1" in r.json()["error"]["message"]
+    # Every route is listed, read from the app (the old hand-written list had five).
+    for route in ("POST /v1/completions", "POST /tokenize", "POST /v1/messages/count_tokens", "GET /v1/models"):
+        assert route in r.json()["error"]["message"]
 
 
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == [server.backend.engine.model_name]
+    # vLLM's max_model_len: the context window the renderers library checks prompts against.
+    assert [m.model_extra["max_model_len"] for m in client.models.list().data] == [512]
     h = httpx.get(server.base_url.removesuffix("/v1") + "/health", timeout=10).json()
     assert h["status"] == "ok" and h["tool_call_parser"] == "qwen2_5_coder"
-
-
-def test_stop_token_trimmed_with_its_log_prob(local_engine, tokenizer):
-    """A generation that ends on a stop token returns it neither in the ids nor in the log-probs."""
-    engine, model = local_engine
-    probe = _server(model, engine=engine, sampling=SamplingConfig(temperature=0))
-    try:
-        c = openai.OpenAI(base_url=probe.base_url, api_key="x", max_retries=0)
-        msgs = [{"role": "user", "content": "Hello"}]
-        g = _fields(c.chat.completions.create(model="t", messages=msgs, max_tokens=5).choices[0].message)[1]
-    finally:
-        probe.stop()
-    stop = g[2]
-    srv = _server(model, engine=engine, sampling=SamplingConfig(temperature=0, stop_token_ids=[stop]))
-    try:
-        c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
-        r = c.chat.completions.create(model="t", messages=msgs, max_tokens=5)
-        _, g2, lp2 = _fields(r.choices[0].message)
-        assert r.choices[0].finish_reason == "stop"
-        assert g2 == g[: g.index(stop)] and len(lp2) == len(g2)
-        assert r.usage.completion_tokens == len(g2) + 1
-    finally:
-        srv.stop()
 
 
 def test_non_canonical_generation_survives_splice(client, tokenizer):

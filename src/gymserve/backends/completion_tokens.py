@@ -69,13 +69,13 @@ class CompletionTokens:
         return ending
 
     def _gather(self, index: int, choice: dict[str, Any]) -> None:
-        # vLLM's prompt_token_ids leave the chunk; a gymserve upstream's training fields stay together.
-        prompt = (
-            choice.get("prompt_token_ids") if "generation_token_ids" in choice else choice.pop("prompt_token_ids", None)
-        )
+        # vLLM's token fields leave the chunk unless the client asked for them (return_token_ids);
+        # a gymserve upstream's training fields stay together.
+        keep = bool(self.request.get("return_token_ids")) or "generation_token_ids" in choice
+        prompt = choice.get("prompt_token_ids") if keep else choice.pop("prompt_token_ids", None)
         if isinstance(prompt, list):
             self._prompt[index] = prompt
-        ids = choice.pop("token_ids", None)
+        ids = choice.get("token_ids") if self.request.get("return_token_ids") else choice.pop("token_ids", None)
         if isinstance(ids, list):
             self._ids.setdefault(index, []).extend(ids)
         logprobs = choice.get("logprobs")

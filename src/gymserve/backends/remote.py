@@ -205,7 +205,11 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
         the first chunk, ``token_ids`` and ``logprobs`` on each) is collected and the training
         fields ride on the finish chunk's delta, as on the local engine's stream; an overflow gives
         the chunks of the empty length-terminated completion."""
-        tokens = StreamedTokens(bool(request.get("logprobs"))) if self._wants_token_ids else None
+        tokens = (
+            StreamedTokens(bool(request.get("logprobs")), bool(request.get("return_token_ids")))
+            if self._wants_token_ids
+            else None
+        )
         parsed = None
         if self._tool_parser or self._reasoning_parser:
             parsed = ParsedChunkStream(request.get("tools"), self._tool_parser, self._reasoning_parser)

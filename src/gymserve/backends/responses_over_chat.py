@@ -5,7 +5,7 @@ Every backend without a native Responses API (local, ray, chat, azure ``api: cha
 them), and the Responses-native ones (openai, azure ``api: responses``) share their answers to a
 context-window overflow:
 
-- the request as run: ``backend.fill_responses_defaults`` (e.g. the pinned sampling params, so the
+- the request as run: ``backend.fill_responses_defaults`` (e.g. the server's sampling params, so the
   Response echoes what ran) rendered as chat with ``backend.convert_options()``;
 - non-streamed: ``backend.answer(chat_request)`` is the whole chat answer (:class:`ChatAnswer`),
   turned into the Response by ``ChatAnswer.response``;

@@ -36,26 +36,30 @@ class _ChoiceTokens:
 class StreamedTokens:
     """Collects the streamed token metadata of every choice (``n > 1`` streams interleave them).
 
-    ``StreamedTokens(keep_logprobs)``: ``keep_logprobs`` False removes the ``logprobs`` that
-    gymserve asked for on the client's behalf from the chunks it forwards. Call :meth:`take` on each
-    upstream chunk before forwarding it (it removes vLLM's ``prompt_token_ids`` / ``token_ids``),
+    ``StreamedTokens(keep_logprobs, keep_token_ids)``: ``keep_logprobs`` False removes the
+    ``logprobs`` that gymserve asked for on the client's behalf from the chunks it forwards;
+    ``keep_token_ids`` (the client sent vLLM's ``return_token_ids`` itself) leaves vLLM's
+    ``prompt_token_ids`` / ``token_ids`` in the chunks, in vLLM's places. Call :meth:`take` on each
+    upstream chunk before forwarding it (it removes them otherwise),
     :meth:`finishing` to find the choices a chunk ends, and :meth:`completion` to get a
     ``ChatCompletion``-shaped dict whose ``choices[0]["message"]`` *is* that choice's delta in the
     chunk (the training fields set on it land in the chunk).
     """
 
-    def __init__(self, keep_logprobs: bool) -> None:
+    def __init__(self, keep_logprobs: bool, keep_token_ids: bool = False) -> None:
         self.keep_logprobs = keep_logprobs
+        self.keep_token_ids = keep_token_ids
         self.prompt: list[int] | None = None
         self._choices: dict[int, _ChoiceTokens] = {}
 
     def take(self, chunk: dict[str, Any]) -> None:
-        prompt = chunk.pop("prompt_token_ids", None)
+        read = dict.get if self.keep_token_ids else dict.pop
+        prompt = read(chunk, "prompt_token_ids", None)
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict):
                 continue
-            choice_prompt = choice.pop("prompt_token_ids", None)
-            ids = choice.pop("token_ids", None)
+            choice_prompt = read(choice, "prompt_token_ids", None)
+            ids = read(choice, "token_ids", None)
             logprobs = choice.get("logprobs")
             if not self.keep_logprobs:
                 choice["logprobs"] = None

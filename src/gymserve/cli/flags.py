@@ -251,25 +251,34 @@ SAMPLING = (
     Flag(
         ("--temperature",),
         "backend.sampling.temperature",
-        {"type": float, "help": "pinned sampling temperature; 0 is greedy (default 1.0)"},
+        {"type": float, "help": "sampling temperature when a request sends none; 0 is greedy (default 1.0)"},
         kinds=LOCAL,
     ),
     Flag(
         ("--top-p",),
         "backend.sampling.top_p",
-        {"type": float, "help": "pinned nucleus top-p (default 1.0: off)"},
+        {"type": float, "help": "nucleus top-p when a request sends none (default 1.0: off)"},
         kinds=LOCAL,
     ),
     Flag(
         ("--top-k",),
         "backend.sampling.top_k",
-        {"type": int, "help": "pinned top-k (default off; 0 or -1: off)"},
+        {"type": int, "help": "top-k when a request sends none (default off; 0 or -1: off)"},
+        kinds=LOCAL,
+    ),
+    Flag(
+        ("--min-p",),
+        "backend.sampling.min_p",
+        {"type": float, "help": "min-p when a request sends none (default 0: off)"},
         kinds=LOCAL,
     ),
     Flag(
         ("--seed",),
         "backend.sampling.seed",
-        {"type": int, "help": "seeds every request's sampler, so a rollout can be replayed (default: unseeded)"},
+        {
+            "type": int,
+            "help": "seeds every request's sampler unless it sends its own seed, so a rollout can be replayed (default: unseeded)",
+        },
         kinds=LOCAL,
     ),
     Flag(
@@ -279,12 +288,15 @@ SAMPLING = (
         kinds=LOCAL,
     ),
     Flag(
-        ("--sampling-on-mismatch",),
-        "backend.sampling.on_mismatch",
+        ("--pin-sampling",),
+        "backend.sampling.pin",
         {
-            "choices": ("reject", "override"),
-            "help": "a request that sends other sampling params: reject (400, the default) or override (the pinned "
-            "values win silently)",
+            "nargs": "?",
+            "const": "reject",
+            "choices": ("off", "reject", "override"),
+            "help": "fix the sampling params to the ones above for every request, as on-policy training wants: "
+            "a request sending others gets a 400 (reject, what the bare flag means) or is sampled with these "
+            "(override); off (the default, as vllm serve) applies each request's own",
         },
         kinds=LOCAL,
     ),
@@ -292,6 +304,15 @@ SAMPLING = (
 
 SERVER = (
     Flag(("--host",), "server.host", {"help": "bind address (default 127.0.0.1)"}),
+    Flag(
+        ("--return-tokens-as-token-ids",),
+        "server.return_tokens_as_token_ids",
+        {
+            "action": "store_true",
+            "default": None,
+            "help": "vllm serve's flag: log-prob tokens are spelled token_id:N unless a request says otherwise",
+        },
+    ),
     Flag(("--port",), "server.port", {"type": int, "help": "port (default 8000; 0 picks a free one)"}),
     Flag(
         ("--api-key",),
@@ -325,7 +346,7 @@ GROUPS = (
     ("upstream (chat, openai, azure backends)", UPSTREAM),
     ("local engine (local backend, launch)", ENGINE),
     ("parsers (local and chat backends)", PARSERS),
-    ("pinned sampling params (local backend; requests may not ask for others)", SAMPLING),
+    ("sampling params (local backend: the defaults requests may override, or pinned with --pin-sampling)", SAMPLING),
     ("this server", SERVER),
 )
 SERVE_FLAGS = (SERVED_MODEL_NAME, *UPSTREAM, *ENGINE, *PARSERS, *SAMPLING, *SERVER)

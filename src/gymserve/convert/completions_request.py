@@ -62,7 +62,7 @@ _NUMBERS = (
     ("seed", True, None, None),
     ("best_of", True, 1, None),
 )
-_BOOLS = ("echo", "stream", "return_tokens_as_token_ids", "add_special_tokens")
+_BOOLS = ("echo", "stream", "return_tokens_as_token_ids", "return_token_ids", "add_special_tokens")
 
 
 def check_completions_request(request: Any) -> dict[str, Any]:

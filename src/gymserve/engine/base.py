@@ -1,7 +1,7 @@
 """The engine interface: prompt token IDs and sampling params in; tokens, log-probs, finish reason out.
 
-Everything above the engine (templating, prefix splice, parsers, pinned sampling, context clamp,
-stop-token trimming) is engine-independent; an engine only turns token IDs into token IDs.
+Everything above the engine (templating, prefix splice, parsers, sampling params, context clamp,
+which tokens' text is shown) is engine-independent; an engine only turns token IDs into token IDs.
 
 The engine also owns the control plane of a policy being trained (``Engine.pause_generation``,
 ``update_weights``, ...; named as vLLM names them, see docs/concepts/training-control.md): each
@@ -34,10 +34,12 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 class SamplingParams:
     """Sampling parameters, as vLLM's ``SamplingParams`` spells them.
 
-    ``temperature`` 0 means greedy. ``top_k`` ``None`` or ``<= 0`` means no top-k filter.
+    ``temperature`` 0 means greedy. ``top_k`` ``None`` or ``<= 0`` means no top-k filter. ``min_p``
+    (0: off) drops the tokens less likely than ``min_p`` times the most likely one, after
+    temperature (vLLM's order: temperature, min-p, top-k, top-p).
     ``max_tokens`` is the number of new tokens, already clamped to the context window.
     ``stop_token_ids`` end generation when sampled (in addition to the model's EOS IDs); the
-    stopping token is part of the engine's output and is trimmed by the caller.
+    stopping token is part of the engine's output, with its log-prob (a training token, as in vLLM).
     ``top_logprobs`` asks for that many alternatives per position (0: none).
     ``prompt_logprobs`` (vLLM's field of the same name): ``None`` computes none; ``k >= 0`` asks for
     every prompt token's log-prob given the tokens before it, its rank and the ``k`` most likely
@@ -49,6 +51,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     top_logprobs: int = 0
@@ -137,11 +140,6 @@ def extend_spans(spans: list[dict[str, Any]], version: WeightVersion | None, sta
         spans[-1]["end"] = start + count
     else:
         spans.append({"version": version, "start": start, "end": start + count})
-
-
-def clip_spans(spans: list[dict[str, Any]], length: int) -> list[dict[str, Any]]:
-    """The spans over the first ``length`` tokens (after the stop token is trimmed)."""
-    return [{**s, "end": min(s["end"], length)} for s in spans if s["start"] < length]
 
 
 async def collect(stream: AsyncIterator[TokenDelta]) -> Generation:

@@ -1,9 +1,11 @@
 """Choosing the next token from logits, and the log-probs reported for it.
 
 The reported log-prob is that of the raw model distribution, ``log_softmax(logits)`` before
-temperature, top-k and top-p, as vLLM reports by default (``logprobs_mode="raw_logprobs"``): it is
-what a trainer recomputes by teacher forcing. Sampling itself follows vLLM's order: temperature,
-then top-k, then top-p; ``temperature == 0`` is greedy (argmax) as in vLLM.
+temperature, min-p, top-k and top-p, as vLLM reports by default (``logprobs_mode="raw_logprobs"``):
+it is what a trainer recomputes by teacher forcing. Sampling itself follows vLLM's V1 sampler's
+order (``vllm/v1/sample/sampler.py``): temperature, then min-p (a token stays when its probability
+is at least ``min_p`` times the most likely one's), then top-k, then top-p; ``temperature == 0`` is
+greedy (argmax) as in vLLM.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     if params.temperature == 0:
         return int(torch.argmax(logits))
     scores = logits / params.temperature
+    if params.min_p > 0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k is not None and 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -1,9 +1,10 @@
 """``engine.sampling``'s rules on numpy arrays, for engines that run without torch (llama.cpp).
 
-The same order and cut-offs as ``engine.sampling`` (vLLM's): temperature, then top-k, then top-p
-(the smallest set of most likely tokens whose mass reaches ``top_p``, always at least one);
+The same order and cut-offs as ``engine.sampling`` (vLLM's): temperature, then min-p (tokens less
+likely than ``min_p`` times the most likely one are dropped), then top-k, then top-p (the smallest
+set of most likely tokens whose mass reaches ``top_p``, always at least one);
 ``temperature == 0`` is greedy (argmax). Reported log-probs are the raw distribution's
-(``logits - llamacpp_runtime.log_normalizer(logits)``, before temperature/top-k/top-p), never these
+(``logits - llamacpp_runtime.log_normalizer(logits)``, before temperature/min-p/top-k/top-p), never these
 filtered ones. A seed gives a ``numpy.random.Generator`` (PCG64) of its own, so a seeded request
 samples the same tokens whatever runs beside it; the draws differ from the torch engine's, whose
 generator is torch's.
@@ -46,6 +47,9 @@ def sample_next(logits: np.ndarray, params: SamplingParams, rng: np.random.Gener
     if params.temperature == 0:
         return int(np.argmax(logits))
     scores = logits.astype(np.float64) / params.temperature
+    if params.min_p > 0:
+        # p_i >= min_p * p_max  <=>  s_i >= s_max + log(min_p): no softmax needed for the cut.
+        scores[scores < scores.max() + np.log(params.min_p)] = -np.inf
     if params.top_k is not None and 0 < params.top_k < scores.size:
         kth = np.partition(scores, -params.top_k)[-params.top_k]
         scores[scores < kth] = -np.inf

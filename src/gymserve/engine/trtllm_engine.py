@@ -5,15 +5,16 @@ Like ``vllm_engine``, this adapter only maps ``SamplingParams`` onto TensorRT-LL
 
 The mapping (``docs/model-servers/trtllm-engine.md`` has the parity argument):
 
-- ``top_p`` and ``max_tokens`` as they are; ``top_k`` ``None``/``<= 0`` → ``0`` ("no top-k" there);
+- ``top_p``, ``min_p`` (when above 0; a 400 on a version without it) and ``max_tokens`` as they are; ``top_k`` ``None``/``<= 0`` → ``0`` ("no top-k" there);
   ``temperature`` 0 (greedy) → ``top_k=1``, ``top_p=1``, no temperature, which is argmax in every
   TensorRT-LLM version (older ones reject ``temperature=0``).
 - ``seed``: the request's; when unseeded, a fresh random seed per request, because TensorRT-LLM's
   runtime default seed is 0 for every request (identical samples for identical prompts), unlike
   vLLM and the transformers engine, where unseeded requests are independent.
 - ``stop_token_ids`` with ``include_stop_str_in_output=True``: without it TensorRT-LLM cuts the stop
-  token from ``token_ids`` but (in some versions) not from the log-probs; kept, the caller trims token
-  and log-prob together. ``end_id`` is the model's first EOS ID; EOS-ended outputs keep the EOS.
+  token from ``token_ids`` but (in some versions) not from the log-probs; kept, the stop token is a
+  training token with its log-prob, as in vLLM. ``end_id`` is the model's first EOS ID; EOS-ended
+  outputs keep the EOS (a build that leaves it out is logged once; its log-prob is never made up).
 - ``logprobs=max(1, top_logprobs)`` and ``logprobs_mode="raw_logprobs"`` where the version has it.
   Log-probs come as floats (the sampled token's) or as ``{token_id: Logprob(logprob, rank)}`` per
   position; both are read. Without ``logprobs_mode`` a version may report log-probs of the processed
@@ -45,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import secrets
 import time
@@ -132,6 +132,7 @@ def trtllm_sampling_kwargs(sampling: SamplingParams, *, end_id: int, seed: int |
         "ignore_eos": False,
         "top_k": 1 if greedy else (int(sampling.top_k) if sampling.top_k is not None and sampling.top_k > 0 else 0),
         "top_p": 1.0 if greedy else float(sampling.top_p),
+        **({"min_p": float(sampling.min_p)} if sampling.min_p > 0 and not greedy else {}),
         "seed": int(sampling.seed) if sampling.seed is not None else seed,
         "logprobs": max(1, int(sampling.top_logprobs)),
         "detokenize": False,
@@ -151,6 +152,7 @@ class TRTLLMEngine(LibraryControl, RunBasedEngine):
     """
 
     engine_name = "trtllm"
+    _warned_dropped_eos = False  # set on the instance the first time a build leaves the EOS out
 
     def __init__(
         self,
@@ -221,8 +223,15 @@ class TRTLLMEngine(LibraryControl, RunBasedEngine):
         return self._pause_gate
 
     def sampling_params(self, sampling: SamplingParams):
-        """The ``tensorrt_llm.SamplingParams`` of one request."""
+        """The ``tensorrt_llm.SamplingParams`` of one request; ``InvalidRequestError`` (400) for a
+        ``min_p`` this TensorRT-LLM's ``SamplingParams`` has no field for (never silently dropped)."""
         kwargs = trtllm_sampling_kwargs(sampling, end_id=self.end_id, seed=secrets.randbits(63))
+        if "min_p" in kwargs and not accepts(self._t.SamplingParams, "min_p"):
+            from gymserve.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                "min_p is not applied by this TensorRT-LLM (its SamplingParams has no min_p); omit it", param="min_p"
+            )
         if self.raw_logprobs:
             kwargs["logprobs_mode"] = RAW_LOGPROBS
         return self._t.SamplingParams(**kwargs)
@@ -246,14 +255,16 @@ class TRTLLMEngine(LibraryControl, RunBasedEngine):
 
     async def _deltas(self, result: Any, sampling: SamplingParams, stop_ids: frozenset, stream: bool):
 
-        def readd_stop_token(comp, ids, lps, tops, finish):
-            if finish == "stop" and _last(comp.token_ids) not in stop_ids:
-                # The engine dropped the token that ended the turn (older builds leave end_id out):
-                # put it back so the caller trims it; its log-prob is unknown.
-                token = comp.stop_reason if isinstance(comp.stop_reason, int) else self.end_id
-                log.warning("TensorRT-LLM left the stop token out of the output; re-adding %s", token)
-                ids, lps = ids + [token], lps + [math.nan]
-                tops = tops + [[]] if sampling.top_logprobs else tops
+        def note_dropped_stop_token(comp, ids, lps, tops, finish):
+            if finish == "stop" and _last(comp.token_ids) not in stop_ids and not self._warned_dropped_eos:
+                # Older builds leave end_id out of the output. Its log-prob is not known, so it is not
+                # made up: the generation ends without it (the splice's template EOS closes the
+                # turn) and the trainer gets no gradient for stopping, which the log says once.
+                self._warned_dropped_eos = True
+                log.warning(
+                    "TensorRT-LLM left the EOS that ended a generation out of its output: generation_token_ids "
+                    "end without it and its log-prob is unknown; use a TensorRT-LLM build that keeps end_id"
+                )
             return ids, lps, tops
 
         finished = False
@@ -265,7 +276,7 @@ class TRTLLMEngine(LibraryControl, RunBasedEngine):
                     "TensorRT-LLM",
                     sampling.top_logprobs,
                     cumulative=True,
-                    amend=readd_stop_token,
+                    amend=note_dropped_stop_token,
                     aborts=("cancelled",),
                 )
             ) as deltas:

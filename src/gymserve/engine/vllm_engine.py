@@ -1,14 +1,14 @@
 """The vLLM engine: ``AsyncLLM`` (vLLM's V1 async engine) fed prompt token IDs.
 
-Everything token-exact stays above this file (templating, prefix splice, pinned sampling, context
-clamp, stop-token trimming); this adapter only maps ``SamplingParams`` onto vLLM's and vLLM's
+Everything token-exact stays above this file (templating, prefix splice, sampling params, context
+clamp, which tokens' text is shown); this adapter only maps ``SamplingParams`` onto vLLM's and vLLM's
 ``RequestOutput`` back onto ``Generation`` / ``TokenDelta``.
 
 The mapping (see ``docs/model-servers/vllm-engine.md`` for the parity argument):
 
-- ``temperature`` (0 is greedy in both), ``top_p``, ``seed``, ``max_tokens`` as they are; ``top_k``
+- ``temperature`` (0 is greedy in both), ``top_p``, ``min_p``, ``seed``, ``max_tokens`` as they are; ``top_k``
   ``None``/``<= 0`` → ``-1`` ("off"; every vLLM version accepts it); ``stop_token_ids`` as they are,
-  with ``ignore_eos=False`` and ``min_tokens=0``. vLLM applies temperature, then top-k, then top-p,
+  with ``ignore_eos=False`` and ``min_tokens=0``. vLLM applies temperature, then min-p, then top-k, then top-p,
   the order ``engine.sampling`` follows.
 - ``logprobs=top_logprobs`` (0 when none): vLLM always adds the sampled token's entry, so every
   position has it. The engine runs with ``logprobs_mode="raw_logprobs"`` (set explicitly where the
@@ -117,7 +117,7 @@ def vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
         "temperature": float(sampling.temperature),
         "top_p": float(sampling.top_p),
         "top_k": int(sampling.top_k) if sampling.top_k is not None and sampling.top_k > 0 else -1,
-        "min_p": 0.0,
+        "min_p": float(sampling.min_p),
         "seed": sampling.seed,
         "max_tokens": int(sampling.max_tokens),
         "min_tokens": 0,

@@ -2,7 +2,9 @@
 model, teacher-forced log-probs of the tokens gymserve returned, a GRPO step, and the KL between two
 versions.
 
-Shapes: a rollout is ``prompt_ids`` (``P`` ints) + ``gen_ids`` (``G`` ints); its log-probs are a
+Shapes: a rollout is ``prompt_ids`` (``P`` ints) + ``gen_ids`` (``G`` ints: ``generation_token_ids``,
+the EOS that ended an answer included, so the loss masks nothing — the decision to stop is trained,
+and it is what the one-word reward pays for); its log-probs are a
 float32 tensor ``[G]``, ``log_softmax`` of the logits at positions ``P-1 … P+G-2`` (what gymserve's
 engine reports in ``generation_log_probs``, and what ``verify.teacher_forced_log_probs`` computes).
 

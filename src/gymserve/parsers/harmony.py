@@ -13,7 +13,7 @@ The rules :class:`HarmonyScanner` applies:
 - **Messages.** A header runs to ``<|message|>``; the body runs to ``<|end|>`` (more messages may
   follow, each opened by ``<|start|>`` and a role), ``<|call|>`` (a tool call ends the turn),
   ``<|return|>`` (the final answer ends it), a ``<|start|>`` the model wrote without closing the
-  message, or the end of the text (the engine trims its stop token).
+  message, or the end of the text (the text leaves out the stop token that ended the generation).
 - **Headers.** ``<|channel|>NAME`` names the channel; ``to=RECIPIENT`` may stand before the channel
   (right after the role) or after it; a content type (``json`` or ``<|constrain|>json``) may close
   the header. A recipient ``functions.NAME`` is a call of ``NAME``; any other recipient (a built-in

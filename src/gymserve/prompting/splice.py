@@ -44,9 +44,12 @@ def splice_token_ids(
 
     Rule (TE-01): when G ends with any EOS id, the model closed the turn itself: its own EOS stays
     and the template's leading EOS is dropped (scenario C: ``[..., 26, 9, 3, ...]``, never
-    ``[..., 9, 2, ...]``). Otherwise (EOS trimmed, as gymserve returns G; or the turn was cut off by
-    ``max_tokens``) the template's EOS is kept (scenarios A-trimmed and B). Either way the template's
-    EOS is part of the prompt, never of the generation: it has no log-prob and is not trained on.
+    ``[..., 9, 2, ...]``). That is the usual case: gymserve (like vLLM) returns G with the EOS it
+    sampled, so the next prompt holds the model's own EOS, the token it has a log-prob for.
+    Otherwise (the turn was cut off by ``max_tokens``, ended on a ``stop_token_ids`` token that is
+    not an EOS, or a client sent G without its EOS) the template's EOS is kept (scenarios A-trimmed
+    and B): then it is part of the prompt, never of the generation, has no log-prob and is not
+    trained on.
 
     Differs from NeMo RL's ``_replace_prefix_tokens`` (vLLM worker), which re-renders and
     re-tokenizes the whole conversation twice (up to turn k, and all of it), takes the last EOS

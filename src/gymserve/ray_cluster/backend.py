@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
-from gymserve.backends.local.request import echo_pinned_sampling
+from gymserve.backends.local.request import echo_sampling
 from gymserve.backends.pool import Limiter, Outcome, ReplicaPool, usage_of
 from gymserve.backends.responses_over_chat import ChatAnswer
 from gymserve.errors import EngineError, NoReplicaError, UpstreamConnectionError
@@ -278,8 +278,8 @@ class RayBackend(FleetControl, Backend):
         return ChatAnswer.of_chunks(chunks, reasoning_field=self.config.local.reasoning_field)
 
     def fill_responses_defaults(self, request: ResponsesRequest) -> ResponsesRequest:
-        """Echo the replicas' pinned sampling params, as the local backend does."""
-        return echo_pinned_sampling(request, self.config.local.sampling)
+        """Echo the sampling params the replicas run with, as the local backend does."""
+        return echo_sampling(request, self.config.local.sampling)
 
     def chat_stream(self, request: ChatRequest, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         """Chat chunks from the session's replica (Ray streaming generator); see module docstring."""

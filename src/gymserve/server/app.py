@@ -74,16 +74,21 @@ async def _body(request: Request, max_bytes: int) -> dict[str, Any]:
     return data
 
 
-def _checked(body: dict[str, Any], api: Wire) -> dict[str, Any]:
+def _checked(body: dict[str, Any], api: Wire, tokens_as_ids: bool = False) -> dict[str, Any]:
     """``body`` after the checks every backend shares (``check_request`` on the OpenAI chat and
     Responses routes; the completions route's ``check_completions_request``; the Messages converter
-    checks its own fields), top-level nulls dropped, ``stream`` a boolean."""
+    checks its own fields), top-level nulls dropped, ``stream`` a boolean. ``tokens_as_ids`` (the
+    server's ``--return-tokens-as-token-ids``) makes ``return_tokens_as_token_ids`` true on chat and
+    completions requests that do not send it, as vLLM's server flag does (a request's own value,
+    ``false`` included, wins: ``serving_chat.py``'s ``_create_chat_logprobs``)."""
     if api == "messages":
         body = without_nulls(body)
     elif api == "completions":
         body = check_completions_request(body)
     else:
         body = check_request(body, api)
+    if tokens_as_ids and api in ("chat", "completions") and "return_tokens_as_token_ids" not in body:
+        body = {**body, "return_tokens_as_token_ids": True}
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequestError(f"stream must be true or false, got {type(stream).__name__}", param="stream")
@@ -185,6 +190,7 @@ def create_app(
     secrets: tuple[str, ...] = (),
     admin_api_key: str | None = None,
     control_allowed: bool = True,
+    tokens_as_ids: bool = False,
 ) -> FastAPI:
     """Build the FastAPI app over ``backend``. The caller owns the backend's lifetime and calls
     ``close_app`` when the server has stopped (it flushes the capture file).
@@ -192,7 +198,8 @@ def create_app(
     ``capture_path``: append every model call to this JSONL file (``server.capture``), redacting
     ``secrets``, the backend's upstream keys and ``server_api_key``. ``admin_api_key`` guards the
     control routes instead of ``server_api_key``; ``control_allowed`` False answers them 403
-    (``server.control.control_allowed`` decides it from the bind address).
+    (``server.control.control_allowed`` decides it from the bind address). ``tokens_as_ids``:
+    vLLM's ``--return-tokens-as-token-ids`` (``_checked``).
     """
     app = FastAPI(
         title="gymserve",
@@ -280,7 +287,7 @@ def create_app(
             if app.state.draining:
                 raise ShuttingDownError()
             body = await _body(request, max_body_bytes)  # kept as sent for the capture file if a check fails
-            checked = _checked(body, api)
+            checked = _checked(body, api, tokens_as_ids)
             ctx = _context(request)
             stream = checked.get("stream")
             if stream:
@@ -337,14 +344,15 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
+        """vLLM's model list: each served name with ``max_model_len`` (the context window: prompt +
+        generation tokens) where the backend knows it (local and Ray backends)."""
         names = served_models or await backend.models()
         now = int(time.time())
-        return _json(
-            {
-                "object": "list",
-                "data": [{"id": n, "object": "model", "created": now, "owned_by": "gymserve"} for n in names],
-            }
-        )
+        window = backend.describe().get("context_window")
+        card = {"object": "model", "created": now, "owned_by": "gymserve"}
+        if isinstance(window, int):
+            card["max_model_len"] = window
+        return _json({"object": "list", "data": [{"id": n, **card} for n in names]})
 
     @app.get("/", summary="Server status")
     async def root_status():

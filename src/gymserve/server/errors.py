@@ -11,6 +11,7 @@ with a message that says it is a gymserve bug (never a bare "Internal Server Err
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -56,6 +57,17 @@ def error_response(
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
+def route_list(app: Any) -> str:
+    """Every route ``app`` serves, ``METHOD /path`` in path order (``HEAD`` left out: it rides on
+    ``GET``), read from the app itself so that a new route is listed without editing a message."""
+    seen: dict[str, list[str]] = {}
+    for route in getattr(app, "routes", []):
+        path, methods = getattr(route, "path", None), getattr(route, "methods", None)
+        if path and methods:
+            seen.setdefault(path, []).extend(sorted(m for m in methods if m != "HEAD"))
+    return ", ".join(f"{m} {path}" for path in sorted(seen) for m in dict.fromkeys(seen[path]))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GymserveError)
     async def _gymserve(request: Request, exc: GymserveError):
@@ -92,9 +104,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
             msg = (
-                f"no route {request.method} {request.url.path}; gymserve serves POST /v1/responses, "
-                "POST /v1/chat/completions, POST /v1/messages, GET /v1/models and GET /health (is /v1 missing "
-                "from the base URL?)"
+                f"no route {request.method} {request.url.path} (is /v1 missing from the base URL?); "
+                f"gymserve serves {route_list(request.app)}"
             )
         else:
             msg = str(exc.detail)

@@ -55,6 +55,7 @@ def build_app(config, backend):
         admin_api_key=keys[1],
         control_allowed=control_allowed(config.server.host, *keys),
         served_models=getattr(config, "served_model_names", None) or None,
+        tokens_as_ids=config.server.return_tokens_as_token_ids,
     )
 
 

@@ -4,8 +4,8 @@
 Everything that makes a model call usable for on-policy training happens in this package,
 engine-independent, one role per module: ``request`` (the request as one engine call: the on-policy
 prefix splice via ``gymserve.prompting``, sampling params pinned to the server config, the
-context-window clamp, what is refused), ``output`` (the call's chunks: parsers, trimming the stop
-token with its log-prob, finish reason, log-probs, usage, training fields), ``stream`` (engine
+context-window clamp, what is refused), ``output`` (the call's chunks: parsers, the text without
+the sampled stop token, finish reason, log-probs, usage, training fields with that token), ``stream`` (engine
 token deltas → final text → chunks), ``choices`` (the ``n`` engine calls of one request),
 ``completions`` and ``completion_output`` (``/v1/completions``), ``tokens`` (``/tokenize``,
 ``/detokenize``). This module holds the backend itself: the engine, its tokenizer, template,
@@ -24,7 +24,7 @@ from gymserve.backends.local.completions import LocalCompletions
 from gymserve.backends.local.control import LocalControl
 from gymserve.backends.local.lora import LocalLora
 from gymserve.backends.local.output import CallOutput
-from gymserve.backends.local.request import LocalCall, echo_pinned_sampling, prepare_call
+from gymserve.backends.local.request import LocalCall, echo_sampling, prepare_call
 from gymserve.backends.local.stream import stream_chunks
 from gymserve.backends.local.tokens import LocalTokens
 from gymserve.backends.pool import Limiter
@@ -107,8 +107,8 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
         }
 
     def fill_responses_defaults(self, request):
-        """Echo the pinned sampling params in the Response (the Responses API echoes what ran)."""
-        return echo_pinned_sampling(request, self.config.sampling)
+        """Echo the sampling params the engine runs with in the Response (the Responses API echoes what ran)."""
+        return echo_sampling(request, self.config.sampling)
 
     async def models(self) -> list[str]:
         return [self.served_model_name()]
@@ -189,6 +189,10 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
         completion = completions[0]
         completion["choices"] = [c["choices"][0] for c in completions]
         completion["usage"] = _usage(call, outputs)
+        if call.return_token_ids:  # vLLM's places: the prompt once, each choice's generation
+            completion["prompt_token_ids"] = call.prompt.token_ids
+            for choice in completion["choices"]:
+                choice["token_ids"] = choice["message"]["generation_token_ids"]
         return completion
 
     async def count_tokens(self, request: MessagesRequest, ctx: RequestContext) -> int:
@@ -248,6 +252,6 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
 
 
 def _usage(call: LocalCall, outputs: list[CallOutput]) -> dict[str, int]:
-    """Usage of a call: the prompt once, every token sampled for every choice (trimmed EOS included)."""
+    """Usage of a call: the prompt once, every token sampled for every choice (stop tokens included)."""
     prompt, completion = len(call.prompt.token_ids), sum(o.sampled for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -3,8 +3,9 @@
 The legacy Completions API's shapes (OpenAI's ``Completion`` / ``CompletionChoice``, as vLLM serves
 them), with gymserve's training fields on each choice:
 
-- ``text``: the generated text (after the prompt's text with ``echo``); the final stop/EOS token is
-  trimmed with its log-prob, as on the chat routes (``output.kept``);
+- ``text``: the generated text (after the prompt's text with ``echo``), without the text of the
+  EOS/stop token that ended it (``output.text_ids``); that token stays in the training fields and
+  the log-probs, as on the chat routes and in vLLM's ``token_ids``;
 - ``finish_reason``: ``stop``, ``length``, or ``abort`` (a call ended by ``POST /pause?mode=abort``,
   vLLM's value);
 - ``logprobs`` (when the request sends ``logprobs: k``): ``{"tokens", "token_logprobs",
@@ -23,8 +24,13 @@ them), with gymserve's training fields on each choice:
 - ``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs`` and the weight version
   (``control.version_fields``) on the choice itself (a completion choice has no message).
 
-Streamed, the chunks carry text as it becomes final (``stream.IncrementalDetokenizer``); the finish
-chunk of each choice carries its finish reason, training fields and log-probs.
+With vLLM's ``return_token_ids`` each choice also carries ``token_ids`` (the generation, as vLLM's
+``CompletionResponseChoice``; its ``prompt_token_ids`` is gymserve's field already). Streamed, the
+chunks carry text as it becomes final (``stream.IncrementalDetokenizer``); the finish chunk of each
+choice carries its finish reason, training fields and log-probs; with ``return_token_ids``, as in
+vLLM's ``completion_stream_generator``, the choice's first chunk carries ``prompt_token_ids`` and
+each engine step's tokens ride as ``token_ids`` on the chunk that step produced
+(``output.with_token_ids``).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from gymserve.backends.local.control import version_fields
-from gymserve.backends.local.output import kept
+from gymserve.backends.local.output import text_ids, with_token_ids
 from gymserve.engine.base import Generation, PromptLogprobs
 from gymserve.errors import EngineError
 
@@ -46,7 +52,7 @@ class CompletionOutput:
     no prompt scores). ``echo``: the prompt's text (and, with ``logprobs``, its tokens' log-probs)
     comes first. ``tokens_as_ids``: tokens as ``token_id:N``.
     Use as ``stream.stream_chunks`` uses a chat ``CallOutput`` (:meth:`role`, :meth:`text`,
-    :meth:`kept`, :meth:`end`), or :meth:`choice` for the whole choice at once.
+    :meth:`text_ids`, :meth:`end`), or :meth:`choice` for the whole choice at once.
     """
 
     def __init__(
@@ -62,6 +68,7 @@ class CompletionOutput:
         echo: bool,
         prompt_logprobs: int | None = None,
         tokens_as_ids: bool,
+        return_token_ids: bool = False,
         engine: Any = None,
     ):
         self.prompt_ids = prompt_ids
@@ -74,8 +81,10 @@ class CompletionOutput:
         self.prompt_logprobs = prompt_logprobs
         self.echo = echo
         self.tokens_as_ids = tokens_as_ids
+        self.return_token_ids = return_token_ids
         self.engine = engine
         self.sampled = 0  # tokens the engine sampled (usage), known at end()
+        self.ids_sent = 0  # generation tokens already sent as token_ids (return_token_ids)
 
     # ---- chunks (streaming) ---------------------------------------------------------------------
 
@@ -84,23 +93,35 @@ class CompletionOutput:
         return {**self.head, "choices": [body]}
 
     def role(self) -> dict[str, Any]:
-        """The first chunk: the prompt's text with ``echo``, else empty text."""
-        return self._chunk(self.prompt_text if self.echo else "")
+        """The first chunk: the prompt's text with ``echo``, else empty text (and the choice's
+        ``prompt_token_ids`` with ``return_token_ids``, as vLLM's first chunk of a choice)."""
+        extra = {"prompt_token_ids": self.prompt_ids} if self.return_token_ids else {}
+        return self._chunk(self.prompt_text if self.echo else "", **extra)
 
     def text(self, text: str) -> list[dict[str, Any]]:
         """The chunk for the next piece of final generated text (none for empty text)."""
         return [self._chunk(text)] if text else []
 
-    def kept(self, gen: Generation) -> Generation:
-        """``gen`` without its final stop/EOS token and its log-prob (``output.kept``)."""
-        return kept(gen, self.stop_token_ids)
+    def step(self, ids: list[int], text: str) -> list[dict[str, Any]]:
+        """The chunks of one engine step (``ids``, their final ``text``), with the step's
+        ``token_ids`` when asked for (module docstring)."""
+        chunks = self.text(text)
+        if self.return_token_ids:
+            self.ids_sent += len(ids)
+            chunks = with_token_ids(chunks, ids, lambda: self._chunk(""))
+        return chunks
+
+    def text_ids(self, gen: Generation) -> list[int]:
+        """The tokens of ``gen`` whose text is shown (``output.text_ids``)."""
+        return text_ids(gen, self.stop_token_ids)
 
     def end(self, gen: Generation, tail_text: str, *, include_usage: bool) -> list[dict[str, Any]]:
         """The last chunks of the choice: ``tail_text`` (final text not yet sent), then the finish
         chunk with the training fields and log-probs, then (``include_usage``) this choice's usage."""
         self.sampled = len(gen.token_ids)
         out = self.text(tail_text)
-        out.append(self._chunk("", **self._final(gen)))
+        last = {"token_ids": gen.token_ids[self.ids_sent :]} if self.return_token_ids else {}
+        out.append(self._chunk("", **self._final(gen), **last))
         if include_usage:
             prompt, completion = len(self.prompt_ids), len(gen.token_ids)
             usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -112,23 +133,25 @@ class CompletionOutput:
     def choice(self, gen: Generation) -> dict[str, Any]:
         """The ``CompletionChoice`` dict of a finished generation (what the stream's chunks add up to)."""
         self.sampled = len(gen.token_ids)
-        text = self.tokenizer.decode(self.kept(gen).token_ids, skip_special_tokens=False)
-        return {"index": self.index, "text": (self.prompt_text if self.echo else "") + text, **self._final(gen)}
+        text = self.tokenizer.decode(self.text_ids(gen), skip_special_tokens=False)
+        choice = {"index": self.index, "text": (self.prompt_text if self.echo else "") + text, **self._final(gen)}
+        if self.return_token_ids:
+            choice["token_ids"] = gen.token_ids
+        return choice
 
     # ---- rules -----------------------------------------------------------------------------------
 
     def _final(self, gen: Generation) -> dict[str, Any]:
-        k = self.kept(gen)
         finish = "abort" if gen.finish_reason == "abort" else "length" if gen.finish_reason == "length" else "stop"
         scores = self._prompt_scores(gen)
         return {
             "finish_reason": finish,
-            "logprobs": self._logprobs(k, scores) if self.logprobs is not None else None,
+            "logprobs": self._logprobs(gen, scores) if self.logprobs is not None else None,
             **({"prompt_logprobs": self._vllm_prompt_logprobs(scores)} if scores is not None else {}),
             "prompt_token_ids": self.prompt_ids,
-            "generation_token_ids": k.token_ids,
-            "generation_log_probs": k.log_probs,
-            **version_fields(gen, len(k.token_ids), self.engine),
+            "generation_token_ids": gen.token_ids,
+            "generation_log_probs": gen.log_probs,
+            **version_fields(gen, self.engine),
         }
 
     def _token(self, tid: int) -> str:

@@ -4,7 +4,7 @@ A base model's prompt is given as it is: text is tokenized with the tokenizer's 
 (``add_special_tokens``, default true, as vLLM does for completions; special tokens written in the
 text are recognised, as there), token IDs go to the engine unchanged, so a rollout that builds its
 own prompts from earlier prompt + generation IDs stays token-contiguous by construction. The rules
-of the chat route hold here too (``request``): sampling pinned to the server config, ``max_tokens``
+of the chat route hold here too (``request``): the sampling params (the request's, or pinned), ``max_tokens``
 clamped to the context window (default 16, the API's), stop strings, penalties and ``logit_bias``
 refused, choice ``j`` of a prompt sampled with ``seed + j``.
 
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from gymserve.backends.context import RequestContext
 from gymserve.backends.local.choices import interleave, run_all
 from gymserve.backends.local.completion_output import CompletionOutput
-from gymserve.backends.local.request import check_supported, choice_count, pinned_sampling
+from gymserve.backends.local.request import check_supported, choice_count, engine_sampling
 from gymserve.backends.local.stream import stream_chunks
 from gymserve.convert.completions_request import DEFAULT_MAX_TOKENS, prompts
 from gymserve.engine.base import SamplingParams, check_prompt_logprobs
@@ -54,6 +54,7 @@ class CompletionCall:
     echo: bool
     tokens_as_ids: bool
     include_usage: bool
+    return_token_ids: bool = False
 
     def sampling_for(self, prompt: int, choice: int) -> SamplingParams:
         """Sampling of choice ``choice`` of prompt ``prompt``: its ``max_tokens``, ``seed + choice``."""
@@ -71,7 +72,7 @@ def prepare_completion(
     """Validate a checked ``/v1/completions`` request against this engine and build its calls.
 
     Raises ``InvalidRequestError`` (400, naming the field: ``prompt[1][3]`` for an ID outside the
-    vocabulary, pinned sampling params, stop strings...), ``ContextLengthExceededError`` when a prompt
+    vocabulary, sampling params out of range or pinned, stop strings...), ``ContextLengthExceededError`` when a prompt
     fills the context window, and ``NotSupportedError`` (501) when prompt log-probs are asked of an
     engine that does not compute them."""
     check_supported(request)
@@ -101,14 +102,11 @@ def prepare_completion(
         ids_list.append(ids)
         texts.append(text)
         limits.append(min(request.get("max_tokens", DEFAULT_MAX_TOKENS), room))
-    eff = pinned_sampling(request, sampling_config)
     options = request.get("stream_options") or {}
-    sampling = SamplingParams(
+    sampling = engine_sampling(
+        request,
+        sampling_config,
         max_tokens=limits[0],
-        temperature=float(eff["temperature"]) if eff["temperature"] is not None else 1.0,
-        top_p=float(eff["top_p"]) if eff["top_p"] is not None else 1.0,
-        top_k=eff["top_k"],
-        seed=eff["seed"],
         stop_token_ids=stop_token_ids,
         top_logprobs=logprobs or 0,
         prompt_logprobs=prompt_logprobs,
@@ -124,6 +122,7 @@ def prepare_completion(
         echo=bool(request.get("echo")),
         tokens_as_ids=bool(request.get("return_tokens_as_token_ids")),
         include_usage=bool(options.get("include_usage")),
+        return_token_ids=bool(request.get("return_token_ids")),
     )
 
 
@@ -165,6 +164,7 @@ class LocalCompletions:
                 prompt_logprobs=call.prompt_logprobs,
                 echo=call.echo,
                 tokens_as_ids=call.tokens_as_ids,
+                return_token_ids=call.return_token_ids,
                 engine=self.engine,
             )
             for i, (ids, text) in enumerate(zip(call.prompt_ids, call.prompt_texts))

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from gymserve.engine.base import Engine, Generation, PauseMode, WeightVersion, clip_spans
+from gymserve.engine.base import Engine, Generation, PauseMode, WeightVersion
 
 REPLICA = "local"
 
@@ -53,15 +53,14 @@ class LocalControl:
         return [{"replica": REPLICA, **self.engine.control_status()}]
 
 
-def version_fields(gen: Generation, returned: int, engine: Any) -> dict[str, Any]:
+def version_fields(gen: Generation, engine: Any) -> dict[str, Any]:
     """``weight_version`` (the version that sampled the first token: the one the call started on)
-    and, when the ``returned`` tokens (the generation after the stop token is trimmed) came from
-    more than one version, ``weight_version_spans`` over them (see ``protocol.VERSION_FIELDS``).
-    An engine that reports no versions per token is asked for its current one."""
+    and, when the generation's tokens (its stop token included) came from more than one version,
+    ``weight_version_spans`` over them (see ``protocol.VERSION_FIELDS``). An engine that reports no
+    versions per token is asked for its current one."""
     spans = gen.weight_version_spans
     version = spans[0]["version"] if spans else getattr(engine, "weight_version", None)
     out: dict[str, Any] = {} if version is None else {"weight_version": version}
-    kept = clip_spans(spans, returned)
-    if len(kept) > 1:
-        out["weight_version_spans"] = kept
+    if len(spans) > 1:
+        out["weight_version_spans"] = spans
     return out

@@ -5,16 +5,24 @@
 - the text: the streaming parsers (``parsers.streaming``) turn decoded text into reasoning, content
   and tool-call deltas, each sent only once later text cannot change it, so the concatenated stream
   equals the whole-text parse;
-- trimming: the final stop/EOS token is dropped with its log-prob (the chat template closes the turn
-  itself, and the prefix splice re-adds it; ``prompting.splice``);
+- the sampled stop token: the EOS or stop token that ended the generation is a training token — it
+  stays in ``generation_token_ids`` with its log-prob, in ``logprobs.content`` and in usage, as vLLM
+  returns it (``token_ids``) — but not in the text, which shows only the tokens before it (vLLM's
+  text does not show it either); the prefix splice keeps it as the turn's end (``prompting.splice``);
 - the finish reason: ``abort`` for a call ended by ``POST /pause?mode=abort`` (vLLM's value),
   ``length`` when generation stopped at the limit or inside the reasoning span, else
   ``tool_calls`` when calls were parsed, else ``stop``;
 - log-probs: ``choices[].logprobs`` in the OpenAI shape (vLLM's ``return_tokens_as_token_ids``
   spelling honoured), on the finish chunk;
+- vLLM's ``return_token_ids`` (``LocalCall.return_token_ids``), in vLLM's places on a stream
+  (``serving_chat.py``'s ``chat_completion_stream_generator``): the first chunk carries the
+  top-level ``prompt_token_ids``, and each engine step's tokens ride as ``choices[0].token_ids`` on
+  the first chunk that step produces (a chunk with an empty delta when it produces no text), the
+  last step's on the finish chunk: concatenated, they are the generation, its stop token included.
+  The whole answer's ``prompt_token_ids`` and ``choices[].token_ids`` are set by the backend;
 - the training fields (``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs``) and
   the weight version(s) that sampled them (``control.version_fields``) on the finish chunk's delta,
-  and usage (every sampled token counted, the trimmed EOS included).
+  and usage (every sampled token counted, the stop token included).
 
 The non-streamed answer is :meth:`CallOutput.whole`: the same chunks for the finished generation.
 """
@@ -61,6 +69,7 @@ class CallOutput:
         self.stop_token_ids = stop_token_ids
         self.index = index
         self.sampled = 0  # tokens the engine sampled for this choice (usage), known at end()
+        self.ids_sent = 0  # generation tokens already sent as choices[0].token_ids (return_token_ids)
         self._head = {"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
         self._parser = ChatDeltas(
             # No tools to parse calls for (tool_choice "none"): the parser still reads a channel
@@ -80,35 +89,49 @@ class CallOutput:
         }
 
     def role(self) -> dict[str, Any]:
-        """The first chunk: ``{"role": "assistant", "content": ""}``."""
-        return self._chunk({"role": "assistant", "content": ""})
+        """The first chunk: ``{"role": "assistant", "content": ""}`` (and, with ``return_token_ids``,
+        the top-level ``prompt_token_ids``, as vLLM's first chunk)."""
+        chunk = self._chunk({"role": "assistant", "content": ""})
+        if self.call.return_token_ids:
+            chunk["prompt_token_ids"] = self.call.prompt.token_ids
+        return chunk
 
     def text(self, text: str) -> list[dict[str, Any]]:
         """Chunks for the next piece of generated text (none while the parsers hold it back)."""
         return [self._chunk(delta) for delta in self._parser.feed(text)]
 
-    def kept(self, gen: Generation) -> Generation:
-        """``gen`` without its final stop/EOS token and that token's log-prob (see module docstring)."""
-        return kept(gen, self.stop_token_ids)
+    def step(self, ids: list[int], text: str) -> list[dict[str, Any]]:
+        """Chunks for one engine step: ``ids`` sampled, ``text`` their final text (``text``), with the
+        step's ``token_ids`` when the call asked for them (module docstring)."""
+        chunks = self.text(text)
+        if self.call.return_token_ids:
+            self.ids_sent += len(ids)
+            chunks = with_token_ids(chunks, ids, lambda: self._chunk({}))
+        return chunks
+
+    def text_ids(self, gen: Generation) -> list[int]:
+        """The tokens of ``gen`` whose text is shown (see module docstring)."""
+        return text_ids(gen, self.stop_token_ids)
 
     def end(self, gen: Generation, tail_text: str, *, include_usage: bool) -> list[dict[str, Any]]:
-        """The last chunks: ``tail_text`` (the kept text not yet passed to :meth:`text`) parsed, the
-        parsers' last deltas, the finish chunk (training fields on its delta, log-probs when asked)
-        and, with ``include_usage``, the usage chunk (``choices: []``)."""
-        kept = self.kept(gen)
+        """The last chunks: ``tail_text`` (the text of :meth:`text_ids` not yet passed to
+        :meth:`text`) parsed, the parsers' last deltas, the finish chunk (training fields on its
+        delta, log-probs when asked) and, with ``include_usage``, the usage chunk (``choices: []``)."""
         self.sampled = len(gen.token_ids)
         out = self.text(tail_text) + [self._chunk(d) for d in self._parser.finish(gen.finish_reason)]
         final = self._chunk(
             {
                 "prompt_token_ids": self.call.prompt.token_ids,
-                "generation_token_ids": kept.token_ids,
-                "generation_log_probs": kept.log_probs,
-                **version_fields(gen, len(kept.token_ids), self.engine),
+                "generation_token_ids": gen.token_ids,
+                "generation_log_probs": gen.log_probs,
+                **version_fields(gen, self.engine),
             },
             self._finish_reason(gen.finish_reason),
         )
         if self.call.logprobs:
-            final["choices"][0]["logprobs"] = self._logprobs(kept)
+            final["choices"][0]["logprobs"] = self._logprobs(gen)
+        if self.call.return_token_ids:
+            final["choices"][0]["token_ids"] = gen.token_ids[self.ids_sent :]
         out.append(final)
         if include_usage:
             prompt, completion = len(self.call.prompt.token_ids), len(gen.token_ids)
@@ -128,7 +151,7 @@ class CallOutput:
     def whole(self, gen: Generation) -> list[dict[str, Any]]:
         """Every chunk of a finished generation, usage included, as a stream would have sent them
         (the parsers' result does not depend on how the text is split)."""
-        text = self.tokenizer.decode(self.kept(gen).token_ids, skip_special_tokens=False)
+        text = self.tokenizer.decode(self.text_ids(gen), skip_special_tokens=False)
         return [self.role(), *self.end(gen, text, include_usage=True)]
 
     # ---- rules -----------------------------------------------------------------------------
@@ -145,11 +168,11 @@ class CallOutput:
             return f"token_id:{tid}"
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
-    def _logprobs(self, kept: Generation) -> dict[str, Any]:
+    def _logprobs(self, gen: Generation) -> dict[str, Any]:
         content = []
-        for i, (tid, lp) in enumerate(zip(kept.token_ids, kept.log_probs)):
+        for i, (tid, lp) in enumerate(zip(gen.token_ids, gen.log_probs)):
             token = self._token(tid)
-            alternatives = kept.top_logprobs[i] if i < len(kept.top_logprobs) else []
+            alternatives = gen.top_logprobs[i] if i < len(gen.top_logprobs) else []
             top = [
                 {"token": self._token(a), "logprob": alp, "bytes": list(self._token(a).encode())}
                 for a, alp in alternatives
@@ -158,16 +181,24 @@ class CallOutput:
         return {"content": content, "refusal": None}
 
 
-def kept(gen: Generation, stop_token_ids: tuple[int, ...]) -> Generation:
-    """``gen`` without its final stop/EOS token and that token's log-prob: the generation the
-    training fields report, on every route (the chat template closes the turn itself, and the
-    prefix splice re-adds it; ``prompting.splice``)."""
-    if gen.finish_reason == "stop" and gen.token_ids and gen.token_ids[-1] in stop_token_ids:
-        return Generation(
-            gen.token_ids[:-1],
-            gen.log_probs[:-1],
-            gen.finish_reason,
-            gen.top_logprobs[:-1],
-            gen.weight_version_spans,
-        )
-    return gen
+def with_token_ids(chunks: list[dict[str, Any]], ids: list[int], empty: Any) -> list[dict[str, Any]]:
+    """``chunks`` with ``ids`` as the first one's ``choices[0].token_ids`` (vLLM's ``return_token_ids``
+    placement: one engine step's tokens on the chunk that step produced); ``empty()`` makes a chunk
+    to carry them when the step produced none. No ``ids``: ``chunks`` unchanged."""
+    if not ids:
+        return chunks
+    if not chunks:
+        chunks = [empty()]
+    chunks[0]["choices"][0]["token_ids"] = list(ids)
+    return chunks
+
+
+def text_ids(gen: Generation, stop_token_ids: tuple[int, ...]) -> list[int]:
+    """The tokens of ``gen`` whose text an answer shows: all of them but the EOS/stop token that ended
+    a ``stop`` generation. That token stays a training token (``generation_token_ids``, its log-prob,
+    usage) on every route; only its text is not shown, as vLLM's text does not show it (its
+    detokenizer skips the EOS; a ``stop_token_ids`` match is left out of the text likewise)."""
+    ids = gen.token_ids
+    if gen.finish_reason == "stop" and ids and ids[-1] in stop_token_ids:
+        return ids[:-1]
+    return ids

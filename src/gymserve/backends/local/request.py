@@ -2,9 +2,11 @@
 
 The rules, and why:
 
-- Sampling params are pinned by the server config (on-policy RL needs the distribution the trainer
-  assumes): a request that sends a different ``temperature``/``top_p``/``top_k``/``seed`` gets a 400
-  naming the field, unless the config says ``on_mismatch: override`` (the config value silently wins).
+- Sampling params (``temperature``/``top_p``/``top_k``/``min_p``/``seed``) are the request's where it
+  sends them and the server config's where not, as ``vllm serve`` applies a request's own sampling;
+  a server told to pin (``sampling.pin: reject``, what on-policy training wants: every rollout from
+  the distribution the trainer assumes) answers a request sending another value with a 400 naming
+  the field, or (``pin: override``) uses its own values. ``sampling_params`` holds the rule.
 - ``max_tokens``/``max_completion_tokens`` are clamped to what is left of the context window; a prompt
   that already fills it is a ``ContextLengthExceededError`` (400, "context length", both numbers).
 - What the engine cannot honour is refused explicitly rather than silently weakened: stop strings,
@@ -33,8 +35,9 @@ from gymserve.protocol import ChatRequest
 MAX_N = 128
 """The most choices one request may ask for (the OpenAI API's limit for ``n``)."""
 
-_PINNED = ("temperature", "top_p", "top_k", "seed")
-_NEUTRAL = {"temperature": None, "top_p": 1.0, "top_k": None, "seed": None}
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
+"""The request fields the local engines sample with (vLLM's names), each applied or refused."""
+_OFF = {"top_p": 1.0, "min_p": 0.0}  # values that switch a filter off (top_k: None, 0 and -1)
 
 
 @dataclass
@@ -49,6 +52,7 @@ class LocalCall:
     tokens_as_ids: bool
     include_usage: bool = False
     n: int = 1
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and choices[].token_ids in vLLM's places
 
     def sampling_for(self, choice: int) -> SamplingParams:
         """The sampling of choice ``choice`` (0-based): ``seed + choice`` when seeded (vLLM's rule)."""
@@ -66,43 +70,80 @@ def _number(request: ChatRequest, key: str) -> float | int | None:
     return value
 
 
-def pinned_sampling(request: ChatRequest, cfg) -> dict[str, Any]:
-    """The effective temperature/top_p/top_k/seed: the config's, checked against the request's.
-
-    A value the request sends that differs from the config is a 400 naming the field
-    (``on_mismatch: reject``, the default) or ignored (``override``). ``top_k`` of -1 or 0 and
-    ``top_p`` of 1 mean "off" as in vLLM, so sending them is never a mismatch when the config is off.
-    """
-    eff = {k: getattr(cfg, k) for k in _PINNED}
-    for key in _PINNED:
-        sent = _number(request, key)
-        if sent is None:
-            continue
-        want = eff[key]
-        if key == "top_k" and (want in (None, 0, -1)) and sent in (0, -1):
-            continue
-        if want is None and key != "seed" and sent == _NEUTRAL[key]:
-            continue
-        if want is not None and float(sent) == float(want):
-            continue
-        if cfg.on_mismatch == "override":
-            continue
+def _checked(key: str, value: float | int) -> float | int:
+    """A request's sampling value within what the engines take (vLLM's ranges): a 400 otherwise."""
+    if key == "top_k" and (value != int(value) or value < -1):
         raise InvalidRequestError(
-            f"{key}={sent} differs from the server's pinned {key}={want}: sampling params are fixed by the "
-            f"server config so rollouts stay on-policy. Omit {key}, send {want}, or set "
-            "sampling.on_mismatch: override in the server config.",
-            param=key,
-            code="sampling_param_pinned",
+            f"top_k={value} is out of range: it must be an integer, -1 or 0 (off) or a positive count", param=key
         )
+    if key == "top_p" and not 0 < value <= 1:
+        raise InvalidRequestError(f"top_p={value} is out of range: it must be above 0 and at most 1", param=key)
+    if key == "min_p" and not 0 <= value <= 1:
+        raise InvalidRequestError(f"min_p={value} is out of range: it must be from 0 to 1", param=key)
+    if key == "temperature" and value < 0:
+        raise InvalidRequestError(f"temperature={value} is out of range: it must be 0 (greedy) or more", param=key)
+    return int(value) if key in ("top_k", "seed") else value
+
+
+def _same(key: str, sent: float | int, want: float | int | None) -> bool:
+    """Whether a request's value asks for what the server samples with (an "off" value matches off)."""
+    if key == "top_k":
+        return (want in (None, 0, -1) and sent in (0, -1)) or (want is not None and sent == want)
+    if want is None:
+        return False
+    return float(sent) == float(want) or (key in _OFF and float(sent) == _OFF[key] == float(want))
+
+
+def sampling_params(request: dict[str, Any], cfg) -> dict[str, Any]:
+    """The effective ``temperature``/``top_p``/``top_k``/``min_p``/``seed`` of a chat or completions
+    request under ``cfg`` (a ``SamplingConfig``).
+
+    ``cfg.pin`` ``off`` (the default, vLLM's behaviour): each value the request sends is used (a 400
+    naming it when out of range), the config's otherwise. ``reject``: the config's, and a request value
+    that differs is a 400 (code ``sampling_param_pinned``); sending the config's value, or an "off"
+    value when the config's filter is off (``top_k`` -1/0, ``top_p`` 1, ``min_p`` 0), is fine, as
+    NeMo Gym sends ``temperature: 1.0``. ``override``: the config's, whatever the request sends.
+    """
+    eff = {k: getattr(cfg, k) for k in SAMPLING_FIELDS}
+    for key in SAMPLING_FIELDS:
+        raw = _number(request, key)
+        if raw is None:
+            continue
+        sent = _checked(key, raw)
+        if cfg.pin == "off":
+            eff[key] = sent
+        elif cfg.pin == "reject" and not _same(key, sent, eff[key]):
+            raise InvalidRequestError(
+                f"{key}={sent} differs from the server's pinned {key}={eff[key]}: this server fixes its "
+                f"sampling params so rollouts stay on-policy. Omit {key}, send {eff[key]}, or start the "
+                "server without --pin-sampling (sampling.pin: off) to let requests choose.",
+                param=key,
+                code="sampling_param_pinned",
+            )
     return eff
 
 
-def echo_pinned_sampling(request: dict[str, Any], cfg) -> dict[str, Any]:
-    """``request`` (a Responses request) with the pinned ``temperature``/``top_p`` of ``cfg`` (a
-    ``SamplingConfig``) filled in where it sends none (or always, with ``on_mismatch: override``), so
-    the Response echoes the values the engine ran with, as the Responses API does."""
+def engine_sampling(request: dict[str, Any], cfg, **call: Any) -> SamplingParams:
+    """The engine's ``SamplingParams`` for ``request`` under ``cfg``: ``sampling_params``'s values
+    and ``call``'s (``max_tokens``, ``stop_token_ids``, ``top_logprobs``, ``prompt_logprobs``)."""
+    eff = sampling_params(request, cfg)
+    return SamplingParams(
+        temperature=float(eff["temperature"]),
+        top_p=float(eff["top_p"]),
+        top_k=eff["top_k"],
+        min_p=float(eff["min_p"]),
+        seed=eff["seed"],
+        **call,
+    )
+
+
+def echo_sampling(request: dict[str, Any], cfg) -> dict[str, Any]:
+    """``request`` (a Responses request) with the ``temperature``/``top_p`` of ``cfg`` (a
+    ``SamplingConfig``) filled in where it sends none (or always, with ``pin: override``), so the
+    Response echoes the values the engine ran with, as the Responses API does (``sampling_params``
+    applies the request's own otherwise)."""
     pinned = {"temperature": cfg.temperature, "top_p": cfg.top_p}
-    forced = cfg.on_mismatch == "override"
+    forced = cfg.pin == "override"
     fill = {k: v for k, v in pinned.items() if v is not None and (forced or request.get(k) is None)}
     return {**request, **fill} if fill else request
 
@@ -197,7 +238,6 @@ def prepare_call(
     n = choice_count(request)
     tools = chat_tools(request.get("tools"), functions_only=True)  # the one checker of both routes
     prompt = chat_prompt(request, template=template, engine=engine)
-    eff = pinned_sampling(request, sampling_config)
     top_n = request.get("top_logprobs") or 0
     if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= 20:
         raise InvalidRequestError("top_logprobs must be an integer from 0 to 20", param="top_logprobs")
@@ -207,12 +247,10 @@ def prepare_call(
         raise InvalidRequestError(
             'stream_options must be an object such as {"include_usage": true}', param="stream_options"
         )
-    sampling = SamplingParams(
+    sampling = engine_sampling(
+        request,
+        sampling_config,
         max_tokens=_max_tokens(request, len(prompt.token_ids), engine.context_window),
-        temperature=float(eff["temperature"]) if eff["temperature"] is not None else 1.0,
-        top_p=float(eff["top_p"]) if eff["top_p"] is not None else 1.0,
-        top_k=eff["top_k"],
-        seed=eff["seed"],
         stop_token_ids=stop_token_ids,
         top_logprobs=top_n if logprobs else 0,
     )
@@ -222,10 +260,21 @@ def prepare_call(
         tools=tools,
         parse_tools=bool(tools) and request.get("tool_choice") != "none",
         logprobs=logprobs,
-        tokens_as_ids=bool(request.get("return_tokens_as_token_ids")),
+        tokens_as_ids=_flag(request, "return_tokens_as_token_ids"),
         include_usage=bool((stream_options or {}).get("include_usage")),
         n=n,
+        return_token_ids=_flag(request, "return_token_ids"),
     )
+
+
+def _flag(request: dict[str, Any], key: str) -> bool:
+    """A boolean request field (absent or null: false); anything else is a 400 naming it."""
+    value = request.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{key} must be true or false, got {type(value).__name__}", param=key)
+    return value
 
 
 def chat_prompt(request: dict[str, Any], *, template, engine: Engine):

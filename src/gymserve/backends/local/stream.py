@@ -59,7 +59,7 @@ async def stream_chunks(
     the tokens arrive.
 
     ``output`` shapes the chunks: a chat ``CallOutput``, or anything with its methods (``role()``,
-    ``text(str)``, ``kept(gen)``, ``end(gen, tail, include_usage=)``) and a ``tokenizer`` — the
+    ``step(ids, text)``, ``text_ids(gen)``, ``end(gen, tail, include_usage=)``) and a ``tokenizer`` — the
     completions route's ``CompletionOutput``. A stream that ends without a finish reason counts as
     ``length``."""
     detok = IncrementalDetokenizer(output.tokenizer)
@@ -81,11 +81,11 @@ async def stream_chunks(
             if step.finish_reason:
                 finish = step.finish_reason
                 break
-            for chunk in output.text(detok.push(step.token_ids)):
+            for chunk in output.step(step.token_ids, detok.push(step.token_ids)):
                 yield chunk
     finally:
         await stream.aclose()
     gen = Generation(ids, lps, finish, tops, spans, prompt_logprobs)
-    tail = detok.push(output.kept(gen).token_ids[len(detok.ids) :], final=True)
+    tail = detok.push(output.text_ids(gen)[len(detok.ids) :], final=True)
     for chunk in output.end(gen, tail, include_usage=include_usage):
         yield chunk
