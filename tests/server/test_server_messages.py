@@ -16,10 +16,12 @@ from gymserve.server.run import start_background_server
 TRAINING = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
-def _local(model_dir, **server):
+def _local(model_dir, sampling: SamplingConfig | None = None, **server):
     cfg = GymserveConfig(
         server=ServerConfig(port=0, **server),
-        backend=LocalBackendConfig(model=str(model_dir), sampling=SamplingConfig(seed=1234), context_window=512),
+        backend=LocalBackendConfig(
+            model=str(model_dir), sampling=sampling or SamplingConfig(seed=1234), context_window=512
+        ),
     )
     return start_background_server(cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend))
 
@@ -184,8 +186,6 @@ def test_context_overflow_ends_the_rollout_cleanly(client):
 @pytest.mark.parametrize(
     "ask, extra, words",
     [
-        # temperature/top_p/top_k are Messages fields this SDK release no longer names: extra_body.
-        ({"max_tokens": 4}, {"temperature": 0.3}, "pinned"),  # the local backend pins sampling
         ({"max_tokens": 4, "stop_sequences": ["END"]}, None, "stop_sequences is not supported"),
         (
             {
@@ -206,6 +206,25 @@ def test_refusals_are_anthropic_400s(client, ask, extra, words):
     body = exc.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
     assert words in body["error"]["message"]
+
+
+def test_a_pinned_server_refuses_a_messages_temperature(tiny_model_dir):
+    """Sampling is per request unless the server pins it (``--pin-sampling``); a pinned server refuses a
+    request's own temperature with Anthropic's 400 rather than sampling from a policy it did not ask for."""
+    srv = _local(tiny_model_dir, sampling=SamplingConfig(seed=1234, temperature=1.0, pin="reject"))
+    try:
+        with pytest.raises(anthropic.BadRequestError) as exc:
+            _client(srv).messages.create(
+                # temperature is a Messages field this SDK release no longer names: extra_body.
+                model="tiny",
+                max_tokens=4,
+                messages=[{"role": "user", "content": "x"}],
+                extra_body={"temperature": 0.3},
+            )
+    finally:
+        srv.stop()
+    body = exc.value.body
+    assert body["error"]["type"] == "invalid_request_error" and "pinned" in body["error"]["message"], body
 
 
 def _error(root: str, path: str, body: dict) -> str:
