@@ -24,6 +24,7 @@ from typing import Any
 
 from gymserve.backends.base import RequestContext
 from gymserve.backends.pool import Limiter, Outcome, Replica, ReplicaPool, backoff_delay, usage_of
+from gymserve.backends.stream_end import StreamEnd
 from gymserve.backends.upstream import Upstream
 from gymserve.backends.upstream_errors import is_retryable, translate_error
 from gymserve.errors import (
@@ -34,6 +35,7 @@ from gymserve.errors import (
     UpstreamError,
     UpstreamRateLimitedError,
     UpstreamRejectedError,
+    UpstreamStreamIncompleteError,
     UpstreamTimeoutError,
     UpstreamUnreachableError,
 )
@@ -231,20 +233,30 @@ class UpstreamCaller:
         got = done = False
         error: GymserveError | None = None
         usage: Any = None
+        end = StreamEnd(kind)
         try:
             async for event in stream:
                 got = True
                 if isinstance(event, dict):
+                    end.see(event)
                     if isinstance(event.get("usage"), dict):
                         usage = event
                     elif isinstance(event.get("response"), dict) and isinstance(event["response"].get("usage"), dict):
                         usage = event["response"]
                 yield event
+            where = redact_url(url)
             if require_events and not got:
-                where = redact_url(url)
                 raise UpstreamBadResponseError(
                     f"{where} answered a streaming request without any events (not server-sent events, or an "
                     "empty stream); does the server support stream=true?",
+                    url=where,
+                )
+            if not end.complete:
+                replica.stats.streams_incomplete += 1
+                log.warning("stream from %s ended without %s", where, end.expected)
+                raise UpstreamStreamIncompleteError(
+                    f"{where} ended the stream without {end.expected}: the answer was cut short (a crashed or "
+                    "restarted server, or a proxy that closed the stream) and is not complete; send the call again",
                     url=where,
                 )
             done = True

@@ -57,7 +57,8 @@ class ReplicaStats:
     ``routed``: calls sent; ``failures``: calls that ended FAILED or DOWN; ``moves_in``: sessions
     moved here from another replica; ``later_turns``: answered turns of sessions after their first;
     ``affinity_hits``: those answered where the session's previous turn was; ``prompt_tokens`` /
-    ``estimated_cached_tokens``: the prefix-hit estimate (``routing.sessions``).
+    ``estimated_cached_tokens``: the prefix-hit estimate (``routing.sessions``);
+    ``streams_incomplete``: streams that ended without their API's terminal event (``caller.StreamEnd``).
     """
 
     routed: int = 0
@@ -67,6 +68,7 @@ class ReplicaStats:
     affinity_hits: int = 0
     prompt_tokens: int = 0
     estimated_cached_tokens: int = 0
+    streams_incomplete: int = 0
 
     @property
     def prefix_hit_estimate(self) -> float | None:
@@ -348,6 +350,7 @@ class ReplicaPool(Generic[R]):
             "prompt_tokens": s.prompt_tokens,
             "estimated_cached_tokens": s.estimated_cached_tokens,
             "prefix_hit_estimate": round(hit, 4) if hit is not None else None,
+            "streams_incomplete": s.streams_incomplete,
         }
 
     def status(self) -> dict[str, Any]:
