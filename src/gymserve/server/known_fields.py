@@ -92,9 +92,12 @@ _VLLM_CHAT = frozenset(
         "mm_processor_kwargs",
     }
 )
+# SGLang's extensions a chat backend forwards to it (``return_meta_info``: the generation's meta_info,
+# its weight_version included, on each choice; backends.chat_versions reads it).
+_SGLANG = frozenset({"return_meta_info"})
 BODY_FIELDS: dict[str, frozenset[str]] = {
-    "chat": _TRAINING | _VLLM_SAMPLING | _VLLM_CHAT,
-    "completions": _TRAINING | _VLLM_SAMPLING | frozenset({"prompt_token_ids"}),
+    "chat": _TRAINING | _VLLM_SAMPLING | _VLLM_CHAT | _SGLANG,
+    "completions": _TRAINING | _VLLM_SAMPLING | _SGLANG | frozenset({"prompt_token_ids"}),
     # Sampling params a chat server or the local engine honours, carried on Responses requests.
     "responses": _TRAINING
     | _VLLM_SAMPLING
