@@ -85,8 +85,14 @@ def test_a_chat_stream_cut_without_finish_ends_with_an_error_event_not_done(cut_
         assert "response.failed" in r.text and "response.completed" not in r.text
         assert "ended the stream without" in r.text
 
+        # The Messages route over it: Anthropic's error event last, no message_stop.
+        body = {"model": "policy", "max_tokens": 8, "messages": MSG, "stream": True}
+        r = httpx.post(srv.base_url + "/messages", json=body, timeout=10)
+        types = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+        assert types[-1] == "error" and "message_stop" not in types and "ended the stream without" in r.text
+
         metrics = httpx.get(srv.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
-        assert _metric(metrics, "gymserve_replica_streams_incomplete_total") == 3
+        assert _metric(metrics, "gymserve_replica_streams_incomplete_total") == 4
 
 
 def test_a_completions_stream_cut_without_finish_ends_with_an_error_event():
