@@ -227,7 +227,7 @@ class RunBasedEngine(NoControl):
         engine = cls(  # type: ignore[call-arg]  # the adapters' constructors take these keywords
             resolved.path,
             model_name=resolved.name,
-            context_window=config.context_window,
+            context_window=config.max_model_len,
             engine_args=dict(config.engine_args or {}),
         )
         engine.pause_timeout = float(getattr(config, "pause_timeout", 300.0))  # type: ignore[attr-defined]
