@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "gymserve.wire": 0,
     "gymserve.registry": 0,
     "gymserve.protocol": 0,
+    "gymserve.control": 0,  # the control verbs and their vocabulary; implemented at layers 2 (engines) and 4
     "gymserve._version": 0,
     # 1 — pure conversion and parsing (no I/O).
     "gymserve.convert": 1,
@@ -36,7 +37,6 @@ LAYERS: dict[str, int] = {
     # 2 — chat templates, the prefix splice, engines and the model store.
     "gymserve.prompting": 2,
     "gymserve.engine": 2,
-    "gymserve.control": 2,  # the control verbs (types from engine.base), implemented at layers 2 and 4
     # 3 — configuration (validated settings; names come from the registries below it).
     "gymserve.config": 3,
     # 4 — backends, Ray replicas included.

@@ -25,26 +25,39 @@ can do it, and one route in ``server.control_routes`` calling ``control_of(backe
 No backend changes.
 
 The argument checks every implementation shares (``check_mode``, ``check_timeout``,
-``check_version``) live here too: 400 ``InvalidRequestError`` naming the parameter.
+``check_version``) live here too: 400 ``InvalidRequestError`` naming the parameter, with the
+vocabulary (``WeightVersion``, ``PauseMode``) that engines (``engine.base`` re-exports it) and
+backends share. This module imports nothing of gymserve but ``errors``: layer 0.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
-from gymserve.engine.base import PAUSE_MODES, PauseMode, WeightVersion
 from gymserve.errors import InvalidRequestError, NotSupportedError
 
 __all__ = [
     "MAX_VERSION_CHARS",
+    "PAUSE_MODES",
     "Control",
+    "PauseMode",
+    "WeightVersion",
     "check_mode",
     "check_timeout",
     "check_version",
     "control_of",
 ]
+
+WeightVersion = int | str
+"""Which weights a token came from: an int the engine counts (0 for the weights it loaded, then one
+more per update), or the string a trainer gave (SGLang's ``weight_version``)."""
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""vLLM's pause modes: ``abort`` ends in-flight calls now, ``wait`` lets them finish, ``keep``
+freezes them until ``resume_generation``."""
+PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 
 MAX_VERSION_CHARS = 256
 

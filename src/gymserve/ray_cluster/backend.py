@@ -137,7 +137,7 @@ class RayBackend(Backend):
         replica.incarnation, replica.pid = info["incarnation"], info["pid"]
         replica.node, replica.node_id = info.get("node_ip"), info.get("node_id")
         replica.state = "alive"
-        if hasattr(self, "control"):  # after start-up; FleetControl tracks versions once the fleet's is known
+        if isinstance(self.control, FleetControl):  # after start-up: it tracks versions once the fleet's is known
             self.control.track(replica, info)
 
     async def _probe(self, replica: RayReplica) -> None:
