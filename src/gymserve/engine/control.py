@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gymserve.engine.base import PAUSE_MODES, PauseMode, WeightVersion
-from gymserve.errors import ConflictError, EngineError, InvalidRequestError
+from gymserve.errors import ConflictError, EngineDownError, EngineError, InvalidRequestError
 
 log = logging.getLogger("gymserve.engine")
 
@@ -48,10 +48,20 @@ def check_mode(mode: Any) -> PauseMode:
     return mode
 
 
+#: The longest pause, in seconds (one day). A pause is a training step's weight swap, minutes at
+#: most; a bound keeps every deadline a time the OS can wait for (``1e300`` s overflowed ``time_t``
+#: in the worker's ``queue.get(timeout=...)`` and killed it).
+MAX_PAUSE_SECONDS = 86400.0
+
+
 def check_timeout(timeout: Any) -> float:
-    """A pause timeout in seconds: a finite number > 0, else ``InvalidRequestError`` (param ``timeout``)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}", param="timeout")
+    """A pause timeout in seconds: a number with ``0 < timeout <= MAX_PAUSE_SECONDS`` (one day),
+    else ``InvalidRequestError`` (400, param ``timeout``)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_PAUSE_SECONDS:
+        raise InvalidRequestError(
+            f"timeout must be a number of seconds > 0 and at most {MAX_PAUSE_SECONDS:g} (one day), got {timeout!r}",
+            param="timeout",
+        )
     return float(timeout)
 
 
@@ -248,6 +258,7 @@ class WorkerControl:
     _inbox: Any
     _closed: bool
     _update_lock: asyncio.Lock | None
+    _fault: str | None = None  # why the worker died ("OverflowError: ..."), None while it runs
 
     @property
     def weight_version(self) -> WeightVersion:
@@ -259,6 +270,8 @@ class WorkerControl:
         return self._control.status()
 
     async def _send(self, cmd: Command) -> Any:
+        if self._fault is not None:
+            raise EngineDownError(getattr(self, "engine_name", type(self).__name__), self._fault)
         if self._closed:
             raise EngineError("the engine is shut down")
         self._inbox.put(cmd)

@@ -50,6 +50,7 @@ from fastapi import Depends, FastAPI, Query
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from gymserve.engine.control import MAX_PAUSE_SECONDS
 from gymserve.errors import ConflictError, NotSupportedError, PermissionDeniedError
 
 CONTROL_PATHS = frozenset(
@@ -235,7 +236,9 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
             float | None,
             Query(
                 gt=0,
-                description="seconds after which generation resumes by itself (default: local backend's pause_timeout)",
+                le=MAX_PAUSE_SECONDS,
+                description="seconds after which generation resumes by itself, at most 86400 (one day; a larger "
+                "value is a 400) (default: local backend's pause_timeout)",
             ),
         ] = None,
     ):
