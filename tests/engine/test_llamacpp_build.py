@@ -37,7 +37,7 @@ def test_an_amx_build_is_refused_with_the_cause_and_the_rebuild_command():
     msg = str(caught.value)
     assert "AMX_INT8 = 1" in msg
     assert "ggml-org/llama.cpp#20824" in msg
-    assert "`python scripts/install_llamacpp.py`" in msg and "`make install`" in msg
+    assert "run python scripts/install_llamacpp.py (or make install)" in msg
     assert f'CMAKE_ARGS="{runtime.PORTABLE_CMAKE_ARGS}" pip install --no-cache-dir' in msg
     assert "GYMSERVE_LLAMACPP_ALLOW_AMX=1" in msg
     assert caught.value.code == "engine_build" and caught.value.status_code == 500

@@ -41,13 +41,14 @@ PORTABLE_CMAKE_ARGS = (
 )
 REBUILD_COMMAND = "python scripts/install_llamacpp.py"
 REBUILD_HINT = (
-    f"from a gymserve checkout run `{REBUILD_COMMAND}` (or `make install`) with the environment's python; "
+    f"from a gymserve checkout run {REBUILD_COMMAND} (or make install) with the environment's python; "
     f'elsewhere: CMAKE_ARGS="{PORTABLE_CMAKE_ARGS}" pip install --no-cache-dir --force-reinstall --no-deps '
     '"llama-cpp-python>=0.3.36"'
 )
 INSTALL_HINT = (
-    "the llamacpp engine needs llama-cpp-python, which is not installed; it builds llama.cpp from source "
-    f"(about 10 minutes on 2 cores the first time), portably: {REBUILD_HINT}"
+    f"the llamacpp engine needs llama-cpp-python, which is not installed: from a gymserve checkout run "
+    f"{REBUILD_COMMAND} (it builds llama.cpp from source for any x86-64 CPU with AVX2, about 10 minutes on 2 "
+    "cores the first time; docs/getting-started.md, CPU requirements)"
 )
 #: Set to 1 to run a llama.cpp build with AMX kernels anyway (at the risk of ggml-org/llama.cpp#20824).
 ALLOW_AMX_ENV = "GYMSERVE_LLAMACPP_ALLOW_AMX"
