@@ -225,7 +225,7 @@ class EngineBuildError(EngineError):
 
 class EngineDownError(EngineError):
     """The in-process engine stopped working (503, ``Retry-After`` absent: it does not come back by
-    itself): its worker thread died on an exception. Every call in flight and every later call gets
+    itself): its worker thread died on an exception (vLLM: its engine core died). Every call in flight and every later call gets
     this error; ``/health`` reports ``down`` with the same ``reason``. ``engine``: the engine's name
     (``llamacpp``, ``transformers``); ``reason``: the exception, ``"OverflowError: ..."``."""
 
@@ -234,7 +234,7 @@ class EngineDownError(EngineError):
 
     def __init__(self, engine: str, reason: str):
         super().__init__(
-            f"the {engine} engine is down: its worker thread died on {reason}; every call fails until gymserve "
+            f"the {engine} engine is down: it stopped on {reason}; every call fails until gymserve "
             "is restarted (the traceback is in the server log)"
         )
         self.engine = engine

@@ -52,7 +52,7 @@ def _assert_engine_down(r: httpx.Response, step: int) -> None:
     assert r.status_code == 503, r.text
     err = r.json()["error"]
     assert err["type"] == "server_error" and err["code"] == "engine_down"
-    assert err["message"].startswith("the faulty engine is down: its worker thread died on ")
+    assert err["message"].startswith("the faulty engine is down: it stopped on ")
     assert f"RuntimeError: injected fault in step {step}" in err["message"]
 
 
@@ -74,9 +74,7 @@ def test_a_worker_that_dies_mid_call_takes_the_engine_down_with_an_error_for_eve
         assert health.status_code == 503
         body = health.json()
         assert body["status"] == "down" and body["engine"] == "faulty"
-        assert body["reason"].startswith(
-            "the faulty engine's worker thread died on RuntimeError: injected fault in step 4"
-        )
+        assert body["reason"].startswith("the faulty engine stopped on RuntimeError: injected fault in step 4")
         assert engine.steps == 4  # nothing ran after the fault
 
 

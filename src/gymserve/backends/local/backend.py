@@ -114,8 +114,8 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
             raise EngineDownError(getattr(self.engine, "engine_name", type(self.engine).__name__), fault)
 
     async def health(self) -> dict[str, Any]:
-        """``ok``, or ``down`` with ``reason`` once the engine's worker died (``engine.fault``,
-        engines with a worker thread: ``engine.worker``); ``/health`` answers 503 then."""
+        """``ok``, or ``down`` with ``engine`` and ``reason`` once the engine stopped (``engine.fault``:
+        a worker-thread engine's dead worker, vLLM's dead engine core); ``/health`` answers 503 then."""
         fault = getattr(self.engine, "fault", None)
         if fault:
             name = getattr(self.engine, "engine_name", type(self.engine).__name__)
@@ -123,7 +123,7 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
                 **self.describe(),
                 "status": "down",
                 "engine": name,
-                "reason": f"the {name} engine's worker thread died on {fault}; restart gymserve (traceback in its log)",
+                "reason": f"the {name} engine stopped on {fault}; restart gymserve (traceback in its log)",
             }
         return await super().health()
 
