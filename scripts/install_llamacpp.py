@@ -18,15 +18,26 @@ every x86-64 server CPU of the last ten years has, AVX-512 and AMX off. ``GYMSER
 replaces those flags (for a CPU without AVX2: ``-DGGML_NATIVE=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF
 -DGGML_F16C=OFF``). pip's wheel cache is keyed by the source, not by the build flags, so a wheel
 that pip cached from a native build would be reused silently: the build runs with
-``--no-cache-dir`` into gymserve's own wheel folder, keyed by version and flags
-(``~/.cache/gymserve/llamacpp/<key>/``), and later installs on the machine take that wheel in seconds. ``pip install -q`` would show nothing for those minutes, and plain pip only
-says "still running"; this script runs ``pip install -v`` and turns the build's own step counter
+``--no-cache-dir`` into gymserve's own wheel folder, keyed by the requirement, the flags and the
+interpreter (``~/.cache/gymserve/llamacpp/<key>/``), and later installs on the machine take that
+wheel in seconds.
+
+Why explicit flags and not llama.cpp's runtime CPU dispatch (``GGML_BACKEND_DL`` with
+``GGML_CPU_ALL_VARIANTS``, one CPU backend per CPU generation, the best one loaded at run time):
+its list of variants includes a Sapphire Rapids one with AMX, which it would pick on exactly the
+Xeons that crash; excluding it means patching llama.cpp's CMake lists, and the build compiles the
+kernels once per variant, several times the 10 minutes. One x86-64-v3 build costs AVX-512 speed on
+the CPUs that have it and runs everywhere else.
+
+``pip install -q`` would show nothing for those minutes, and plain pip only
+says "still running"; this script runs ``pip wheel -v`` and turns the build's own step counter
 (ninja's ``[N/TOTAL]`` lines) into one line per tenth, with the time spent::
 
     llama-cpp-python: building llama.cpp from source (once; gymserve keeps the wheel): 103/206 (50%), 4 min 10 s
 
 Already installed at a version the spec accepts **and built portably** (:func:`installed_features`
-finds no AMX and no native build): nothing is run; an AMX or native build is replaced. Exit status: pip's (0 on success);
+finds neither AMX nor AVX-512): nothing is run; an AMX or AVX-512 build (pip's native one on such a
+CPU) is replaced. A native build on a CPU with neither cannot be told from a portable one. Exit status: pip's (0 on success);
 on failure the last 40 lines of pip's output are printed, since they hold the compiler's error.
 """
 
