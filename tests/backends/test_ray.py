@@ -363,9 +363,7 @@ def test_launch_flags_become_a_ray_config(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("backend:\n  type: local\n  model: embedded\n  context_window: 256\n  sampling: {seed: 3}\n")
     cfg = load_config(str(path), overrides=launch_overrides(parser.parse_args(["launch", "--config", str(path)])))
-    assert (
-        cfg.backend.type == "ray" and cfg.backend.local.context_window == 256 and cfg.backend.local.sampling.seed == 3
-    )
+    assert cfg.backend.type == "ray" and cfg.backend.local.max_model_len == 256 and cfg.backend.local.sampling.seed == 3
     assert parser.parse_args(["status"]).base_url == "http://127.0.0.1:8000/v1"
 
 

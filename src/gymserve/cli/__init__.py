@@ -33,7 +33,7 @@ from gymserve.cli.flags import (
     config_from_args,
     serve_overrides,
 )
-from gymserve.engine import ENGINES
+from gymserve.registry import ENGINES
 
 __all__ = ["build_parser", "config_from_args", "main", "run_server", "serve_overrides", "version"]
 

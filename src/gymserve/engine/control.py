@@ -33,52 +33,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from gymserve.engine.base import PAUSE_MODES, PauseMode, WeightVersion
-from gymserve.errors import ConflictError, EngineDownError, EngineError, InvalidRequestError
+# The argument checks every control shares are declared with the verbs (``gymserve.control``).
+from gymserve.control import check_mode, check_timeout, check_version
+from gymserve.engine.base import PauseMode, WeightVersion
+from gymserve.errors import ConflictError, EngineDownError, EngineError
 
 log = logging.getLogger("gymserve.engine")
-
-MAX_VERSION_CHARS = 256
-
-
-def check_mode(mode: Any) -> PauseMode:
-    """``mode`` if it is a pause mode, else ``InvalidRequestError`` (400, param ``mode``)."""
-    if mode not in PAUSE_MODES:
-        raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
-    return mode
-
-
-#: The longest pause, in seconds (one day). A pause is a training step's weight swap, minutes at
-#: most; a bound keeps every deadline a time the OS can wait for (``1e300`` s overflowed ``time_t``
-#: in the worker's ``queue.get(timeout=...)`` and killed it).
-MAX_PAUSE_SECONDS = 86400.0
-
-
-def check_timeout(timeout: Any) -> float:
-    """A pause timeout in seconds: a number with ``0 < timeout <= MAX_PAUSE_SECONDS`` (one day),
-    else ``InvalidRequestError`` (400, param ``timeout``)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_PAUSE_SECONDS:
-        raise InvalidRequestError(
-            f"timeout must be a number of seconds > 0 and at most {MAX_PAUSE_SECONDS:g} (one day), got {timeout!r}",
-            param="timeout",
-        )
-    return float(timeout)
-
-
-def check_version(version: Any, param: str = "weight_version") -> WeightVersion:
-    """A weight version a caller names: an int or a non-empty string of at most 256 characters."""
-    if (
-        isinstance(version, bool)
-        or not isinstance(version, (int, str))
-        or version == ""
-        or (isinstance(version, str) and len(version) > MAX_VERSION_CHARS)
-    ):
-        raise InvalidRequestError(
-            f"{param} must be an integer or a non-empty string of at most "
-            f"{MAX_VERSION_CHARS} characters, got {version!r}",
-            param=param,
-        )
-    return version
 
 
 class UndoLog:

@@ -564,7 +564,7 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
             return
         raise EngineError(
             f"the KV cache ({self.ctx.n_ctx} cells) cannot hold this sequence; raise engine_args.kv_cells "
-            "or lower context_window"
+            "or lower max_model_len"
         )
 
     def _accept(self, req: _Request, logits: np.ndarray) -> None:

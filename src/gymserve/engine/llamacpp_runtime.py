@@ -282,7 +282,7 @@ class LlamaContext:
         if not self.ptr:
             raise EngineError(
                 f"llama.cpp could not create a context of {options.n_ctx} KV cells for {model.path} (see the "
-                "gymserve.llamacpp log); lower context_window or engine_args.kv_cells"
+                "gymserve.llamacpp log); lower max_model_len or engine_args.kv_cells"
             )
         self.n_ctx = int(lib.llama_n_ctx(self.ptr))
         self.n_ctx_seq = int(lib.llama_n_ctx_seq(self.ptr))

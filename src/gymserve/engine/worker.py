@@ -77,8 +77,8 @@ class WorkerEngine(WorkerControl):
         ``model_store.ResolvedModel`` (each engine's ``from_config`` adds its own)."""
         return {
             "model_name": resolved.name,
-            "max_batch_size": config.max_batch_size,
-            "context_window": config.context_window,
+            "max_batch_size": config.max_num_seqs,
+            "context_window": config.max_model_len,
             "num_threads": config.num_threads,
             "pause_timeout": config.pause_timeout,
         }

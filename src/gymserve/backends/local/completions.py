@@ -136,7 +136,7 @@ class LocalCompletions:
     config: Any
     stop_token_ids: tuple[int, ...]
 
-    if TYPE_CHECKING:  # LocalLora's, in LocalBackend
+    if TYPE_CHECKING:  # LocalBackend's (its model identity)
 
         def check_model(self, requested: Any) -> None: ...
 
