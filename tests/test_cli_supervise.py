@@ -19,13 +19,22 @@ from helpers.fakes import free_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals, PR_SET_PDEATHSIG")
 
-# Loaded by the server process only (sitecustomize runs at every interpreter start): once the
-# server answers, read address 0, as a llama.cpp kernel bug would.
+# Loaded by the server process only (sitecustomize runs at every interpreter start): once
+# `gymserve serve` has set up (faulthandler on), wait CRASH_AFTER s and read address 0, as a
+# llama.cpp kernel bug would.
 CRASH = """
 import os, threading
 if os.environ.get("GYMSERVE_SERVE_CHILD") and os.environ.get("CRASH_AFTER"):
-    import ctypes
-    threading.Timer(float(os.environ["CRASH_AFTER"]), lambda: ctypes.string_at(0)).start()
+    import ctypes, faulthandler, time
+
+    def crash():
+        deadline = time.monotonic() + 60
+        while not faulthandler.is_enabled() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(float(os.environ["CRASH_AFTER"]))
+        ctypes.string_at(0)
+
+    threading.Thread(target=crash, daemon=True).start()
 """
 
 
