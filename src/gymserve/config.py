@@ -211,6 +211,7 @@ class LocalBackendConfig(_ServedModelNames):
     pause_timeout: float = Field(
         300.0,
         gt=0,
+        le=86400,
         description="seconds a pause (POST /pause) lasts at most when it "
         "names no timeout; then generation resumes by itself and the log says so",
     )
@@ -406,6 +407,7 @@ class ChatBackendConfig(_RemoteBackendConfig):
     pause_timeout: float = Field(
         300.0,
         gt=0,
+        le=86400,
         description="seconds a pause at the gateway (POST /pause) lasts at most when it names no timeout; then "
         "calls are let through again and the log says so",
     )

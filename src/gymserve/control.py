@@ -69,10 +69,20 @@ def check_mode(mode: Any) -> PauseMode:
     return mode
 
 
+#: The longest pause, in seconds (one day). A pause is a training step's weight swap, minutes at
+#: most; a bound keeps every deadline a time the OS can wait for (``1e300`` s overflowed ``time_t``
+#: in the engine worker's ``queue.get(timeout=...)`` and killed it: issue #24).
+MAX_PAUSE_SECONDS = 86400.0
+
+
 def check_timeout(timeout: Any) -> float:
-    """A pause timeout in seconds: a finite number > 0, else ``InvalidRequestError`` (param ``timeout``)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}", param="timeout")
+    """A pause timeout in seconds: a number with ``0 < timeout <= MAX_PAUSE_SECONDS`` (one day),
+    else ``InvalidRequestError`` (400, param ``timeout``)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_PAUSE_SECONDS:
+        raise InvalidRequestError(
+            f"timeout must be a number of seconds > 0 and at most {MAX_PAUSE_SECONDS:g} (one day), got {timeout!r}",
+            param="timeout",
+        )
     return float(timeout)
 
 

@@ -1036,3 +1036,22 @@ def test_top_logprobs_leave_the_sampled_tokens_and_log_probs_unchanged(engine):
     from helpers.engine_contract import assert_top_logprobs_leave_sampling_unchanged
 
     assert_top_logprobs_leave_sampling_unchanged(engine, [1, 2, 3], max_tokens=4, top_n=2)
+
+
+def test_a_dead_vllm_engine_core_is_the_engine_fault(engine, tokenizer):
+    """vLLM's own death report (``AsyncLLM.errored``, ``dead_error``) is the engine's ``fault``: the
+    local backend's /health says down and a new call is a 503 naming vLLM and the cause."""
+    from gymserve.backends.local import LocalBackend
+    from gymserve.config import LocalBackendConfig
+    from gymserve.errors import EngineDownError
+
+    assert engine.fault is None
+    engine.engine.errored = True
+    engine.engine.dead_error = RuntimeError("EngineCore encountered an issue. See stack trace above.")
+    assert engine.fault == "RuntimeError: EngineCore encountered an issue. See stack trace above."
+    backend = LocalBackend(LocalBackendConfig(model="policy"), engine, tokenizer)
+    health = asyncio.run(backend.health())
+    assert health["status"] == "down" and health["engine"] == "vllm"
+    assert "RuntimeError: EngineCore encountered an issue" in health["reason"]
+    with pytest.raises(EngineDownError, match="the vllm engine is down"):
+        backend.check_engine()

@@ -36,7 +36,7 @@ from typing import Any
 # The argument checks every control shares are declared with the verbs (``gymserve.control``).
 from gymserve.control import check_mode, check_timeout, check_version
 from gymserve.engine.base import PauseMode, WeightVersion
-from gymserve.errors import ConflictError, EngineError
+from gymserve.errors import ConflictError, EngineDownError, EngineError
 
 log = logging.getLogger("gymserve.engine")
 
@@ -218,6 +218,7 @@ class WorkerControl:
     _inbox: Any
     _closed: bool
     _update_lock: asyncio.Lock | None
+    _fault: str | None = None  # why the worker died ("OverflowError: ..."), None while it runs
 
     @property
     def weight_version(self) -> WeightVersion:
@@ -229,6 +230,8 @@ class WorkerControl:
         return self._control.status()
 
     async def _send(self, cmd: Command) -> Any:
+        if self._fault is not None:
+            raise EngineDownError(getattr(self, "engine_name", type(self).__name__), self._fault)
         if self._closed:
             raise EngineError("the engine is shut down")
         self._inbox.put(cmd)

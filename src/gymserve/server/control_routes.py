@@ -77,7 +77,7 @@ from fastapi import Depends, FastAPI, Query
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from gymserve.control import control_of
+from gymserve.control import MAX_PAUSE_SECONDS, control_of
 from gymserve.errors import ConflictError, NotSupportedError, PermissionDeniedError
 
 CONTROL_PATHS = frozenset(
@@ -304,7 +304,9 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
             float | None,
             Query(
                 gt=0,
-                description="seconds after which generation resumes by itself (default: local backend's pause_timeout)",
+                le=MAX_PAUSE_SECONDS,
+                description="seconds after which generation resumes by itself, at most 86400 (one day; a larger "
+                "value is a 400) (default: local backend's pause_timeout)",
             ),
         ] = None,
     ):

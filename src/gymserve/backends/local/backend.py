@@ -30,7 +30,13 @@ from gymserve.backends.pool import Limiter
 from gymserve.backends.responses_over_chat import ChatAnswer
 from gymserve.convert import ChunkAccumulator
 from gymserve.engine.base import Engine
-from gymserve.errors import ConflictError, ContextLengthExceededError, InvalidRequestError, NotFoundError
+from gymserve.errors import (
+    ConflictError,
+    ContextLengthExceededError,
+    EngineDownError,
+    InvalidRequestError,
+    NotFoundError,
+)
 from gymserve.protocol import ChatCompletionDict, ChatRequest, MessagesRequest
 from gymserve.wire.ids import new_id
 
@@ -109,6 +115,27 @@ class LocalBackend(LocalCompletions, LocalTokens, Backend):
             "eos_token_ids": list(self.engine.eos_token_ids),
         }
 
+    def check_engine(self) -> None:
+        """``EngineDownError`` (503) once the engine's worker died, before a call starts (a stream
+        would otherwise answer 200 and then an error event)."""
+        fault = getattr(self.engine, "fault", None)
+        if fault:
+            raise EngineDownError(getattr(self.engine, "engine_name", type(self.engine).__name__), fault)
+
+    async def health(self) -> dict[str, Any]:
+        """``ok``, or ``down`` with ``engine`` and ``reason`` once the engine stopped (``engine.fault``:
+        a worker-thread engine's dead worker, vLLM's dead engine core); ``/health`` answers 503 then."""
+        fault = getattr(self.engine, "fault", None)
+        if fault:
+            name = getattr(self.engine, "engine_name", type(self.engine).__name__)
+            return {
+                **self.describe(),
+                "status": "down",
+                "engine": name,
+                "reason": f"the {name} engine stopped on {fault}; restart gymserve (traceback in its log)",
+            }
+        return await super().health()
+
     def fill_responses_defaults(self, request):
         """Echo the sampling params the engine runs with in the Response (the Responses API echoes what ran)."""
         return echo_sampling(request, self.config.sampling)
@@ -159,6 +186,7 @@ class LocalBackend(LocalCompletions, LocalTokens, Backend):
     def _prepare(self, request: ChatRequest) -> tuple[LocalCall, list[CallOutput]]:
         """The engine call for ``request`` (``request.prepare_call``: 400s for what is refused) and,
         per choice, the object that turns its tokens into chunks."""
+        self.check_engine()
         self.check_model(request.get("model"))
         if self.tool_parser is not None and isinstance(request.get("messages"), list):
             # The history's tool-call ids in the form the format's template accepts (Mistral).
