@@ -152,8 +152,7 @@ def test_engine_and_sampling_flags_land_in_the_config(tmp_path):
 def test_flags_override_the_file_and_keep_the_rest_of_it(tmp_path):
     path = tmp_path / "gymserve.yaml"
     path.write_text(
-        "server: {port: 9001}\nbackend:\n  type: local\n  context_window: 256\n"
-        "  sampling: {temperature: 0.5, seed: 1}\n"
+        "server: {port: 9001}\nbackend:\n  type: local\n  max_model_len: 256\n  sampling: {temperature: 0.5, seed: 1}\n"
     )
     c = _config("serve", "--config", str(path), "--seed", "9", "--port", "9002")
     assert (c.backend.max_model_len, c.backend.sampling.temperature, c.backend.sampling.seed) == (256, 0.5, 9)

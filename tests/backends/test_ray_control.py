@@ -47,9 +47,9 @@ def cluster(tiny_model_dir):
                 "health_check_timeout": 10,
                 "startup_timeout": WAIT,
                 "object_store_memory": 300 * 1024 * 1024,
-                "context_window": 2048,
+                "max_model_len": 2048,
                 "pause_timeout": 60,
-                "tool_parser": "none",
+                "tool_call_parser": "none",
             }
         ),
     )

@@ -1001,7 +1001,7 @@ def test_serve_policy_around_the_trainers_own_async_llm(fake_vllm, model_dir, to
     from gymserve.server.embed import serve_policy
 
     llm = FakeAsyncLLM(AsyncEngineArgs(model=str(model_dir), max_model_len=4096))
-    srv = serve_policy(llm, tokenizer, backend_config={"tool_parser": "none"}, model_name="policy")
+    srv = serve_policy(llm, tokenizer, backend_config={"tool_call_parser": "none"}, model_name="policy")
     try:
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60)
         root = srv.base_url.removesuffix("/v1")

@@ -240,7 +240,7 @@ def policy(tiny_model_dir, tokenizer):
         load_model(tiny_model_dir),
         tokenizer,
         model_name="tiny",
-        backend_config={"sampling": {"temperature": 1.0, "seed": 7}, "num_threads": 1, "tool_parser": "none"},
+        backend_config={"sampling": {"temperature": 1.0, "seed": 7}, "num_threads": 1, "tool_call_parser": "none"},
     )
     yield srv
     srv.stop()
