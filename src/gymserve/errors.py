@@ -28,6 +28,7 @@ The cause of a failure is its class; ``code`` is only what the client reads, nev
         ├── UpstreamServerError        502 upstream_server_error   [retried]
         ├── UpstreamBadResponseError   502 upstream_bad_response
         ├── UpstreamTokenIdsError      502 upstream_token_ids
+        ├── UpstreamStreamIncompleteError 502 stream_incomplete    (a stream ended without its terminal event)
         └── UpstreamConnectionError    502 upstream_connection_error
             ├── UpstreamUnreachableError 502 upstream_unreachable  [retried; the replica is marked down]
             ├── NoReplicaError         502 no_replica              (every replica excluded or filtered out)
@@ -302,6 +303,16 @@ class UpstreamTokenIdsError(UpstreamError):
     """With ``return_token_id_information``, the upstream's token metadata is missing or inconsistent."""
 
     code = "upstream_token_ids"
+
+
+class UpstreamStreamIncompleteError(UpstreamError):
+    """The upstream's event stream ended without its API's terminal event (a chat or completions
+    choice without a ``finish_reason``, a Responses stream without ``response.completed`` /
+    ``.incomplete`` / ``.failed``, a Messages stream without ``message_stop``): the answer was cut
+    short (a crashed or restarted server, a proxy that closed the stream), so it must never look
+    finished. 502: the call may succeed when sent again."""
+
+    code = "stream_incomplete"
 
 
 class UpstreamConnectionError(UpstreamError):

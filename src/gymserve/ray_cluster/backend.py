@@ -42,7 +42,8 @@ from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.local.request import echo_sampling
 from gymserve.backends.pool import Limiter, Outcome, ReplicaPool, usage_of
 from gymserve.backends.responses_over_chat import ChatAnswer
-from gymserve.errors import EngineError, NoReplicaError, UpstreamConnectionError
+from gymserve.backends.stream_end import StreamEnd
+from gymserve.errors import EngineError, NoReplicaError, UpstreamConnectionError, UpstreamStreamIncompleteError
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponsesRequest
 from gymserve.ray_cluster.control import FleetControl
 from gymserve.ray_cluster.fleet import RayReplica, ReplicaFleet, failure_reason, import_ray
@@ -321,6 +322,7 @@ class RayBackend(Backend):
                 started = done = False
                 outcome: Outcome | None = Outcome.CANCELLED  # unless the stream ends otherwise
                 usage = None
+                end = StreamEnd("chat")  # chat and completions chunks end alike: a finish_reason per choice
                 try:
                     async for ref in gen:
                         raw = await ref
@@ -329,8 +331,19 @@ class RayBackend(Backend):
                         outcome = Outcome.CANCELLED
                         started = True
                         usage = usage_of(chunk) or usage
+                        if isinstance(chunk, dict):
+                            end.see(chunk)
                         yield chunk
                     done = True
+                    if not end.complete:
+                        # The replica's generator stopped without finishing its answer (an engine
+                        # that stopped producing): never let the cut-off answer look finished.
+                        outcome = Outcome.FAILED
+                        replica.stats.streams_incomplete += 1
+                        raise UpstreamStreamIncompleteError(
+                            f"replica {replica.name} ended the stream without {end.expected}: the answer was cut "
+                            "short and is not complete; send the call again"
+                        )
                     replica.served += 1
                     outcome = Outcome.OK
                     return

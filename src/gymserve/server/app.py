@@ -34,12 +34,15 @@ from fastapi.responses import Response, StreamingResponse
 from gymserve._version import __version__
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.convert.completions_request import check_completions_request
+from gymserve.convert.messages_fields import check_top_level
 from gymserve.convert.request_checks import check_request, without_nulls
+from gymserve.convert.tool_pairing import check_tool_pairing
 from gymserve.errors import GymserveError, InvalidRequestError, ShuttingDownError
 from gymserve.server.capture import CaptureWriter, install_log_redaction
 from gymserve.server.control_routes import CONTROL_PATHS, LORA_PATHS, control_health, install_control
 from gymserve.server.disconnect import ClientLeft, until_disconnected
 from gymserve.server.errors import anthropic_status, error_response, install_error_handlers, is_anthropic_route
+from gymserve.server.known_fields import UnknownQueryCheck, check_body_fields
 from gymserve.server.limits import read_body
 from gymserve.server.metrics import Metrics, usage_tokens
 from gymserve.server.schemas import install_openapi
@@ -82,10 +85,13 @@ def _checked(body: dict[str, Any], api: Wire, tokens_as_ids: bool = False) -> di
     ``false`` included, wins: ``serving_chat.py``'s ``_create_chat_logprobs``)."""
     if api == "messages":
         body = without_nulls(body)
+        check_top_level(body)  # another API's field: a 400 naming the Messages field to use
+        check_tool_pairing(body.get("messages"))  # Anthropic's rules, before any backend sees it
     elif api == "completions":
         body = check_completions_request(body)
     else:
         body = check_request(body, api)
+    check_body_fields(body, api)
     if tokens_as_ids and api in ("chat", "completions") and "return_tokens_as_token_ids" not in body:
         body = {**body, "return_tokens_as_token_ids": True}
     stream = body.get("stream")
@@ -222,6 +228,8 @@ def create_app(
         )
 
     install_openapi(app)
+    # One rule for unknown query parameters on every route (server.known_fields).
+    app.add_middleware(UnknownQueryCheck, routes=lambda: app.routes)
     all_secrets = tuple(s for s in (*backend.secrets, server_api_key, admin_api_key, *secrets) if s)
     install_log_redaction(all_secrets)
     app.state.capture = capture = (
@@ -329,6 +337,9 @@ def create_app(
         if app.state.draining:
             raise ShuttingDownError()
         body = without_nulls(await _body(request, max_body_bytes))
+        check_top_level(body)
+        check_body_fields(body, "count_tokens")
+        check_tool_pairing(body.get("messages"))
         return _json({"input_tokens": await backend.count_tokens(body, _context(request))})
 
     # Plain Starlette routes: the body is parsed by hand anyway, and FastAPI's per-request
