@@ -265,13 +265,12 @@ class TransformersEngine(LoraEngine, WorkerEngine):
             req.next_token = None
             return False
         logprobs = torch.log_softmax(logits, dim=-1)
+        banned = req.ending.suppressed(req.generated)
+        if banned:  # min_tokens: the stop set cannot be sampled yet (log-probs stay the raw ones)
+            logits = logits.index_fill(0, torch.tensor(banned), float("-inf"))
         tok = sample_next(logits, req.sampling, req.generator)
         req.generated += 1
-        finish: FinishReason | None = None
-        if tok in req.stop_ids:
-            finish = "stop"
-        elif req.generated >= req.sampling.max_tokens:
-            finish = "length"
+        finish: FinishReason | None = req.ending.finish(tok, req.generated)
         tops = [top_logprobs(logprobs, req.sampling.top_logprobs)] if req.sampling.top_logprobs else []
         req.tokens.append(tok)
         version = self._control.weight_version
