@@ -212,3 +212,14 @@ def test_structured_output_and_unapplied_extras_are_400s_naming_the_field(server
     r = _chat(srv, **{field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+def test_max_completion_tokens_bounds_the_generation(server):
+    srv, _ = server
+    r = httpx.post(
+        srv.base_url + "/chat/completions",
+        json={"model": "t", "messages": MESSAGES, "seed": 7, "max_completion_tokens": 3},
+        timeout=120,
+    )
+    choice = _ok(r)["choices"][0]
+    assert len(choice["message"]["generation_token_ids"]) == 3 and choice["finish_reason"] == "length"
