@@ -33,6 +33,7 @@ answer 501 (``Backend._not_served``).
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +47,6 @@ from gymserve.engine.base import Generation, SamplingParams, check_prompt_logpro
 from gymserve.engine.ending import Ending, cut_at_hit
 from gymserve.errors import ContextLengthExceededError, InvalidRequestError
 from gymserve.protocol import check_token_ids
-from gymserve.wire.ids import new_id
 
 MAX_N = 128
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
@@ -204,10 +204,7 @@ class LocalTokensIn:
         prompt = self._prompt(request["token_ids"], "token_ids")
         sp = _object(request, "sampling_params")
         _check_keys(
-            sp,
-            VLLM_SAMPLING_APPLIED | VLLM_SAMPLING_NO_TEXT,
-            VLLM_SAMPLING_OFF | {"extra_args": ()},
-            "sampling_params.",
+            sp, VLLM_SAMPLING_APPLIED | VLLM_SAMPLING_NO_TEXT | {"extra_args"}, VLLM_SAMPLING_OFF, "sampling_params."
         )
         for key in VLLM_SAMPLING_NO_TEXT:
             if sp.get(key) is not None and not isinstance(sp[key], bool):
@@ -227,6 +224,10 @@ class LocalTokensIn:
                         extra[key],
                         "an extension argument this server does not know",
                     )
+        rid = request.get("request_id")
+        if rid is not None and (not isinstance(rid, str) or not rid):
+            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
+        answer_id = f"generate-tokens-{rid or uuid.uuid4().hex}"  # vLLM's ServingTokens names it so
         n = _int(sp, "n", "sampling_params.n", low=1, high=MAX_N) or 1
         top = _int(sp, "logprobs", "sampling_params.logprobs", low=0, high=20)
         prompt_top = _int(sp, "prompt_logprobs", "sampling_params.prompt_logprobs", low=0, high=20)
@@ -237,10 +238,6 @@ class LocalTokensIn:
             _named(sp), len(prompt), max_tokens, {}, top_logprobs=top or 0, prompt_logprobs=prompt_top
         )
         gens = await self._run(prompt, sampling, n)
-        rid = request.get("request_id")
-        if rid is not None and (not isinstance(rid, str) or not rid):
-            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
-        answer_id = f"generate-tokens-{rid}" if rid else new_id("generate-tokens")
         choices = [
             {
                 "index": i,
@@ -379,7 +376,7 @@ class LocalTokensIn:
             finish = {"type": "stop", "matched": matched}
         version = gen.weight_version_spans[-1]["version"] if gen.weight_version_spans else self.engine.weight_version
         meta: dict[str, Any] = {
-            "id": rid or new_id("gen"),
+            "id": rid or uuid.uuid4().hex,
             "finish_reason": finish,
             "prompt_tokens": len(prompt),
             "completion_tokens": len(gen.token_ids),
