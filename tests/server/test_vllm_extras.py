@@ -11,6 +11,7 @@ checks what it changed.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -193,14 +194,69 @@ def test_request_id_names_the_answer_as_vllm_does(server):
     assert _ok(_chat(srv, request_id="abc", max_tokens=1))["id"] == "chatcmpl-abc"
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]}, "n": {"type": "boolean"}},
+    "required": ["colour", "n"],
+    "additionalProperties": False,
+}
+STRUCTURED = [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}),
+    ("structured_outputs", {"json": SCHEMA}),
+    ("guided_json", SCHEMA),
+    ("guided_choice", ["alpha", "beta"]),
+    ("guided_regex", "(yes|no)[0-9]{2}"),
+    ("structured_outputs", {"choice": ["alpha", "beta"]}),
+]
+
+
+def _structured_applies(engine: str) -> bool:
+    if engine != "transformers":
+        return False
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("field", "value"), STRUCTURED, ids=lambda x: str(x)[:20])
+def test_structured_output_is_a_token_mask_or_a_400_naming_the_field(server, field, value):
+    """On the transformers engine (with llguidance) the text follows the grammar and ends with the
+    EOS, a training token with its raw log-prob; on engines without a token mask, a 400."""
+    srv, engine = server
+    r = _chat(srv, **{field: value}, max_tokens=40)
+    if not _structured_applies(engine):
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
+        return
+    choice = _ok(r)["choices"][0]
+    text = choice["message"]["content"]
+    assert choice["finish_reason"] == "stop", choice
+    if field in ("response_format", "guided_json") or (field == "structured_outputs" and "json" in value):
+        data = json.loads(text)
+        assert set(data) == {"colour", "n"} and data["colour"] in ("red", "green", "blue")
+        assert isinstance(data["n"], bool)
+    elif field == "guided_regex":
+        assert re.fullmatch("(yes|no)[0-9]{2}", text), text
+    else:
+        assert text in ("alpha", "beta")
+    ids = choice["message"]["generation_token_ids"]
+    assert ids[-1] == 151645  # the grammar ends with the EOS, kept as a training token
+    assert all(lp < 0 for lp in choice["message"]["generation_log_probs"])  # raw model log-probs
+
+
+def test_structured_output_refuses_an_unbuildable_grammar_by_name(server):
+    srv, engine = server
+    r = _chat(srv, guided_regex="(unclosed")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("guided_json", {"type": "object"}),
-        ("structured_outputs", {"json": {"type": "object"}}),
-        ("guided_regex", "a+"),
-        ("guided_choice", ["a", "b"]),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+        ("guided_grammar", "root ::= 'a'"),
+        ("structural_tag", "{}"),
         ("use_beam_search", True),
         ("allowed_token_ids", [1, 2]),
         ("skip_special_tokens", True),

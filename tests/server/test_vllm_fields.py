@@ -63,6 +63,12 @@ APPLIED: dict[str, str] = {
     "return_tokens_as_token_ids": L,
     "return_token_ids": L,
     "skip_special_tokens": f"{X}::test_structured_output_and_unapplied_extras_are_400s_naming_the_field",
+    "response_format": f"{X}::test_structured_output_is_a_token_mask_or_a_400_naming_the_field",
+    "structured_outputs": f"{X}::test_structured_output_is_a_token_mask_or_a_400_naming_the_field",
+    "guided_json": f"{X}::test_structured_output_is_a_token_mask_or_a_400_naming_the_field",
+    "guided_regex": f"{X}::test_structured_output_is_a_token_mask_or_a_400_naming_the_field",
+    "guided_choice": f"{X}::test_structured_output_is_a_token_mask_or_a_400_naming_the_field",
+    "guided_json_object": "tests/backends/test_structured.py",
 }
 NO_EFFECT: dict[str, str] = {
     "user": "vLLM ignores it too (its protocol: 'NOTE this will be ignored by vLLM')",
@@ -75,7 +81,6 @@ OTHER_REFUSED: dict[str, object] = {
     "frequency_penalty": 1.0,
     "presence_penalty": 1.0,
     "logit_bias": {"1": 5},
-    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
     "suffix": "tail",
 }
 SAMPLES: dict[str, object] = {
@@ -101,15 +106,16 @@ SAMPLES: dict[str, object] = {
     "include_reasoning": False,
     "echo": True,
     "guided_json_object": True,
-    "structured_outputs": {"json": {"type": "object"}},
-    "guided_choice": ["a", "b"],
 }
 
 
 def _refused(fields: set[str], chat: bool) -> list[tuple[str, object]]:
     table = {**REFUSED, **(CHAT_ONLY_REFUSED if chat else {})}
     out = [(f, SAMPLES.get(f, {"any": "value"})) for f in sorted(fields) if f in table]
-    return out + [(f, v) for f, v in OTHER_REFUSED.items() if f in fields and not (chat and f == "suffix")]
+    out += [(f, v) for f, v in OTHER_REFUSED.items() if f in fields and not (chat and f == "suffix")]
+    if not chat:  # /v1/completions has no response_format (structured output is chat's, or structured_outputs)
+        out.append(("response_format", {"type": "json_object"}))
+    return out
 
 
 def test_every_vllm_field_is_classified():

@@ -64,6 +64,19 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    constraint: Any = None
+    """Structured output: a factory (no arguments) of one call's ``TokenConstraint``, or None. Only
+    engines with ``supports_structured_output`` apply it (the transformers engine)."""
+
+
+class TokenConstraint(Protocol):
+    """One call's grammar state (structured output): ``mask(logits)`` returns the logits with every
+    token the grammar forbids next set to -inf (a copy; the reported log-probs stay the raw
+    model's), ``accept(token)`` advances the grammar past the sampled token."""
+
+    def mask(self, logits: Any) -> Any: ...
+
+    def accept(self, token: int) -> None: ...
 
 
 @dataclass

@@ -142,6 +142,7 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Local
             engine=self.engine,
             sampling_config=self.config.sampling,
             stop_token_ids=self.stop_token_ids,
+            tokenizer=self.tokenizer,
         )
         chunk_id = answer_id(request, "chatcmpl")
         return call, [

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gymserve.backends.context import RequestContext
+from gymserve.backends.local import structured
 from gymserve.backends.local.choices import interleave, run_all
 from gymserve.backends.local.completion_output import CompletionOutput
 from gymserve.backends.local.request import (
@@ -119,6 +120,7 @@ def prepare_completion(
         max_tokens=limits[0],
         top_logprobs=logprobs or 0,
         prompt_logprobs=prompt_logprobs,
+        constraint=structured.constraint(request, engine=engine, tokenizer=tokenizer),
         **ending_params(request, stop_token_ids=stop_token_ids, vocab_size=engine.vocab_size),
     )
     for limit in limits:

@@ -13,10 +13,12 @@ The rules, and why:
   ``ignore_eos``, per-request ``stop_token_ids`` (added to the server's) and ``stop`` strings, which
   end the generation after the token that completes the string, token IDs whole.
   ``prompt_logprobs`` (vLLM's chat extra) scores the rendered prompt on engines that can (501 else).
+- Structured output (``response_format`` json_schema/json_object, vLLM's ``structured_outputs`` and
+  ``guided_json``/``guided_regex``/``guided_choice``) is a token mask per step (``structured``) on
+  engines that apply one (transformers); a 400 naming the field elsewhere.
 - What the engine cannot honour is refused explicitly rather than silently weakened: penalties and
-  ``logit_bias``, structured output (``response_format`` json_schema/json_object, vLLM's
-  ``guided_*``/``structured_outputs``), ``tool_choice`` ``required`` or a named function (no guided
-  decoding), and the other vLLM extras listed in ``REFUSED``.
+  ``logit_bias``, ``tool_choice`` ``required`` or a named function, and the other vLLM extras
+  listed in ``vllm_fields.REFUSED``.
 - ``n`` choices (up to ``MAX_N``, OpenAI's limit) are ``n`` engine calls on the same prompt; with a
   seed, choice ``i`` samples with ``seed + i`` (vLLM's rule for parallel sampling), so every choice
   is reproducible on its own and no two choices repeat each other.
@@ -31,6 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from gymserve.backends.local import structured
 from gymserve.backends.local.vllm_fields import check_extras
 from gymserve.convert.request_checks import chat_tools
 from gymserve.engine.base import Engine, SamplingParams, check_prompt_logprobs
@@ -233,13 +236,6 @@ def check_supported(request: ChatRequest) -> None:
             )
     if request.get("logit_bias"):
         raise InvalidRequestError("logit_bias is not applied by the local engine; omit it", param="logit_bias")
-    fmt = request.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise InvalidRequestError(
-            f"response_format type {fmt.get('type')!r} (structured output) is not supported by the local "
-            "transformers engine; use a chat backend such as vLLM with guided decoding",
-            param="response_format",
-        )
     choice = request.get("tool_choice")
     if isinstance(choice, dict) or choice == "required":
         raise InvalidRequestError(
@@ -269,7 +265,13 @@ def _max_tokens(request: ChatRequest, prompt_len: int, context_window: int) -> i
 
 
 def prepare_call(
-    request: ChatRequest, *, template, engine: Engine, sampling_config, stop_token_ids: tuple[int, ...]
+    request: ChatRequest,
+    *,
+    template,
+    engine: Engine,
+    sampling_config,
+    stop_token_ids: tuple[int, ...],
+    tokenizer: Any = None,
 ) -> LocalCall:
     """Validate ``request`` and build the engine call; raises ``InvalidRequestError`` (400) on bad input."""
     if not isinstance(request.get("messages"), list) or not request["messages"]:
@@ -294,6 +296,7 @@ def prepare_call(
         max_tokens=_max_tokens(request, len(prompt.token_ids), engine.context_window),
         top_logprobs=top_n if logprobs else 0,
         prompt_logprobs=chat_prompt_logprobs(request, engine),
+        constraint=structured.constraint(request, engine=engine, tokenizer=tokenizer),
         **ending_params(request, stop_token_ids=stop_token_ids, vocab_size=engine.vocab_size),
     )
     check_min_tokens(sampling)

@@ -36,6 +36,12 @@ APPLIED: dict[str, str] = {
     "request_id": "the answer's id: chatcmpl-{request_id} / cmpl-{request_id}, as vLLM names it",
     "echo": "completions: the prompt's text before the generation (chat: refused unless false)",
     "skip_special_tokens": "false: the text keeps special tokens, as the local backend's text does (true refused)",
+    "response_format": "backends.local.structured (json_schema, json_object: a token mask per step)",
+    "structured_outputs": "backends.local.structured (json, json_object, regex, choice)",
+    "guided_json": "backends.local.structured",
+    "guided_regex": "backends.local.structured",
+    "guided_choice": "backends.local.structured",
+    "guided_json_object": "backends.local.structured",
 }
 """vLLM extras the local backend applies, and where."""
 
@@ -51,8 +57,8 @@ class Refused:
 
 _NO_PENALTY = "the local engines apply no penalties (they would change the distribution the trainer assumes)"
 _GUIDED = (
-    "structured output (guided decoding) is not applied by the local engines: they have no token-mask "
-    "grammar yet; use a chat backend such as vLLM for constrained decoding"
+    "this form of structured output is not applied by the local backend (it applies JSON schemas, "
+    "regular expressions and choices: structured_outputs json/regex/choice, guided_json/regex/choice)"
 )
 _NOT_LOCAL = "not applied by the local engines"
 
@@ -76,12 +82,7 @@ REFUSED: dict[str, Refused] = {
     "media_io_kwargs": Refused((), "the local engines serve text-only models"),
     "mm_processor_kwargs": Refused((), "the local engines serve text-only models"),
     "prompt_embeds": Refused((), "the local engines take token IDs, not embeddings"),
-    "structured_outputs": Refused((), _GUIDED),
-    "guided_json": Refused((), _GUIDED),
-    "guided_regex": Refused((), _GUIDED),
-    "guided_choice": Refused((), _GUIDED),
     "guided_grammar": Refused((), _GUIDED),
-    "guided_json_object": Refused((False,), _GUIDED),
     "structural_tag": Refused((), _GUIDED),
     "guided_decoding_backend": Refused((), _GUIDED),
     "guided_whitespace_pattern": Refused((), _GUIDED),
