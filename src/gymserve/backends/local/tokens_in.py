@@ -142,7 +142,7 @@ class LocalTokensIn:
     config: Any
     stop_token_ids: tuple[int, ...]
 
-    if TYPE_CHECKING:  # LocalLora's, in LocalBackend
+    if TYPE_CHECKING:  # LocalBackend's
 
         def check_model(self, requested: Any) -> None: ...
         def served_model_name(self) -> str: ...
