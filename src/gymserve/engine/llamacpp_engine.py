@@ -573,13 +573,16 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
             self._release(req)
             return
         norm = float(log_normalizer(logits)[0])
-        tok = sample_next(logits, req.sampling, req.rng)
+        banned = req.ending.suppressed(len(req.tokens))
+        scores = logits
+        if banned:  # min_tokens: the stop set cannot be sampled yet (log-probs stay the raw ones)
+            scores = logits.copy()
+            scores[banned] = -np.inf
+        tok = sample_next(scores, req.sampling, req.rng)
         req.tokens.append(tok)
         req.known.append(tok)
-        finish: FinishReason | None = None
-        if tok in req.stop_ids:
-            finish = "stop"
-        elif len(req.tokens) >= req.sampling.max_tokens or len(req.known) >= self.context_window:
+        finish: FinishReason | None = req.ending.finish(tok, len(req.tokens))
+        if finish is None and len(req.known) >= self.context_window:
             finish = "length"
         tops = (
             [top_logprobs(logits.astype(np.float64) - norm, req.sampling.top_logprobs)]

@@ -31,6 +31,7 @@ from typing import Any
 
 from gymserve.engine.base import Generation, SamplingParams, TokenDelta, collect
 from gymserve.engine.control import Command, ControlState, WorkerControl
+from gymserve.engine.ending import Ending
 from gymserve.errors import EngineDownError, EngineError
 
 log = logging.getLogger("gymserve.engine")
@@ -44,13 +45,14 @@ MAX_WAIT_SECONDS = 3600.0
 @dataclass
 class WorkerRequest:
     """One generation as the worker sees it: the prompt, its sampling params, where its deltas go
-    (``out`` on ``loop``), the IDs that end it, and whether its caller left (``cancelled``)."""
+    (``out`` on ``loop``), its ``engine.ending.Ending`` (what ends it), and whether its caller left
+    (``cancelled``)."""
 
     prompt_ids: list[int]
     sampling: SamplingParams
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
-    stop_ids: frozenset[int]
+    ending: Ending
     cancelled: bool = False
     id: int = field(default_factory=itertools.count().__next__)
 
@@ -171,7 +173,7 @@ class WorkerEngine(WorkerControl):
             sampling,
             loop=asyncio.get_running_loop(),
             out=asyncio.Queue(),
-            stop_ids=frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids),
+            ending=Ending.of(self.eos_token_ids, sampling),
         )
         self._inbox.put(req)
         try:

@@ -342,6 +342,33 @@ def create_app(
         check_tool_pairing(body.get("messages"))
         return _json({"input_tokens": await backend.count_tokens(body, _context(request))})
 
+    async def tokens_in(route: str, request: Request, call) -> Response:
+        """vLLM's ``/inference/v1/generate`` and SGLang's ``/generate`` (``backends.local.tokens_in``):
+        a JSON body to the backend, the answer as JSON; metrics and capture as the model calls."""
+        t0 = time.perf_counter()
+        body: Any = None
+        ctx = _context(request)
+        try:
+            if app.state.draining:
+                raise ShuttingDownError()
+            body = await _body(request, max_body_bytes)
+            result = await until_disconnected(request, call(body, ctx))
+        except ClientLeft:
+            record(route, ctx, body, t0, 499, error_type="cancelled")
+            return Response(status_code=499)
+        except BaseException as exc:
+            status, etype, err = _error_info(exc)
+            record(route, ctx, body, t0, status, error=err, error_type=etype)
+            raise
+        record(route, ctx, body, t0, 200, result=result)
+        return _json(result)
+
+    async def generate_tokens(request: Request):
+        return await tokens_in("/inference/v1/generate", request, backend.generate_tokens)
+
+    async def sglang_generate(request: Request):
+        return await tokens_in("/generate", request, backend.sglang_generate)
+
     # Plain Starlette routes: the body is parsed by hand anyway, and FastAPI's per-request
     # dependency solving was measurable on the hot path. install_openapi documents them.
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
@@ -349,6 +376,8 @@ def create_app(
     app.add_route("/v1/completions", completions, methods=["POST"], include_in_schema=False)
     app.add_route("/v1/messages", messages, methods=["POST"], include_in_schema=False)
     app.add_route("/v1/messages/count_tokens", count_tokens, methods=["POST"], include_in_schema=False)
+    app.add_route("/inference/v1/generate", generate_tokens, methods=["POST"], include_in_schema=False)
+    app.add_route("/generate", sglang_generate, methods=["POST"], include_in_schema=False)
     install_tokens(app, backend, read_json=lambda request: _body(request, max_body_bytes), context=_context)
 
     @app.get("/v1/models")
