@@ -39,9 +39,9 @@ died, the connection dropped or the group's timeout passed; the group is closed,
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
@@ -57,6 +57,11 @@ WEIGHT_SYNC_PATHS = frozenset(
         "/update_weights_from_distributed",
         "/destroy_weights_update_group",
         "/update_weights_from_tensor",
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+        "/reset_prefix_cache",
+        "/abort_requests",
     }
 )
 VLLM_PACKED_BUFFER_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES (1 GiB)
@@ -309,16 +314,110 @@ def install_weight_sync(app: FastAPI, backend: Any, *, allowed: bool) -> WeightR
             code="not_supported",
         )
 
+    install_sleep(app, backend, route, guard)
     return receiver
+
+
+class SleepRequest(_Body):
+    """SkyRL's ``/sleep`` body (vLLM takes ``level`` as a query parameter)."""
+
+    level: StrictInt | None = None
+
+
+class AbortRequestsRequest(_Body):
+    """vLLM's ``/abort_requests`` body, and SGLang's ``abort_all`` (``/abort_request``)."""
+
+    request_ids: list[StrictStr] = Field(default_factory=list, description="vLLM's: the calls to end")
+    abort_all: StrictBool = Field(False, description="SGLang's: end every call in flight")
+
+
+def _engine_of(backend: Any, verb: str) -> Any:
+    engine = getattr(backend, "engine", None)
+    if engine is None:
+        raise NotSupportedError(
+            f"{verb} needs an engine in this process; the {backend.name} backend has none here (a Ray fleet or a "
+            "gateway: send it to the servers themselves)",
+            code="sleep_not_supported",
+        )
+    return engine
+
+
+def install_sleep(app: FastAPI, backend: Any, route: Any, guard: Any) -> None:
+    """vLLM's memory verbs (``engine.sleep``): ``POST /sleep?level=``, ``POST /wake_up?tags=``,
+    ``GET /is_sleeping``, ``POST /reset_prefix_cache``, and ``POST /abort_requests``."""
+    from gymserve.engine import sleep as sleep_mode
+
+    @route("/sleep", "Drop caches (level 1) and release the weights (level 2) (vLLM's POST /sleep)")
+    async def sleep(
+        level: Annotated[int | None, Query(description="1: drop the KV and prefix caches; 2: also the weights")] = None,
+        body: SleepRequest | None = None,
+    ):
+        wanted = {v for v in (level, body.level if body is not None else None) if v is not None}
+        if len(wanted) > 1:
+            raise InvalidRequestError(f"level given twice, differently: {sorted(wanted)}", param="level")
+        out = await sleep_mode.sleep(_engine_of(backend, "sleep"), wanted.pop() if wanted else 1)
+        return {"status": "sleeping", **out}
+
+    @route("/wake_up", "Take memory back (vLLM's POST /wake_up)")
+    async def wake_up(
+        tags: Annotated[list[str] | None, Query(description="weights, kv_cache (default both)")] = None,
+    ):
+        out = await sleep_mode.wake_up(_engine_of(backend, "wake_up"), tags)
+        return {"status": "awake" if out["level"] == 0 else "sleeping", **out}
+
+    @app.api_route(
+        "/is_sleeping",
+        methods=["GET"],
+        summary="Whether the engine sleeps (vLLM's GET /is_sleeping)",
+        tags=["training control"],
+        dependencies=[Depends(guard)],
+        responses=_ERRORS,
+    )
+    async def is_sleeping():
+        status = sleep_mode.sleep_status(getattr(backend, "engine", None))
+        if status is None:
+            _engine_of(backend, "is_sleeping")
+            raise NotSupportedError(
+                f"the {type(backend.engine).__name__} engine has no sleep mode", code="sleep_not_supported"
+            )
+        return status
+
+    @route("/reset_prefix_cache", "Drop the KV kept between calls (vLLM's POST /reset_prefix_cache)")
+    async def reset_prefix_cache():
+        out = await sleep_mode.reset_prefix_cache(_engine_of(backend, "reset_prefix_cache"))
+        return {"status": "ok", **out}
+
+    @route("/abort_requests", "End calls in flight (vLLM's POST /abort_requests)")
+    async def abort_requests(body: AbortRequestsRequest):
+        if body.request_ids:
+            raise NotSupportedError(
+                "request_ids: gymserve's engines do not address calls by vLLM's request ids; send "
+                '{"abort_all": true} to end every call in flight (finish_reason abort, tokens kept)',
+                code="abort_by_id_not_supported",
+            )
+        if not body.abort_all:
+            raise InvalidRequestError(
+                "nothing to abort: give abort_all: true (request_ids are not supported)", param="abort_all"
+            )
+        await backend.pause_generation("abort")
+        await backend.resume_generation()
+        return {"status": "ok", "aborted": "all"}
 
 
 def weight_sync_health(app: FastAPI) -> dict[str, Any]:
     """What ``/health`` adds: ``weight_transfer`` (the group, or None, and the last error) once a
-    group was opened or a transfer failed; nothing before."""
+    group was opened or a transfer failed, and ``sleep`` (``engine.sleep.sleep_status``) while the
+    engine sleeps or waits for weights; nothing otherwise."""
     receiver = getattr(app.state, "weight_receiver", None)
     if receiver is None:
         return {}
     s = receiver.status()
-    if s["group"] is None and s["transfers"] == 0 and s["failures"] == 0:
-        return {}
-    return {"weight_transfer": {"group": s["group"], "last_error": s["last_error"], "in_progress": s["in_progress"]}}
+    out: dict[str, Any] = {}
+    from gymserve.engine.sleep import sleep_status
+
+    sleeping = sleep_status(getattr(app.state.backend, "engine", None))
+    if sleeping is not None and (sleeping["is_sleeping"] or sleeping["weights_released"]):
+        out["sleep"] = sleeping
+    if s["group"] is not None or s["transfers"] or s["failures"]:
+        out["weight_transfer"] = {"group": s["group"], "last_error": s["last_error"], "in_progress": s["in_progress"]}
+    return out
