@@ -223,7 +223,7 @@ class WeightSender:
                     group.broadcast(values[bucket[0]].to(group.device).contiguous())
                 else:
                     parts = [values[i].to(group.device).contiguous().reshape(-1).view(torch.uint8) for i in bucket]
-                    group.broadcast(torch.cat(parts) if len(parts) > 1 else parts[0].clone())
+                    group.broadcast(torch.cat(parts) if len(parts) > 1 else parts[0])  # the root only reads it
 
         t0 = time.perf_counter()
         try:
