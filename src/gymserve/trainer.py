@@ -42,11 +42,11 @@ from gymserve.engine.weight_transfer import (
 
 class WeightSyncError(RuntimeError):
     """The server refused or a transfer failed: ``status`` (HTTP; 0 when the server never
-    answered), ``code`` and ``message`` from its error object."""
+    answered), ``code``, ``param`` and ``message`` from its error object."""
 
-    def __init__(self, message: str, *, status: int = 0, code: str | None = None):
+    def __init__(self, message: str, *, status: int = 0, code: str | None = None, param: str | None = None):
         super().__init__(message)
-        self.message, self.status, self.code = message, status, code
+        self.message, self.status, self.code, self.param = message, status, code, param
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -96,6 +96,7 @@ class WeightSender:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.root, headers=headers, timeout=timeout + 30)
         self.group: Group | None = None
+        self._collective_pending = False
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gymserve-weight-sync")
 
     # ---- HTTP -----------------------------------------------------------------------------------
@@ -107,7 +108,10 @@ class WeightSender:
             except ValueError:
                 err = {}
             raise WeightSyncError(
-                f"{path}: {r.status_code} {err.get('message') or r.text}", status=r.status_code, code=err.get("code")
+                f"{path}: {r.status_code} {err.get('message') or r.text}",
+                status=r.status_code,
+                code=err.get("code"),
+                param=err.get("param"),
             )
         return r.json()
 
@@ -116,14 +120,17 @@ class WeightSender:
         side of the route waits in the same collective). An HTTP error that arrives first is
         raised at once; the collective is then left to its own timeout."""
         fut = self._pool.submit(self._post, path, body)
-        box: dict[str, Any] = {}
         worker = cf.ThreadPoolExecutor(max_workers=1)
         done = worker.submit(collective)
+        self._collective_pending = False
         try:
             finished, _ = cf.wait([fut, done], timeout=self.timeout + 30, return_when=cf.FIRST_COMPLETED)
             if fut in finished and fut.exception() is not None and not done.done():
+                # The server answered without joining the collective: ours still waits in it, so
+                # this group can never line up again (send drops it on both sides).
+                self._collective_pending = True
                 raise fut.exception()  # type: ignore[misc]
-            box["value"] = done.result(timeout=self.timeout + 30)
+            done.result(timeout=self.timeout + 30)
             return fut.result(timeout=self.timeout + 30)
         finally:
             worker.shutdown(wait=False)
@@ -229,7 +236,9 @@ class WeightSender:
         try:
             answer = self._alongside(path, body, broadcast)
         except WeightSyncError:
-            if not self._server_group_open():  # a refused tensor leaves the group usable; a failed transfer does not
+            if self._collective_pending:
+                self._abandon()
+            elif not self._server_group_open():  # a refused tensor leaves the group usable; a failed transfer does not
                 self._drop()
             raise
         except Exception:
@@ -245,6 +254,14 @@ class WeightSender:
             return r.status_code == 200 and (r.json().get("weight_transfer") or {}).get("group") is not None
         except Exception:  # noqa: BLE001 - unreachable or not JSON: treat the group as gone
             return False
+
+    def _abandon(self) -> None:
+        """Close the group here and on the server (``/destroy_weights_update_group``)."""
+        try:
+            self._post("/destroy_weights_update_group", {"group_name": self.group_name})
+        except Exception:  # noqa: BLE001 - best effort: the next open replaces the server's group anyway
+            pass
+        self._drop()
 
     def _drop(self) -> None:
         group, self.group = self.group, None

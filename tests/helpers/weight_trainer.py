@@ -3,7 +3,7 @@
 safetensors file to the server and prints the server's answer (or error) as one JSON line.
 
 ``python weight_trainer.py BASE_URL STATE.safetensors OPTIONS_JSON``; options: ``weight_version``,
-``bucket_bytes``, ``pause_mode``, ``api`` (``vllm``/``sglang``), ``sends`` (how many times to send,
+``bucket_bytes``, ``pause_mode`` (or ``pause_modes``, one per send), ``api`` (``vllm``/``sglang``), ``sends`` (how many times to send,
 default 1), ``die_after`` (exit abruptly, as a killed trainer, after that many broadcasts of the
 send: the server sees the connection drop mid-transfer), ``timeout``.
 """
@@ -40,18 +40,22 @@ def main() -> None:
 
         group.broadcast = broadcast  # type: ignore[method-assign]
     answers = []
-    for _ in range(opts.get("sends", 1)):
+    sends = opts.get("sends", 1)
+    modes = opts.get("pause_modes") or [opts.get("pause_mode")] * sends
+    for i in range(sends):
         try:
             answers.append(
                 sender.send(
                     state,
                     weight_version=opts.get("weight_version"),
                     bucket_bytes=opts.get("bucket_bytes"),
-                    pause_mode=opts.get("pause_mode"),
+                    pause_mode=modes[i],
                 )
             )
         except WeightSyncError as exc:
-            answers.append({"error": {"status": exc.status, "code": exc.code, "message": exc.message}})
+            answers.append(
+                {"error": {"status": exc.status, "code": exc.code, "param": exc.param, "message": exc.message}}
+            )
     out["answers"] = answers
     sender.close()
     print(json.dumps(out), flush=True)

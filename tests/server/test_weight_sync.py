@@ -183,6 +183,28 @@ def test_a_trainer_killed_mid_transfer_leaves_the_old_weights_serving(policy, cl
     assert answer(client)["generation_token_ids"] != before["generation_token_ids"]
 
 
+def test_a_refusal_before_the_broadcast_drops_the_group_and_the_next_send_reopens_it(
+    policy, client, root, original, tmp_path
+):
+    """The server refuses the body (an unknown pause mode) without joining the broadcast: the
+    trainer does not wait for it, closes the group on both sides, and its next send opens a new
+    one and lands (in pause mode wait)."""
+    rc, lines = run_trainer(
+        root,
+        noisy(original, seed=13),
+        tmp_path,
+        sends=2,
+        pause_modes=["sideways", "wait"],
+        weight_version="w",
+        timeout=20,
+    )
+    assert rc == 0
+    refused, landed = lines[-1]["answers"]
+    assert refused["error"]["status"] == 400 and refused["error"]["param"] == "pause_mode"
+    assert landed["weight_version"] == "w"
+    assert answer(client)["weight_version"] == "w"
+
+
 # ------------------------------------------------------------------------------ the routes
 @pytest.mark.parametrize(
     ("path", "body", "param"),
