@@ -20,6 +20,8 @@ The cause of a failure is its class; ``code`` is only what the client reads, nev
     │   └── UpstreamRateLimitedError   429 rate_limit_error        upstream_rate_limited   [retried]
     ├── ShuttingDownError              503 server_error            shutting_down
     ├── EngineError                    500 server_error            (the local engine failed)
+    │   ├── EngineBuildError           500 server_error            engine_build  (llama.cpp with AMX kernels; at start-up)
+    │   └── EngineDownError            503 server_error            engine_down   (the worker died: every call until restart)
     └── UpstreamError                  502 upstream_error          (a remote server, OpenAI, Azure, a replica)
         ├── UpstreamRejectedError      the upstream's 4xx, invalid_request_error (passed on as it said)
         ├── UpstreamNotFoundError      502 upstream_not_found
@@ -220,6 +222,33 @@ class ShuttingDownError(GymserveError):
 
 class EngineError(GymserveError):
     """The local engine failed while generating (500); a bug or resource problem, not bad input."""
+
+
+class EngineBuildError(EngineError):
+    """The linked engine library was built in a way gymserve refuses to run (raised at start-up, before
+    any model call): llama.cpp with AMX kernels, which crash in the first ``llama_decode`` on current
+    Xeons (ggml-org/llama.cpp#20824). The message names the cause, the rebuild command and the
+    environment variable that overrides the refusal."""
+
+    code = "engine_build"
+
+
+class EngineDownError(EngineError):
+    """The in-process engine stopped working (503, ``Retry-After`` absent: it does not come back by
+    itself): its worker thread died on an exception (vLLM: its engine core died). Every call in flight and every later call gets
+    this error; ``/health`` reports ``down`` with the same ``reason``. ``engine``: the engine's name
+    (``llamacpp``, ``transformers``); ``reason``: the exception, ``"OverflowError: ..."``."""
+
+    status_code = 503
+    code = "engine_down"
+
+    def __init__(self, engine: str, reason: str):
+        super().__init__(
+            f"the {engine} engine is down: it stopped on {reason}; every call fails until gymserve "
+            "is restarted (the traceback is in the server log)"
+        )
+        self.engine = engine
+        self.reason = reason
 
 
 class UpstreamError(GymserveError):

@@ -89,10 +89,10 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
         self.pool = self.caller.pool
         self._wants_token_ids = bool(getattr(config, "return_token_id_information", False))
         self._tool_parser = self._reasoning_parser = None
-        if getattr(config, "tool_parser", None):
+        if getattr(config, "tool_call_parser", None):
             from gymserve.parsers import tool_call_parser_for
 
-            self._tool_parser = tool_call_parser_for(config.tool_parser, model_name=config.model)[0]
+            self._tool_parser = tool_call_parser_for(config.tool_call_parser, model_name=config.model)[0]
         if getattr(config, "reasoning_parser", None):
             from gymserve.parsers import get_reasoning_parser
 

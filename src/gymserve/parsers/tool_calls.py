@@ -197,7 +197,7 @@ def infer_tool_call_parser(
 def tool_call_parser_for(
     name: str | None, *, model_type: str | None = None, model_name: str | None = None, chat_template: str | None = None
 ) -> tuple[ToolCallParser | None, str]:
-    """The parser a ``tool_parser`` option names, and why: ``(parser, reason)``.
+    """The parser a ``tool_call_parser`` option names, and why: ``(parser, reason)``.
 
     ``None`` or ``"none"`` → no parser (``"disabled"``); ``"auto"`` → :func:`infer_tool_call_parser`
     over the model facts given (its reason); any other name → the registered parser

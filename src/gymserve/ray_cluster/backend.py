@@ -51,7 +51,7 @@ from gymserve.ray_cluster.replica import raise_remote_error
 log = logging.getLogger("gymserve.ray")
 
 
-class RayBackend(FleetControl, Backend):
+class RayBackend(Backend):
     """N replicas of one model on a Ray cluster; see the module docstring.
 
     ``config``: a ``gymserve.config.RayBackendConfig``. ``max_queue``: requests allowed to wait
@@ -59,12 +59,14 @@ class RayBackend(FleetControl, Backend):
     runs through ``responses_over_chat`` on the replicas' chunks (``answer``), with the pinned
     sampling params echoed, so a Response is the one a single local backend gives for the same tokens.
     The control plane (pause, all-or-none weight changes, one version per call) is
-    ``control.FleetControl``'s.
+    ``control.FleetControl``, held as ``control``: calls are admitted through its gate and routed
+    to the replicas on its version.
     """
 
     name = "ray"
     limiter: Limiter
     pool: ReplicaPool
+    control: FleetControl
 
     def __init__(
         self,
@@ -89,7 +91,7 @@ class RayBackend(FleetControl, Backend):
             replicas, probe=self._probe, interval=config.health_check_interval, routing=config.routing
         )
         self.limiter = Limiter(config.replicas * config.max_concurrent_requests, max_queue, name="ray backend")
-        self._init_control(infos, max_queue)
+        self.control = FleetControl(replicas, config, infos, max_queue)
         log.info(
             "ray backend: %d replicas of %s on %s",
             len(replicas),
@@ -115,9 +117,7 @@ class RayBackend(FleetControl, Backend):
         if self._closed:
             return
         self._closed = True
-        self.gate.close()
-        for task in list(self._syncing.values()):
-            task.cancel()
+        await self.control.close()
         await self.pool.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(
@@ -137,8 +137,8 @@ class RayBackend(FleetControl, Backend):
         replica.incarnation, replica.pid = info["incarnation"], info["pid"]
         replica.node, replica.node_id = info.get("node_ip"), info.get("node_id")
         replica.state = "alive"
-        if hasattr(self, "gate"):  # after start-up; __init__ tracks versions once the fleet's is known
-            self._track(replica, info)
+        if isinstance(self.control, FleetControl):  # after start-up: it tracks versions once the fleet's is known
+            self.control.track(replica, info)
 
     async def _probe(self, replica: RayReplica) -> None:
         """``ReplicaPool`` probe: raises when the replica cannot answer within the timeout."""
@@ -189,9 +189,9 @@ class RayBackend(FleetControl, Backend):
         (``control``: a call is never answered by other weights); ``exclude``: replicas that already
         failed it. Raises ``no_replica_error`` (502 ``version_unavailable``) when none serves it."""
         try:
-            return self.pool.pick(session_id, exclude=exclude, where=self.serves(version))
+            return self.pool.pick(session_id, exclude=exclude, where=self.control.serves(version))
         except NoReplicaError:
-            raise self.no_replica_error(version, failed=failed) from None
+            raise self.control.no_replica_error(version, failed=failed) from None
 
     def _failed(
         self, replica: RayReplica, exc: BaseException, session_id: str | None, version: Any, *, retry: bool
@@ -245,8 +245,8 @@ class RayBackend(FleetControl, Backend):
 
         if request.get("stream"):
             request = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
-        async with self.gate.call(), self.limiter.slot():
-            version = self.fleet_version  # the version this call starts on (control module docstring)
+        async with self.control.gate.call(), self.limiter.slot():
+            version = self.control.fleet_version  # the version this call starts on (control module docstring)
             replica = self._pick(ctx.session_id, version)
             for attempt in range(2):
                 ctx.extra["replica"] = replica.name
@@ -308,8 +308,8 @@ class RayBackend(FleetControl, Backend):
         from ray.exceptions import RayActorError, RayTaskError
 
         ray = import_ray()
-        async with self.gate.call(), self.limiter.slot():
-            version = self.fleet_version  # the version this call starts on (control module docstring)
+        async with self.control.gate.call(), self.limiter.slot():
+            version = self.control.fleet_version  # the version this call starts on (control module docstring)
             replica = self._pick(ctx.session_id, version)
             for attempt in range(2):
                 ctx.extra["replica"] = replica.name

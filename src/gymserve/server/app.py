@@ -6,7 +6,7 @@ in Anthropic's shape), ``POST /tokenize`` and ``POST /detokenize`` (``server.tok
 ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus; ``server.metrics``), ``GET /``: a small JSON status (name,
 version, backend, model, links), as NeMo Gym's servers answer there, and the control routes of
-``server.control`` (pause, resume, weight updates) and ``server.lora`` (LoRA adapters). Every model call is timed and
+``server.control_routes`` (pause, resume, weight updates, LoRA adapters). Every model call is timed and
 counted per backend and replica (``ctx.extra["replica"]``, set by the backend) and, with
 ``capture_path``, written to a JSONL capture file (``server.capture``).
 Bodies are parsed as plain JSON (orjson), checked by ``convert.request_checks.check_request``
@@ -37,11 +37,10 @@ from gymserve.convert.completions_request import check_completions_request
 from gymserve.convert.request_checks import check_request, without_nulls
 from gymserve.errors import GymserveError, InvalidRequestError, ShuttingDownError
 from gymserve.server.capture import CaptureWriter, install_log_redaction
-from gymserve.server.control import CONTROL_PATHS, control_health, install_control
+from gymserve.server.control_routes import CONTROL_PATHS, LORA_PATHS, control_health, install_control
 from gymserve.server.disconnect import ClientLeft, until_disconnected
 from gymserve.server.errors import anthropic_status, error_response, install_error_handlers, is_anthropic_route
 from gymserve.server.limits import read_body
-from gymserve.server.lora import LORA_PATHS, install_lora
 from gymserve.server.metrics import Metrics, usage_tokens
 from gymserve.server.schemas import install_openapi
 from gymserve.server.tokens import install_tokens
@@ -199,7 +198,7 @@ def create_app(
     ``capture_path``: append every model call to this JSONL file (``server.capture``), redacting
     ``secrets``, the backend's upstream keys and ``server_api_key``. ``admin_api_key`` guards the
     control routes instead of ``server_api_key``; ``control_allowed`` False answers them 403
-    (``server.control.control_allowed`` decides it from the bind address). ``tokens_as_ids``:
+    (``server.control_routes.control_allowed`` decides it from the bind address). ``tokens_as_ids``:
     vLLM's ``--return-tokens-as-token-ids`` (``_checked``).
     """
     app = FastAPI(
@@ -241,7 +240,6 @@ def create_app(
         )
     install_control(app, backend, allowed=control_allowed, registry=metrics.registry)
     install_weight_sync(app, backend, allowed=control_allowed)
-    install_lora(app, backend, allowed=control_allowed)
     backend_name = backend.name
     default_replica = "local" if backend_name == "local" else "-"
 

@@ -1,6 +1,6 @@
 """HTTP routes for process-group weight sync, in vLLM's, SGLang's and SkyRL's vocabularies, all
 mapped onto one implementation (``engine.weight_transfer.WeightReceiver`` over the backend's
-in-process ``update_weights``), and the disk form of vLLM's ``/update_weights``.
+in-process ``update_weights``, through its ``gymserve.control.Control``), and the disk form of vLLM's ``/update_weights``.
 
 ==========================================  =================================================================
 route (whose)                               body → answer
@@ -45,9 +45,10 @@ from fastapi import Depends, FastAPI, Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from gymserve.control import control_of
 from gymserve.engine.weight_transfer import DEFAULT_GROUP, DEFAULT_TIMEOUT, WeightReceiver, parse_metadata
 from gymserve.errors import InvalidRequestError, NotSupportedError
-from gymserve.server.control import _ERRORS, UpdateInfo, Version, control_guard
+from gymserve.server.control_routes import _ERRORS, UpdateInfo, Version, control_guard
 
 WEIGHT_SYNC_PATHS = frozenset(
     {
@@ -173,9 +174,10 @@ def _model_device(backend: Any) -> Any:
 
 def install_weight_sync(app: FastAPI, backend: Any, *, allowed: bool) -> WeightReceiver:
     """Mount the weight-sync routes (and ``/update_weights``) on ``app`` over ``backend``;
-    ``allowed`` as for ``server.control.install_control``. Returns the receiver (``app.state.weight_receiver``)."""
+    ``allowed`` as for ``server.control_routes.install_control``. Returns the receiver (``app.state.weight_receiver``)."""
     guard = control_guard(allowed)
-    receiver = WeightReceiver(backend, device=_model_device(backend))
+    control = control_of(backend)  # the backend's Control (gymserve.control): the swap, pause and status
+    receiver = WeightReceiver(control, device=_model_device(backend))
     app.state.weight_receiver = receiver
 
     def route(path: str, summary: str):
@@ -189,7 +191,7 @@ def install_weight_sync(app: FastAPI, backend: Any, *, allowed: bool) -> WeightR
         )
 
     def has_weights() -> None:
-        if not backend.control_status():
+        if not control.control_status():
             raise NotSupportedError(
                 f"the {backend.name} backend has no weights of its own, so nothing to transfer into; "
                 "sync the upstream server",
@@ -242,12 +244,12 @@ def install_weight_sync(app: FastAPI, backend: Any, *, allowed: bool) -> WeightR
             ) from None
         if isinstance(info, UpdateInfo):
             if body.pause_mode is not None:
-                await backend.pause_generation(body.pause_mode)
+                await control.pause_generation(body.pause_mode)
             try:
-                version = await backend.update_weights(path=info.path, weight_version=body.weight_version)
+                version = await control.update_weights(path=info.path, weight_version=body.weight_version)
             finally:
                 if body.pause_mode is not None:
-                    await backend.resume_generation()
+                    await control.resume_generation()
             return {
                 "message": "Weights updated",
                 "weight_version": version,
@@ -399,8 +401,8 @@ def install_sleep(app: FastAPI, backend: Any, route: Any, guard: Any) -> None:
             raise InvalidRequestError(
                 "nothing to abort: give abort_all: true (request_ids are not supported)", param="abort_all"
             )
-        await backend.pause_generation("abort")
-        await backend.resume_generation()
+        await control_of(backend).pause_generation("abort")
+        await control_of(backend).resume_generation()
         return {"status": "ok", "aborted": "all"}
 
 
