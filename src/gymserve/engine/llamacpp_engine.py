@@ -432,6 +432,15 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
                 slot.cached = []
         self._control.stale = False  # recomputation is the pending tokens, not a separate pass
 
+    def _drop_cache(self) -> int:
+        """Every cached KV entry (finished sessions' and running sequences', which the next steps
+        recompute from their tokens, as after new weights); the sequences that held some."""
+        held = sum(1 for slot in self._slots if slot.cached)
+        self.ctx.clear()
+        for slot in self._slots:
+            slot.cached = []
+        return held
+
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_batch_size:
             req = self._waiting.popleft()

@@ -150,6 +150,11 @@ class WorkerEngine(WorkerControl):
     def _weights_changed(self, cmd: Command) -> None:
         """After a weight command ran (worker thread); the engine drops what the old weights cached."""
 
+    def _drop_cache(self) -> int:
+        """Drop the KV kept between calls (a prefix cache; worker thread); how many entries went.
+        Calls in the batch keep theirs. The default: an engine that keeps none."""
+        return 0
+
     def _check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """Raises ``EngineError`` when the engine is shut down or the prompt is empty."""
         if self._fault is not None:
@@ -240,6 +245,9 @@ class WorkerEngine(WorkerControl):
             elif cmd.kind == "resume":
                 ctl.resume()
                 cmd.future.set_result(None)
+            elif cmd.kind == "run":
+                assert cmd.apply is not None
+                cmd.future.set_result(cmd.apply())
             else:
                 version = ctl.new_weights(cmd, len(self._running()))
                 self._weights_changed(cmd)

@@ -47,6 +47,7 @@ from gymserve.server.limits import read_body
 from gymserve.server.metrics import Metrics, usage_tokens
 from gymserve.server.schemas import install_openapi
 from gymserve.server.tokens import install_tokens
+from gymserve.server.weight_sync_routes import WEIGHT_SYNC_PATHS, install_weight_sync, weight_sync_health
 from gymserve.wire.anthropic_errors import error_body
 
 log = logging.getLogger("gymserve.server")
@@ -243,9 +244,10 @@ def create_app(
             server_api_key,
             on_failure=metrics.auth_failures.inc,
             admin_key=admin_api_key,
-            admin_paths=CONTROL_PATHS | LORA_PATHS,
+            admin_paths=CONTROL_PATHS | LORA_PATHS | WEIGHT_SYNC_PATHS,
         )
     install_control(app, backend, allowed=control_allowed, registry=metrics.registry)
+    install_weight_sync(app, backend, allowed=control_allowed)
     backend_name = backend.name
     default_replica = "local" if backend_name == "local" else "-"
 
@@ -426,7 +428,7 @@ def create_app(
     async def health():
         if app.state.draining:
             return _json({"status": "draining"}, status=503)
-        info = {**await backend.health(), **control_health(backend)}
+        info = {**await backend.health(), **control_health(backend), **weight_sync_health(app)}
         return _json(info, status=200 if info.get("status") != "down" else 503)
 
     @app.get("/metrics", include_in_schema=False)
