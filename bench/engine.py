@@ -328,6 +328,12 @@ def report(res: dict[str, Any]) -> str:
         out.append(f"\nOpenMP wait policy of every configuration: `OMP_WAIT_POLICY={res['omp_wait_policy']}`.")
     for i, w in enumerate(res.get("rounds") or (), 1):
         out.append(f"round {i}: {common.steady_text(w)}")
+    if "rounds" not in res:  # a result from before issue #30: no round was checked
+        out.append(
+            f"\nNOT checked for steadiness: {res['reps']} round(s) from load {res['machine']['loadavg_1m']} at the "
+            "start, one OpenMP policy imposed on every configuration: a loaded result, which ranks the "
+            "configurations by how they share busy cores; do not read it as their speed."
+        )
     if any(not w["steady"] for w in res.get("rounds") or ()):
         out.append(
             "A round that is NOT steady ran while other processes used the cores: its numbers rank the "
@@ -367,8 +373,8 @@ def targets(res: dict[str, Any]) -> list[str]:
         lines.append(
             f"{common.verdict(r >= 1.0)}  prefill: gymserve llamacpp ÷ llama-server -np 8: {r:.2f}× (target ≥ 1×)"
         )
-    if any(not w["steady"] for w in res.get("rounds") or ()):
-        lines.append("NOTE  a round was NOT steady: these verdicts are from a loaded machine")
+    if "rounds" not in res or any(not w["steady"] for w in res["rounds"]):
+        lines.append("NOTE  a round was NOT steady (or not checked): these verdicts are from a loaded machine")
     rss = res["rss_mib"].get("gymserve llamacpp")
     if rss is not None:
         lines.append(
