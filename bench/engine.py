@@ -326,6 +326,8 @@ def report(res: dict[str, Any]) -> str:
         )
     if res.get("omp_wait_policy"):  # results from before issue #30: one policy for every configuration
         out.append(f"\nOpenMP wait policy of every configuration: `OMP_WAIT_POLICY={res['omp_wait_policy']}`.")
+    if res.get("rounds"):
+        out.append("")
     for i, w in enumerate(res.get("rounds") or (), 1):
         out.append(f"round {i}: {common.steady_text(w)}")
     if "rounds" not in res:  # a result from before issue #30: no round was checked
@@ -359,7 +361,10 @@ def targets(res: dict[str, Any]) -> list[str]:
     gl1, gl8 = _get(rows, "gymserve llamacpp", 1), _get(rows, "gymserve llamacpp", 8)
     ls1, ls8 = _get(rows, "llama-server -np 8", 1), _get(rows, "llama-server -np 8", 8)
     raw1, raw8 = _get(rows, "raw llama.cpp loop", 1), _get(rows, "raw llama.cpp loop", 8)
-    lines = [
+    lines = []
+    if "rounds" not in res or any(not w["steady"] for w in res["rounds"]):
+        lines.append("NOTE  a round was NOT steady (or not checked): every verdict below is from a loaded machine")
+    lines += [
         _ratio_line(gl1, raw1, 0.9, "1 stream: gymserve llamacpp ÷ raw llama.cpp loop"),
         _ratio_line(gl8, raw8, 0.9, "8 streams: gymserve llamacpp ÷ raw llama.cpp loop"),
         _ratio_line(gl1, ls1, 1.0, "1 stream: gymserve llamacpp ÷ llama-server"),
@@ -373,8 +378,6 @@ def targets(res: dict[str, Any]) -> list[str]:
         lines.append(
             f"{common.verdict(r >= 1.0)}  prefill: gymserve llamacpp ÷ llama-server -np 8: {r:.2f}× (target ≥ 1×)"
         )
-    if "rounds" not in res or any(not w["steady"] for w in res["rounds"]):
-        lines.append("NOTE  a round was NOT steady (or not checked): these verdicts are from a loaded machine")
     rss = res["rss_mib"].get("gymserve llamacpp")
     if rss is not None:
         lines.append(

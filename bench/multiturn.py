@@ -286,12 +286,13 @@ def report(res: dict[str, Any]) -> str:
             "Multi-turn rollouts (best round; TTFT: median over sessions)",
         )
     )
+    out.append("")
     for i, w in enumerate(res["rounds"], 1):
         out.append(f"round {i}: {common.steady_text(w)}")
     for n in res["notes"]:
         out.append(f"note: {n}")
     gl = rows.get("gymserve llamacpp")
-    out.append("\nTarget:")
+    out.append("\nTargets:")
     if gl and anchor:
         ratio = gl["tok_s"] / anchor["tok_s"]
         out.append(

@@ -108,6 +108,7 @@ def _section(name: str, title: str, intro: str, prefer_quick: bool, plot_image: 
         .replace("\n  PASS", "\n- PASS")
         .replace("\n  FAIL", "\n- FAIL")
         .replace("\n  n/a", "\n- n/a")
+        .replace("\n  NOTE", "\n- NOTE")
     )
     mode = (
         "quick mode on a shared, busy machine: indicative only; `make bench` reruns the full version"
