@@ -131,10 +131,13 @@ class PauseGate:
 
     # ---- calls ---------------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def call(self) -> AsyncIterator[Call]:
+    def call(self) -> contextlib.AbstractAsyncContextManager[Call]:
         """Admit one call: wait while paused (``OverloadedError`` when ``max_queue`` calls already
-        wait), then count it in flight until the block ends."""
+        wait), then count it in flight until the block ends. (A plain class, not a generator-based
+        context manager: it is entered by every call through the chat gateway — issue #30.)"""
+        return _Admission(self)
+
+    async def _admit(self) -> Call:
         if not self._open.is_set():
             if self.waiting >= self.max_queue:
                 raise OverloadedError(
@@ -151,12 +154,12 @@ class PauseGate:
         call = Call()
         self.in_flight.add(call)
         self._drained.clear()
-        try:
-            yield call
-        finally:
-            self.in_flight.discard(call)
-            if not self.in_flight:
-                self._drained.set()
+        return call
+
+    def _leave(self, call: Call) -> None:
+        self.in_flight.discard(call)
+        if not self.in_flight:
+            self._drained.set()
 
     # ---- pause and resume ----------------------------------------------------------------------
 
@@ -251,3 +254,21 @@ class PauseGate:
             self._timer = None
         self.mode = self.deadline = self.timeout = None
         self._open.set()
+
+
+class _Admission(contextlib.AbstractAsyncContextManager[Call]):
+    """``PauseGate.call()``: the admitted ``Call`` while the block runs."""
+
+    __slots__ = ("_gate", "_call")
+
+    def __init__(self, gate: PauseGate) -> None:
+        self._gate = gate
+        self._call: Call | None = None
+
+    async def __aenter__(self) -> Call:
+        self._call = await self._gate._admit()
+        return self._call
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._call is not None:
+            self._gate._leave(self._call)
