@@ -1,5 +1,9 @@
-"""until_disconnected: the model call runs in the handler's own task, a watcher cancels it when the
-client leaves (issue #30: a second task and an asyncio.wait per call cost the gateway latency)."""
+"""until_disconnected: the model call's answer, or ClientLeft once its client disconnects (the work
+cancelled and cleaned up), and a server shutdown stays a cancellation.
+
+Running the work in the handler's own task instead of a second one was tried for issue #30: 7 µs less
+CPU per call alone, but 50 µs more per request through the gateway at concurrency 32 (measured in
+interleaved rounds), so the two-task race stays."""
 
 from __future__ import annotations
 
@@ -21,17 +25,12 @@ class _Request:
         return {"type": "http.disconnect"}
 
 
-async def test_the_work_runs_in_the_callers_task_and_its_result_comes_back():
-    seen = []
-
+async def test_the_result_comes_back_when_the_client_stays():
     async def work() -> str:
-        seen.append(asyncio.current_task())
         await asyncio.sleep(0)
         return "answer"
 
     assert await until_disconnected(_Request(), work()) == "answer"
-    assert seen == [asyncio.current_task()]
-    assert asyncio.current_task().cancelling() == 0
 
 
 async def test_a_client_that_leaves_cancels_the_work_and_raises_client_left():

@@ -13,6 +13,7 @@ their first event too (a long prefill, ``n`` choices).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -35,34 +36,18 @@ async def _disconnected(request: Request) -> None:
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     """``await work``, unless the client of ``request`` disconnects first: then ``work`` is cancelled
     (and awaited, so its clean-up — an engine request marked cancelled, an upstream connection
-    closed — has run) and ``ClientLeft`` is raised. The request's body must have been read.
-
-    ``work`` runs in the calling task and only the watcher gets a task of its own, which cancels
-    the caller when the client leaves (``asyncio.timeout``'s technique: ``uncancel`` tells that
-    cancellation from any other): a second task and an ``asyncio.wait`` per call were a fifth of
-    the chat gateway's added latency (issue #30)."""
-    caller = asyncio.current_task()
-    assert caller is not None, "until_disconnected runs inside a task"
-    left = False
-
-    async def watch() -> None:
-        nonlocal left
-        try:
-            await _disconnected(request)
-        except Exception:  # noqa: BLE001 - the server cannot say; the call runs to its end
-            return
-        left = True
-        caller.cancel()
-
-    watcher = asyncio.ensure_future(watch())
+    closed — has run) and ``ClientLeft`` is raised. The request's body must have been read."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        result = await work
-    except asyncio.CancelledError:
-        if left and caller.uncancel() == 0:  # only the watcher cancelled: the client left
-            raise ClientLeft() from None
-        raise  # server shutdown (or a cancellation besides the watcher's)
-    finally:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and watcher.exception() is None:  # the client left first
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            if task.cancelled():
+                raise ClientLeft()
+        return await task
+    finally:  # also when this coroutine itself is cancelled (server shutdown)
         watcher.cancel()
-    if left:  # the work finished anyway (it kept its result through the cancellation)
-        caller.uncancel()
-    return result
+        task.cancel()
