@@ -58,6 +58,13 @@ ENV_KEYS = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import llamacpp_peers  # noqa: E402
+from gymserve.engine.llamacpp_runtime import OMP_WAIT_POLICY  # noqa: E402
+
+# The configurations in this process (the raw llama.cpp loop: the llamacpp engine's ceiling; raw
+# generate) wait the way the engine makes llama.cpp wait — set before anything loads an OpenMP runtime,
+# which reads it once. The servers do not inherit it: they start from common.CALLER_ENV, the
+# environment captured before this line.
+os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
 from engine_configs import (  # noqa: E402
     HttpServer,
     RawGenerate,
