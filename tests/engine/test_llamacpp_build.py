@@ -62,6 +62,7 @@ def amx_llama_cpp(monkeypatch):
     fake.llama_print_system_info = lambda: NATIVE_XEON.encode()
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     monkeypatch.setattr(runtime, "_ready", False)
+    monkeypatch.setattr(runtime, "_log_callback", None)  # restored: the real library's callback
     monkeypatch.delenv("GYMSERVE_LLAMACPP_ALLOW_AMX", raising=False)
     return fake
 

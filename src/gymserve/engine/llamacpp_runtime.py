@@ -62,6 +62,7 @@ _FLOAT_FILE_TYPES = {"0", "1", "32"}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY
 _lock = threading.Lock()
 _ready = False
 _log_callback: Any = None  # kept alive: llama.cpp holds the C pointer
+_log_callbacks: list[Any] = []  # every callback ever given to llama_log_set (see import_llama_cpp)
 
 
 # OpenMP threads that wait for work sleep instead of spinning (unless the user set a policy). llama.cpp
@@ -101,6 +102,10 @@ def import_llama_cpp():
                     log.log(logging.WARNING if warn else logging.DEBUG, "%s", msg)
 
             _log_callback = llama_cpp.llama_log_callback(_log)
+            # llama.cpp keeps only the C pointer: the ctypes object must outlive every later
+            # llama_log_set, or the next log line calls freed memory (a segfault). Each callback
+            # ever set is kept, so re-initialising (a test's stand-in module) never frees one.
+            _log_callbacks.append(_log_callback)
             llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
             llama_cpp.llama_backend_init()
             _ready = True
