@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from gymserve.backends.chat_control import ChatControl
+from gymserve.backends.chat_versions import root_of
 from gymserve.backends.remote import RemoteBackend
 from gymserve.backends.upstream import PLACEHOLDER_KEY, Transport, Upstream, secret_value
 
@@ -54,6 +55,10 @@ class ChatBackend(ChatControl, RemoteBackend):
     def __init__(self, upstream: Upstream, *, max_queue: int = 1024):
         super().__init__(upstream, max_queue=max_queue)
         self._init_control(upstream.config, max_queue)
+        # A replica back from being unhealthy may have restarted on other weights: read its version again.
+        versions = self.versions
+        if versions is not None:
+            self.pool.on_recover.append(lambda replica: versions.forget(root_of(replica.base_url)))
 
     async def health(self) -> dict[str, Any]:
         """The replicas' health (``RemoteBackend.health``), after reading their weight versions."""

@@ -62,6 +62,8 @@ from gymserve.errors import (
 from gymserve.redaction import redact_url
 
 FLAVOURS = ("none", "vllm", "sglang")
+# What vLLM's worker says when start_weight_update finds no weight transfer configured (gpu_worker.py).
+VLLM_NO_TRANSFER = "Weight transfer not configured"
 
 
 class UpstreamControl:
@@ -205,11 +207,33 @@ class VLLMControl(UpstreamControl):
 
     async def update_weights(self, path: str, version: WeightVersion) -> None:
         async def one(root: str) -> None:
-            await self.request("POST", root, "/start_weight_update")
+            try:
+                await self.request("POST", root, "/start_weight_update")
+            except UpstreamServerError as exc:
+                if VLLM_NO_TRANSFER not in exc.message:
+                    raise
+                await self.reload_weights(root, path, version)
+                return
             await self.request("POST", root, "/update_weights", json={"update_info": {"path": path}})
             await self.request("POST", root, "/finish_weight_update", json={"weight_version": str(version)})
 
         await self.everywhere("update_weights", one)
+
+    async def reload_weights(self, root: str, path: str, version: WeightVersion) -> None:
+        """A server started without ``--weight-transfer-config`` (vLLM 0.32 has no ``disk`` backend;
+        ``start_weight_update`` answers 500 "Weight transfer not configured"): vLLM's own in-place
+        reload of a complete checkpoint, ``POST /collective_rpc {"method": "reload_weights", "kwargs":
+        {"weights_path": P}}`` (``vllm/entrypoints/serve/dev/rpc``, dev mode), then ``POST
+        /update_weight_version``. A reload vLLM fails (a missing or incomplete checkpoint) is a 400
+        naming the path, not a 502: the request was wrong, not the server."""
+        body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        try:
+            await self.request("POST", root, "/collective_rpc", json=body)
+        except UpstreamServerError as exc:
+            raise UpstreamRejectedError(
+                f"vLLM could not reload weights from {path}: {exc.message}", url=exc.url, status_code=400
+            ) from None
+        await self.request("POST", root, "/update_weight_version", json={"new_version": str(version)})
 
     async def update_weight_version(self, version: WeightVersion) -> None:
         await self.everywhere(
