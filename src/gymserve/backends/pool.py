@@ -225,9 +225,9 @@ class ReplicaPool(Generic[R]):
         replica.in_flight -= 1
         breaker = replica.breaker
         if outcome is Outcome.OK or outcome is Outcome.REJECTED:
-            healthy_before = replica.healthy
+            closed_before = breaker.state == "closed"  # an open or half-open breaker: it was out
             breaker.success()
-            self._recovered(replica, healthy_before)
+            self._recovered(replica, closed_before)
             if outcome is Outcome.OK:
                 self.retry_budget.deposit()
                 if replica.probe_ok:
