@@ -1103,3 +1103,13 @@ def test_prompt_logprobs_come_from_vllm(engine):
     assert plp.log_probs == [None, -0.5, -1.0] and plp.ranks == [None, 2, 2]
     assert plp.top_logprobs == [[], [(9001, -0.1)], [(9002, -0.1)]]
     assert asyncio.run(engine.generate([5, 6, 7], _sp())).prompt_logprobs is None
+
+
+def test_lora_on_an_engine_started_without_it_is_a_501_naming_the_setting(engine, tmp_path):
+    from gymserve.errors import NotSupportedError
+
+    (tmp_path / "adapter_config.json").write_text('{"r": 4, "peft_type": "LORA"}')
+    engine.engine.vllm_config.lora_config = None  # vLLM's VllmConfig without enable_lora
+    with pytest.raises(NotSupportedError, match="enable_lora: true") as err:
+        asyncio.run(engine.load_lora_adapter("policy", str(tmp_path)))
+    assert err.value.status_code == 501 and not any(c[0] == "add_lora" for c in engine.engine.control_calls)

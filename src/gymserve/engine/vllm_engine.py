@@ -418,6 +418,13 @@ class VLLMEngine(LibraryControl, RunBasedEngine):
     ) -> WeightVersion:
         """``AsyncLLM.add_lora`` of the PEFT directory ``lora_path``; it then serves every call."""
         path = self._check_lora_load(lora_name, lora_path, tensors, load_inplace)
+        config = getattr(self.engine, "vllm_config", None)
+        if config is not None and getattr(config, "lora_config", "unknown") is None:
+            raise NotSupportedError(
+                "this vLLM engine was started without LoRA: set backend.engine_args enable_lora: true and "
+                "max_lora_rank (at least the adapter's rank), then restart",
+                code="control_not_supported",
+            )
         version = self._next_version(weight_version)
         async with self._lock():
             t0 = time.perf_counter()
