@@ -180,6 +180,7 @@ class FakeAsyncLLM:
         self.running = 0
         self.session = False
         self.loaded: dict | None = None
+        self.update_weights_error: Exception | None = None  # what update_weights raises (a test sets it)
         self.weight_version: str | None = None
         self.loras: dict[int, Any] = {}
         self.control_calls: list[tuple] = []
@@ -314,6 +315,8 @@ class FakeAsyncLLM:
         path = request.update_info.get("path")
         self.control_calls.append(("update_weights", dict(request.update_info)))
         try:
+            if self.update_weights_error is not None:
+                raise self.update_weights_error
             if not self.session:
                 raise RuntimeError("start_weight_update must be called before loading a checkpoint")
             if not isinstance(path, str) or not os.path.isabs(path):
@@ -928,7 +931,7 @@ def test_update_weights_without_a_disk_transfer_reloads_through_collective_rpc(e
     gen = asyncio.run(engine.generate([1], _sp()))
     assert gen.weight_version_spans == [{"version": "step-1", "start": 0, "end": len(gen.token_ids)}]
     # A directory that is not there: 400 naming it, before vLLM is asked; nothing changed.
-    with pytest.raises(WeightUpdateError, match="/nonexistent/ckpt is not a directory"):
+    with pytest.raises(WeightUpdateError, match="/nonexistent/ckpt is not a safetensors checkpoint directory"):
         asyncio.run(engine.update_weights(path="/nonexistent/ckpt"))
     assert engine.weight_version == "step-1" and len(fake.control_calls) == 1
 
@@ -961,10 +964,18 @@ def test_update_weights_runs_the_disk_weight_transfer_and_versions_every_token(f
     assert os.path.isabs(path) and not os.path.exists(path)  # removed after the update
     assert torch.equal(fake.loaded["lm_head.weight"], new["lm_head.weight"]) and fake.weight_version == "2"
 
-    # vLLM's ValueError for a directory the disk transfer refuses: 400 with its words; the next update works.
+    # A directory without safetensors: refused before vLLM sees it (a reload that fails part way can
+    # leave vLLM's engine dead); vLLM's own ValueError is a 400 with its words; the next update works.
     (tmp_path / "empty").mkdir()
-    with pytest.raises(WeightUpdateError, match="vLLM refused the weight update from .*empty: .*no safetensors"):
+    with pytest.raises(WeightUpdateError, match="empty is not a safetensors checkpoint directory"):
         asyncio.run(engine.update_weights(path=tmp_path / "empty"))
+    assert engine.weight_version == 2 and not fake.session
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"")
+    fake.update_weights_error = ValueError("Shared-disk checkpoint is not a valid safetensors file")
+    with pytest.raises(WeightUpdateError, match="vLLM refused the weight update from .*bad: .*not a valid"):
+        asyncio.run(engine.update_weights(path=tmp_path / "bad"))
+    fake.update_weights_error = None
     assert engine.weight_version == 2 and not fake.session
     assert asyncio.run(engine.update_weights(path=tmp_path)) == 3
     asyncio.run(engine.update_weight_version("renamed"))

@@ -218,6 +218,8 @@ class FakeVLLM(_FakeInference):
             return 200, {"status": "resumed"}
         if route == ("GET", "/is_paused"):
             return 200, {"is_paused": self.paused is not None}
+        if route == ("GET", "/health"):
+            return 200, {}
         if route == ("GET", "/server_info"):  # dev mode; config_format=json: the VllmConfig as JSON
             transfer = {"backend": self.transfer} if self.transfer else None
             return 200, {"vllm_config": {"weight_transfer_config": transfer}, "vllm_env": {}, "system_env": {}}

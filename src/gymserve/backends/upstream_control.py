@@ -243,13 +243,24 @@ class VLLMControl(UpstreamControl):
         vLLM's own in-place reload of a complete checkpoint, ``POST /collective_rpc {"method": "reload_weights", "kwargs":
         {"weights_path": P}}`` (``vllm/entrypoints/serve/dev/rpc``, dev mode), then ``POST
         /update_weight_version``. A reload vLLM fails (a missing or incomplete checkpoint) is a 400
-        naming the path, not a 502: the request was wrong, not the server."""
+        naming the path, not a 502: the request was wrong, not the server. A failed reload can leave
+        vLLM 0.32's engine dead (its layers were being replaced when the checkpoint failed; seen with
+        a directory that does not exist: the next generation ends in ``EngineDeadError``), so the
+        message says whether the server still answers ``GET /health``."""
         body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
         try:
             await self.request("POST", root, "/collective_rpc", json=body)
         except UpstreamServerError as exc:
+            try:
+                await self.request("GET", root, "/health")
+                alive = "vLLM still answers GET /health"
+            except GymserveError as health:
+                alive = (
+                    f"vLLM's engine did not survive the failed reload ({health.message}): restart the server, "
+                    "and give a complete safetensors checkpoint of the served model"
+                )
             raise UpstreamRejectedError(
-                f"vLLM could not reload weights from {path}: {exc.message}",
+                f"vLLM could not reload weights from {path}: {exc.message}; {alive}",
                 url=exc.url,
                 status_code=400,
                 param="update_info.path",

@@ -381,8 +381,11 @@ class VLLMEngine(LibraryControl, RunBasedEngine):
                 if tensors is not None:
                     await asyncio.to_thread(_save_safetensors, tensors, Path(tmp))
                 where = os.path.abspath(os.fspath(path if path is not None else tmp))
-                if not Path(where).is_dir():
-                    raise WeightUpdateError(f"{where} is not a directory (a safetensors checkpoint)", param="path")
+                # Checked here because a reload that fails part way leaves vLLM 0.32's engine dead.
+                if not Path(where).is_dir() or not any(Path(where).glob("*.safetensors")):
+                    raise WeightUpdateError(
+                        f"{where} is not a safetensors checkpoint directory (no *.safetensors in it)", param="path"
+                    )
                 try:
                     if disk:
                         await start()
