@@ -405,7 +405,9 @@ def test_vllm_without_a_disk_transfer_reloads_through_collective_rpc(gateway, tm
     assert (
         "vLLM could not reload weights from /nonexistent/ckpt" in err["message"] and err["param"] == "update_info.path"
     )
-    assert err["message"].endswith("vLLM still answers GET /health")
+    assert (
+        "vLLM still answers GET /health, but a failed reload can leave its engine unable to generate" in err["message"]
+    )
     # Nothing changed on the server, and the gateway says so: the version read back, not null.
     after = client.chat.completions.create(model="policy", messages=MSG).choices[0].message.model_extra
     assert after["weight_version"] == "s1"

@@ -253,7 +253,10 @@ class VLLMControl(UpstreamControl):
         except UpstreamServerError as exc:
             try:
                 await self.request("GET", root, "/health")
-                alive = "vLLM still answers GET /health"
+                alive = (
+                    "vLLM still answers GET /health, but a failed reload can leave its engine unable to generate "
+                    "(seen on vLLM 0.32): check a call, or restart the server"
+                )
             except GymserveError as health:
                 alive = (
                     f"vLLM's engine did not survive the failed reload ({health.message}): restart the server, "
