@@ -9,8 +9,9 @@
 #   make install TORCH=                  keep the torch already installed in $(VENV)
 # scripts/install_torch.py does this and reports which build was installed; the constraints file
 # it writes keeps `pip install -e ".[local,...]"` from replacing torch. Then llama-cpp-python (the
-# llamacpp engine), which pip builds from source once (~10 min on 2 cores; it caches the wheel):
-# scripts/install_llamacpp.py shows that build's progress, which `pip -q` would hide.
+# llamacpp engine), built from source once (~10 min on 2 cores) for any x86-64 CPU with AVX2, never
+# natively and without AMX (ggml-org/llama.cpp#20824): scripts/install_llamacpp.py shows the build's
+# progress, which `pip -q` would hide, and keeps the wheel in ~/.cache/gymserve/llamacpp/.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0

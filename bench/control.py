@@ -234,7 +234,7 @@ def load_under_updates(args: argparse.Namespace) -> dict[str, Any]:
     server = serve_policy(
         str(tiny),
         model_name="tiny",
-        backend_config={"max_batch_size": args.sessions, "tool_parser": "none", "pause_timeout": 120},
+        backend_config={"max_num_seqs": args.sessions, "tool_call_parser": "none", "pause_timeout": 120},
     )
     try:
         base = {k: v.clone() for k, v in server.backend.engine.model.state_dict().items()}

@@ -182,7 +182,7 @@ def start_gymserve(model_dir: Path, threads: int) -> HttpServer:
         "backend": {
             "type": "local",
             "model": str(model_dir),
-            "max_batch_size": 8,
+            "max_num_seqs": 8,
             "num_threads": threads,
             "sampling": {"temperature": 0},
         },

@@ -186,7 +186,7 @@ backend:
   type: local
   model: $MODEL
   engine: vllm
-  max_batch_size: 256
+  max_num_seqs: 256
   engine_args: {dtype: $GYMSERVE_GPU_DTYPE, max_model_len: 4096, $GS_DEVICE_ARGS}
   sampling: {temperature: 1.0, top_p: 1.0, pin: override}
 EOF

@@ -166,7 +166,7 @@ def start_gymserve_llamacpp(gguf: Path, threads: int, http_server):
             "type": "local",
             "engine": "llamacpp",
             "model": str(gguf),
-            "max_batch_size": 8,
+            "max_num_seqs": 8,
             "num_threads": threads,
             "sampling": {"temperature": 0},
         },

@@ -122,7 +122,7 @@ def main() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     per = args.cpus_per_replica
     model = args.model or str(bench_model_dir())
-    local = {"model": model, "context_window": 2048, "max_batch_size": args.max_batch_size}
+    local = {"model": model, "max_model_len": 2048, "max_num_seqs": args.max_batch_size}
     print(
         f"machine: {cores} cores ({os.cpu_count()} logical), load average {os.getloadavg()[0]:.1f}; model {model}",
         flush=True,

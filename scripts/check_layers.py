@@ -6,6 +6,10 @@ counts, the lazy ones inside functions too (they are still dependencies, only de
 a module prefix to its layer (the longest matching prefix wins); a module that no prefix covers is an
 error too, so a new package must be placed on purpose.
 
+The registries have one home, ``gymserve.registry`` (layer 0, naming implementations of higher layers
+by string so it imports nothing above it): every ``"module:Attr"`` entry there must name a module of
+the tree that some layer covers, and no other module may build a ``Registry`` (a second home).
+
 Usage: ``python scripts/check_layers.py [SRC_DIR]`` (default ``src``); exit status 1 with one line per
 upward import, 0 when the layering holds.
 """
@@ -25,6 +29,7 @@ LAYERS: dict[str, int] = {
     "gymserve.wire": 0,
     "gymserve.registry": 0,
     "gymserve.protocol": 0,
+    "gymserve.control": 0,  # the control verbs and their vocabulary; implemented at layers 2 (engines) and 4
     "gymserve._version": 0,
     # 1 — pure conversion and parsing (no I/O).
     "gymserve.convert": 1,
@@ -111,9 +116,43 @@ def check(src: Path) -> list[str]:
     return problems
 
 
+REGISTRY = "gymserve.registry"
+
+
+def check_registry(modules: dict[str, Path], src: Path) -> list[str]:
+    """The registry rules of the module docstring, as ``file:line: message`` lines."""
+    problems = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(src.parent) if src.parent in path.parents else path
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name == "Registry" and module != REGISTRY:
+                problems.append(
+                    f"{where}:{node.lineno}: {module} builds a Registry; registries live in {REGISTRY} only"
+                )
+            target = node.args[1] if len(node.args) > 1 else None
+            if module == REGISTRY and name == "register" and isinstance(target, ast.Constant):
+                entry = str(target.value).partition(":")[0]
+                if entry not in modules:
+                    problems.append(
+                        f"{where}:{node.lineno}: registry entry {target.value!r} names no module of the tree"
+                    )
+                elif layer_of(entry) is None:
+                    problems.append(
+                        f"{where}:{node.lineno}: registry entry {target.value!r} names a module in no layer"
+                    )
+    return problems
+
+
 def main(argv: list[str]) -> int:
     src = Path(argv[1]) if len(argv) > 1 else Path("src")
     problems = check(src)
+    modules = {module_name(path, src): path for path in sorted((src / PACKAGE).rglob("*.py"))}
+    problems += check_registry(modules, src)
     for line in problems:
         print(line)
     if problems:

@@ -19,9 +19,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from gymserve.engine import ENGINES
 from gymserve.engine.embedded_models import EMBEDDED_MODELS
 from gymserve.engine.model_store import EMBEDDED_MODEL_NAME
+from gymserve.registry import ENGINES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_PAGE = ROOT / "docs" / "reference" / "configuration.md"
@@ -61,18 +61,21 @@ NOTES: dict[tuple[str, str], str] = {
     "`harmony` (gymserve's template for gpt-oss, [harmony](../model-servers/local.md#gpt-oss-harmony)).",
     ("LocalBackendConfig", "chat_template_kwargs"): "Default template variables (e.g. `enable_thinking`); a "
     "request's own override them key by key.",
-    ("LocalBackendConfig", "tool_parser"): "Tool-call parser name, `auto` (inferred from the model), or `none`.",
+    ("LocalBackendConfig", "tool_call_parser"): "Tool-call parser name, `auto` (inferred from the model), or `none` "
+    "(vllm serve's `--tool-call-parser`; was `tool_parser`).",
     ("LocalBackendConfig", "reasoning_parser"): "`deepseek_r1`, `qwen3` or `openai_gptoss` (gpt-oss harmony); "
     "None: no reasoning is split off.",
-    ("LocalBackendConfig", "max_batch_size"): "Sequences decoded together; more requests wait.",
-    ("LocalBackendConfig", "context_window"): "Prompt + generation limit in tokens (None: the model's).",
+    ("LocalBackendConfig", "max_num_seqs"): "Sequences decoded together; more requests wait (vllm serve's "
+    "`--max-num-seqs`; was `max_batch_size`).",
+    ("LocalBackendConfig", "max_model_len"): "Prompt + generation limit in tokens (None: the model's; vllm serve's "
+    "`--max-model-len`; was `context_window`).",
     ("LocalBackendConfig", "num_threads"): "torch threads (None: all cores).",
     ("LocalBackendConfig", "reasoning_field"): "Chat message field that carries parsed reasoning.",
     ("LocalBackendConfig", "sampling"): "Pinned sampling params, see `sampling` below.",
     ("ChatBackendConfig", "base_urls"): "One URL per replica, each ending where `/chat/completions` is appended "
     "(usually `/v1`); a comma-separated string works too.",
-    ("ChatBackendConfig", "tool_parser"): "Parse tool calls from raw text on gymserve's side (for servers started "
-    "without a tool-call parser); `auto` infers it from `model`.",
+    ("ChatBackendConfig", "tool_call_parser"): "Parse tool calls from raw text on gymserve's side (for servers "
+    "started without a tool-call parser); `auto` infers it from `model` (was `tool_parser`).",
     ("ChatBackendConfig", "reasoning_parser"): "Split `<think>` reasoning (or harmony's analysis channel: "
     "`openai_gptoss`) on gymserve's side when the server sends no reasoning field.",
     ("ChatBackendConfig", "return_token_id_information"): "Ask the server for prompt/generation token IDs and "

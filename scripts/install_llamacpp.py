@@ -18,15 +18,26 @@ every x86-64 server CPU of the last ten years has, AVX-512 and AMX off. ``GYMSER
 replaces those flags (for a CPU without AVX2: ``-DGGML_NATIVE=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF
 -DGGML_F16C=OFF``). pip's wheel cache is keyed by the source, not by the build flags, so a wheel
 that pip cached from a native build would be reused silently: the build runs with
-``--no-cache-dir`` into gymserve's own wheel folder, keyed by version and flags
-(``~/.cache/gymserve/llamacpp/<key>/``), and later installs on the machine take that wheel in seconds. ``pip install -q`` would show nothing for those minutes, and plain pip only
-says "still running"; this script runs ``pip install -v`` and turns the build's own step counter
+``--no-cache-dir`` into gymserve's own wheel folder, keyed by the requirement, the flags and the
+interpreter (``~/.cache/gymserve/llamacpp/<key>/``), and later installs on the machine take that
+wheel in seconds.
+
+Why explicit flags and not llama.cpp's runtime CPU dispatch (``GGML_BACKEND_DL`` with
+``GGML_CPU_ALL_VARIANTS``, one CPU backend per CPU generation, the best one loaded at run time):
+its list of variants includes a Sapphire Rapids one with AMX, which it would pick on exactly the
+Xeons that crash; excluding it means patching llama.cpp's CMake lists, and the build compiles the
+kernels once per variant, several times the 10 minutes. One x86-64-v3 build costs AVX-512 speed on
+the CPUs that have it and runs everywhere else.
+
+``pip install -q`` would show nothing for those minutes, and plain pip only
+says "still running"; this script runs ``pip wheel -v`` and turns the build's own step counter
 (ninja's ``[N/TOTAL]`` lines) into one line per tenth, with the time spent::
 
-    llama-cpp-python: building llama.cpp from source (once; pip caches the wheel): 103/206 (50%), 4 min 10 s
+    llama-cpp-python: building llama.cpp from source (once; gymserve keeps the wheel): 103/206 (50%), 4 min 10 s
 
 Already installed at a version the spec accepts **and built portably** (:func:`installed_features`
-finds no AMX and no native build): nothing is run; an AMX or native build is replaced. Exit status: pip's (0 on success);
+finds neither AMX nor AVX-512): nothing is run; an AMX or AVX-512 build (pip's native one on such a
+CPU) is replaced. A native build on a CPU with neither cannot be told from a portable one. Exit status: pip's (0 on success);
 on failure the last 40 lines of pip's output are printed, since they hold the compiler's error.
 """
 
@@ -35,6 +46,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -64,8 +76,11 @@ def cmake_flags() -> str:
 
 
 def wheel_dir(spec: str, flags: str) -> str:
-    """gymserve's wheel folder for this requirement and these flags (pip's cache ignores flags)."""
-    key = hashlib.sha256(f"{spec}|{flags}".encode()).hexdigest()[:16]
+    """gymserve's wheel folder for this requirement, these flags (pip's cache ignores flags) and this
+    interpreter (a wheel is built for one Python version and architecture: a venv of another Python
+    on the same machine must not be handed it)."""
+    interpreter = f"{sys.implementation.cache_tag}-{platform.machine()}"
+    key = hashlib.sha256(f"{spec}|{flags}|{interpreter}".encode()).hexdigest()[:16]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "gymserve", "llamacpp", key)
 
@@ -127,7 +142,7 @@ def progress(lines: Iterable[str], clock: Callable[[], float] = time.monotonic) 
             if tenth > shown or done == total:
                 shown = tenth
                 yield (
-                    "llama-cpp-python: building llama.cpp from source (once; pip caches the wheel): "
+                    "llama-cpp-python: building llama.cpp from source (once; gymserve keeps the wheel): "
                     f"{done}/{total} ({100 * done // max(total, 1)}%), {_elapsed(clock() - start)}"
                 )
         elif line.lstrip().startswith(PASS_THROUGH):
@@ -181,15 +196,23 @@ def _install_wheel(install: list[str], wheels: str, constraints: list[str]) -> i
     rc = subprocess.run([*install, *constraints, wheel[-1]]).returncode
     if rc == 0:  # its dependencies (numpy, jinja2, diskcache, typing-extensions) the usual way
         rc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *constraints, wheel[-1]]).returncode
-    features = installed_features() if rc == 0 else None
-    if rc == 0 and features is not None:
-        bad = unportable(features)
-        shown = " ".join(f"{k}={v}" for k, v in features.items() if k in ("AVX", "AVX2", "AVX512", "AMX_INT8"))
-        print(f"llama-cpp-python: installed; llama.cpp reports {shown}")
-        if bad and not os.environ.get(FLAGS_ENV):
-            print(f"llama-cpp-python: the build has {bad}, which a portable build must not", file=sys.stderr)
-            return 1
-    return rc
+    if rc != 0:
+        return rc
+    features = installed_features()
+    if features is None:  # installed, yet it does not import (or crashes on import): not a success
+        print(f"llama-cpp-python: installed from {wheel[-1]}, but `import llama_cpp` fails", file=sys.stderr)
+        return 1
+    bad = unportable(features)
+    shown = " ".join(f"{k}={v}" for k, v in features.items() if k in ("AVX", "AVX2", "AVX512", "AMX_INT8"))
+    print(f"llama-cpp-python: installed; llama.cpp reports {shown}")
+    if bad and not os.environ.get(FLAGS_ENV):
+        print(
+            f"llama-cpp-python: the build has {bad}, which a portable build must not; delete {wheels} "
+            "and run this script again",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

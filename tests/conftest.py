@@ -203,7 +203,7 @@ def tiny_local_server(tiny_model_dir):
     cfg = GymserveConfig(
         server=ServerConfig(port=0),
         backend=LocalBackendConfig(
-            model=str(tiny_model_dir), sampling=SamplingConfig(temperature=1.0, seed=5), context_window=512
+            model=str(tiny_model_dir), sampling=SamplingConfig(temperature=1.0, seed=5), max_model_len=512
         ),
     )
     srv = start_background_server(cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend))

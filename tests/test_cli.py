@@ -130,7 +130,7 @@ def test_engine_and_sampling_flags_land_in_the_config(tmp_path):
         "qwen3",
     )
     b = c.backend
-    assert (b.context_window, b.max_batch_size, b.tool_parser, b.reasoning_parser) == (2000, 3, "hermes", "qwen3")
+    assert (b.max_model_len, b.max_num_seqs, b.tool_call_parser, b.reasoning_parser) == (2000, 3, "hermes", "qwen3")
     s = b.sampling
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.stop_token_ids, s.pin) == (
         0.0,
@@ -143,8 +143,8 @@ def test_engine_and_sampling_flags_land_in_the_config(tmp_path):
     )
     assert _config("serve", "--pin-sampling").backend.sampling.pin == "reject"  # the bare switch pins
     assert _config("serve").backend.sampling.pin == "off"
-    assert _config("serve", "--max-model-len", "32K").backend.context_window == 32768
-    assert _config("serve", "--max-model-len", "4096").backend.context_window == 4096
+    assert _config("serve", "--max-model-len", "32K").backend.max_model_len == 32768
+    assert _config("serve", "--max-model-len", "4096").backend.max_model_len == 4096
     gpu = _config("serve", "--engine", "vllm", "-tp", "2", "--gpu-memory-utilization", "0.8")
     assert gpu.backend.engine_args == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.8}
     cpu = _config("serve", "--engine", "vllm", "--dtype", "float32", "--enforce-eager")
@@ -169,11 +169,10 @@ def test_python_dash_m_gymserve_is_the_command():
 def test_flags_override_the_file_and_keep_the_rest_of_it(tmp_path):
     path = tmp_path / "gymserve.yaml"
     path.write_text(
-        "server: {port: 9001}\nbackend:\n  type: local\n  context_window: 256\n"
-        "  sampling: {temperature: 0.5, seed: 1}\n"
+        "server: {port: 9001}\nbackend:\n  type: local\n  max_model_len: 256\n  sampling: {temperature: 0.5, seed: 1}\n"
     )
     c = _config("serve", "--config", str(path), "--seed", "9", "--port", "9002")
-    assert (c.backend.context_window, c.backend.sampling.temperature, c.backend.sampling.seed) == (256, 0.5, 9)
+    assert (c.backend.max_model_len, c.backend.sampling.temperature, c.backend.sampling.seed) == (256, 0.5, 9)
     assert c.server.port == 9002
 
 
@@ -255,7 +254,7 @@ def test_launch_takes_the_same_flags_for_its_replicas(tmp_path):
     )
     assert isinstance(c.backend, RayBackendConfig) and c.backend.replicas == 2
     local = c.backend.local
-    assert (local.model, local.context_window, local.sampling.temperature, local.sampling.seed) == (
+    assert (local.model, local.max_model_len, local.sampling.temperature, local.sampling.seed) == (
         str(tmp_path),
         1024,
         0.5,

@@ -25,6 +25,7 @@ Errors: ``ConfigError`` (a ``ValueError``) whose message lists every problem as
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -39,7 +40,7 @@ from pydantic import (
     model_validator,
 )
 
-from gymserve.registry import ROUTING_POLICIES, Registry
+from gymserve.registry import BACKENDS, ENGINES, ROUTING_POLICIES
 from gymserve.wire.reasoning import ReasoningField
 
 
@@ -50,6 +51,40 @@ class ConfigError(ValueError):
 class _Model(BaseModel):
     # extra="forbid": a misspelt option is an error naming the key, not a silently ignored line.
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+# Keys renamed to ``vllm serve``'s flag names where the concept is the same (``--max-model-len``,
+# ``--max-num-seqs``, ``--tool-call-parser``): old key → new key, in every backend section that has
+# the new key. The old keys are read for one more release with a FutureWarning; giving both is an error.
+RENAMED_KEYS: dict[str, str] = {
+    "context_window": "max_model_len",
+    "max_batch_size": "max_num_seqs",
+    "tool_parser": "tool_call_parser",
+}
+
+
+def _renamed_keys(data: Any, fields: Any, section: str) -> Any:
+    """``data`` (a section's raw mapping) with each old key of ``RENAMED_KEYS`` whose new key is one
+    of ``fields`` moved to the new key, warning (``FutureWarning``) once per key; ``ValueError``
+    (a ``ConfigError`` once loaded) when a section gives both."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for old, new in RENAMED_KEYS.items():
+        if old not in data or new not in fields:
+            continue
+        if new in data:
+            raise ValueError(
+                f"{section}.{old} and {section}.{new} both given: {old} is the old name of {new}; keep {new}"
+            )
+        warnings.warn(
+            f"config key {section}.{old} is now {section}.{new} (vllm serve's name); the old key is read until the "
+            "next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        data[new] = data.pop(old)
+    return data
 
 
 class ServerConfig(_Model):
@@ -151,10 +186,16 @@ class LocalBackendConfig(_ServedModelNames):
 
     type: Literal["local"] = "local"
     model: str = "embedded"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        return _renamed_keys(data, cls.model_fields, "backend")
+
     engine: str = "transformers"
     chat_template: str | None = None  # a file, or `harmony` (prompting.harmony_template)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    tool_parser: str | None = "auto"
+    tool_call_parser: str | None = "auto"
     reasoning_parser: str | None = None
     split_special_tokens: bool = Field(
         True,
@@ -163,13 +204,14 @@ class LocalBackendConfig(_ServedModelNames):
         "as plain text, so only the chat template writes control tokens; false tokenizes the whole "
         "rendered prompt as one text, as `vllm serve` does (such text then becomes the token)",
     )
-    max_batch_size: int = Field(8, ge=1)
-    context_window: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(8, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
     num_threads: int | None = Field(None, ge=1)
     reasoning_field: ReasoningField = "reasoning_content"
     pause_timeout: float = Field(
         300.0,
         gt=0,
+        le=86400,
         description="seconds a pause (POST /pause) lasts at most when it "
         "names no timeout; then generation resumes by itself and the log says so",
     )
@@ -185,8 +227,6 @@ class LocalBackendConfig(_ServedModelNames):
     @field_validator("engine")
     @classmethod
     def _engine(cls, value: str) -> str:
-        from gymserve.engine import ENGINES
-
         if value not in ENGINES:
             raise ValueError(f"unknown engine {value!r}; choices: {', '.join(ENGINES.names())}")
         return value
@@ -324,7 +364,7 @@ class ChatBackendConfig(_RemoteBackendConfig):
     ``transformers serve``, another gymserve), one or more replicas.
 
     ``base_urls`` end where ``/chat/completions`` is appended (usually ``http://host:port/v1``).
-    ``tool_parser``/``reasoning_parser`` parse raw text on gymserve's side for servers that run no
+    ``tool_call_parser``/``reasoning_parser`` parse raw text on gymserve's side for servers that run no
     parser. ``return_token_id_information`` asks for prompt/generation token IDs and log-probs.
     """
 
@@ -332,9 +372,15 @@ class ChatBackendConfig(_RemoteBackendConfig):
     base_urls: list[str] = Field(
         validation_alias=AliasChoices("base_urls", "policy_base_url", "openai_base_url", "base_url")
     )
-    tool_parser: str | None = None
+    tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     return_token_id_information: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        return _renamed_keys(data, cls.model_fields, "backend")
+
     tokenizer: str | None = Field(
         None,
         description="a Hugging Face tokenizer directory (the served model's, chat template included): "
@@ -361,6 +407,7 @@ class ChatBackendConfig(_RemoteBackendConfig):
     pause_timeout: float = Field(
         300.0,
         gt=0,
+        le=86400,
         description="seconds a pause at the gateway (POST /pause) lasts at most when it names no timeout; then "
         "calls are let through again and the log says so",
     )
@@ -546,7 +593,7 @@ class RayResourcesConfig(_Model):
 class RayBackendConfig(_Model):
     """N local-engine replicas as Ray actors behind one gymserve front end (``gymserve launch``).
 
-    Every option of the local backend (``model``, ``engine``, ``sampling``, ``context_window``, ...)
+    Every option of the local backend (``model``, ``engine``, ``sampling``, ``max_model_len``, ...)
     may be written flat beside the Ray options; they are gathered into ``local``, the config each
     replica builds its ``LocalBackend`` from. ``ray_address``: None starts or joins a local Ray
     instance (``ray.init()``'s own search: ``RAY_ADDRESS``, then a ``ray start`` cluster on this
@@ -594,7 +641,10 @@ class RayBackendConfig(_Model):
         data = dict(data)
         local = dict(data.get("local") or {})
         for key in list(data):
-            if key in LocalBackendConfig.model_fields and key not in ("type", "local") and key not in cls.model_fields:
+            local_key = (
+                key in LocalBackendConfig.model_fields or RENAMED_KEYS.get(key) in LocalBackendConfig.model_fields
+            )
+            if local_key and key not in ("type", "local") and key not in cls.model_fields:
                 # Merged, not replaced: a flag's flat ``sampling.seed`` must not drop the file's
                 # ``local: {sampling: {temperature}}``.
                 local[key] = _merged(local.get(key), data.pop(key))
@@ -613,16 +663,6 @@ def _merged(base: Any, top: Any) -> Any:
         return {**base, **{k: _merged(base.get(k), v) for k, v in top.items()}}
     return top
 
-
-# backend.type -> the Backend class (gymserve.backends), by name: config sits below the backends, so
-# the entries are imported only when ``build_backend`` asks. Same order as ``BackendConfig``.
-BACKENDS: Registry[Any] = Registry("backend")
-BACKENDS.register("local", "gymserve.backends.local:LocalBackend")
-BACKENDS.register("chat", "gymserve.backends.chat:ChatBackend")
-BACKENDS.register("openai", "gymserve.backends.openai_backend:OpenAIBackend")
-BACKENDS.register("azure", "gymserve.backends.azure:AzureBackend")
-BACKENDS.register("anthropic", "gymserve.backends.anthropic:AnthropicBackend")
-BACKENDS.register("ray", "gymserve.ray_cluster.backend:RayBackend")
 
 BackendConfig = Annotated[
     LocalBackendConfig
@@ -761,6 +801,13 @@ def load_config(
             raise ConfigError(f"{path}: the top level must be a mapping")
         merged = OmegaConf.merge(env, cfg)
         for key, value in (overrides or {}).items():
+            # A flag naming a renamed key (--max-model-len: backend.max_model_len) overrides the
+            # file's old key for it too, rather than meeting it as "both given".
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(merged, parent) if parent else None
+            for old in (o for o, new in RENAMED_KEYS.items() if new == leaf):
+                if isinstance(node, DictConfig) and old in node:
+                    del node[old]
             OmegaConf.update(merged, key, value, force_add=True)
         data = OmegaConf.to_container(merged, resolve=True)
         if not isinstance(data, dict):  # cannot happen: the top level was checked to be a mapping above

@@ -19,6 +19,8 @@ The cause of a failure is its class; ``code`` is only what the client reads, nev
     │   └── UpstreamRateLimitedError   429 rate_limit_error        upstream_rate_limited   [retried]
     ├── ShuttingDownError              503 server_error            shutting_down
     ├── EngineError                    500 server_error            (the local engine failed)
+    │   ├── EngineBuildError           500 server_error            engine_build  (llama.cpp with AMX kernels; at start-up)
+    │   └── EngineDownError            503 server_error            engine_down   (the worker died: every call until restart)
     └── UpstreamError                  502 upstream_error          (a remote server, OpenAI, Azure, a replica)
         ├── UpstreamRejectedError      the upstream's 4xx, invalid_request_error (passed on as it said)
         ├── UpstreamNotFoundError      502 upstream_not_found
@@ -26,6 +28,7 @@ The cause of a failure is its class; ``code`` is only what the client reads, nev
         ├── UpstreamServerError        502 upstream_server_error   [retried]
         ├── UpstreamBadResponseError   502 upstream_bad_response
         ├── UpstreamTokenIdsError      502 upstream_token_ids
+        ├── UpstreamStreamIncompleteError 502 stream_incomplete    (a stream ended without its terminal event)
         └── UpstreamConnectionError    502 upstream_connection_error
             ├── UpstreamUnreachableError 502 upstream_unreachable  [retried; the replica is marked down]
             ├── NoReplicaError         502 no_replica              (every replica excluded or filtered out)
@@ -212,6 +215,33 @@ class EngineError(GymserveError):
     """The local engine failed while generating (500); a bug or resource problem, not bad input."""
 
 
+class EngineBuildError(EngineError):
+    """The linked engine library was built in a way gymserve refuses to run (raised at start-up, before
+    any model call): llama.cpp with AMX kernels, which crash in the first ``llama_decode`` on current
+    Xeons (ggml-org/llama.cpp#20824). The message names the cause, the rebuild command and the
+    environment variable that overrides the refusal."""
+
+    code = "engine_build"
+
+
+class EngineDownError(EngineError):
+    """The in-process engine stopped working (503, ``Retry-After`` absent: it does not come back by
+    itself): its worker thread died on an exception (vLLM: its engine core died). Every call in flight and every later call gets
+    this error; ``/health`` reports ``down`` with the same ``reason``. ``engine``: the engine's name
+    (``llamacpp``, ``transformers``); ``reason``: the exception, ``"OverflowError: ..."``."""
+
+    status_code = 503
+    code = "engine_down"
+
+    def __init__(self, engine: str, reason: str):
+        super().__init__(
+            f"the {engine} engine is down: it stopped on {reason}; every call fails until gymserve "
+            "is restarted (the traceback is in the server log)"
+        )
+        self.engine = engine
+        self.reason = reason
+
+
 class UpstreamError(GymserveError):
     """The backend (a remote chat server, OpenAI, Azure, a Ray replica) failed (502 unless
     ``status_code`` says otherwise).
@@ -273,6 +303,16 @@ class UpstreamTokenIdsError(UpstreamError):
     """With ``return_token_id_information``, the upstream's token metadata is missing or inconsistent."""
 
     code = "upstream_token_ids"
+
+
+class UpstreamStreamIncompleteError(UpstreamError):
+    """The upstream's event stream ended without its API's terminal event (a chat or completions
+    choice without a ``finish_reason``, a Responses stream without ``response.completed`` /
+    ``.incomplete`` / ``.failed``, a Messages stream without ``message_stop``): the answer was cut
+    short (a crashed or restarted server, a proxy that closed the stream), so it must never look
+    finished. 502: the call may succeed when sent again."""
+
+    code = "stream_incomplete"
 
 
 class UpstreamConnectionError(UpstreamError):

@@ -1,9 +1,22 @@
-"""One registry mechanism: a name → class table with lazy imports, for backends, engines and parsers.
+"""The one registry home: every name a config or flag may give for an implementation, and where it
+lives — backends, engines, tool-call and reasoning parsers, routing policies.
 
-A registry entry is either a class (registered where it is defined) or a ``"module:Attr"`` string,
-imported on first use, so naming a heavy backend or engine (vLLM, TensorRT-LLM, Ray) costs nothing
-until it is asked for. Config validation, CLI ``choices`` and error messages all read
-:meth:`Registry.names`, so a new implementation is one class and one ``register`` line.
+=======================  ======================  ===============================================
+registry                 config / flag           entries are
+=======================  ======================  ===============================================
+``BACKENDS``             ``backend.type``        ``Backend`` subclasses (``gymserve.backends``)
+``ENGINES``              ``backend.engine``      ``Engine`` subclasses (``gymserve.engine``)
+``TOOL_CALL_PARSERS``    ``tool_call_parser``    ``ToolCallParser`` subclasses (``gymserve.parsers``)
+``REASONING_PARSERS``    ``reasoning_parser``    ``ReasoningParser`` subclasses
+``ROUTING_POLICIES``     ``routing.policy``      ``RoutingPolicy`` subclasses (``backends.routing``)
+=======================  ======================  ===============================================
+
+An entry is a ``"module:Attr"`` string, imported on first use, so naming a heavy backend or engine
+(vLLM, TensorRT-LLM, Ray) costs nothing until it is asked for, and this module (layer 0) imports
+nothing above it; a plugin may register a class itself (``parsers.register``). Config validation,
+CLI ``choices`` and error messages all read :meth:`Registry.names`, so a new implementation is one
+class and one ``register`` line here. ``scripts/check_layers.py`` reads this file: every entry must
+name a module of the tree, and no other module may build a ``Registry`` (one home).
 
     >>> engines = Registry("engine")
     >>> engines.register("transformers", "gymserve.engine.transformers_engine:TransformersEngine")
@@ -23,7 +36,15 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["ROUTING_POLICIES", "Registry", "UnknownNameError"]
+__all__ = [
+    "BACKENDS",
+    "ENGINES",
+    "REASONING_PARSERS",
+    "ROUTING_POLICIES",
+    "TOOL_CALL_PARSERS",
+    "Registry",
+    "UnknownNameError",
+]
 
 
 class UnknownNameError(ValueError):
@@ -104,8 +125,46 @@ class Registry(Generic[T]):
         return target
 
 
-# routing.policy -> the RoutingPolicy class (gymserve.backends.routing), by name: the config (which
-# validates the name) sits below the backends, so the entries are imported only when a pool is built.
+# backend.type -> the Backend class. Same order as ``config.BackendConfig``.
+BACKENDS: Registry[Any] = Registry("backend")
+BACKENDS.register("local", "gymserve.backends.local:LocalBackend")
+BACKENDS.register("chat", "gymserve.backends.chat:ChatBackend")
+BACKENDS.register("openai", "gymserve.backends.openai_backend:OpenAIBackend")
+BACKENDS.register("azure", "gymserve.backends.azure:AzureBackend")
+BACKENDS.register("anthropic", "gymserve.backends.anthropic:AnthropicBackend")
+BACKENDS.register("ray", "gymserve.ray_cluster.backend:RayBackend")
+
+# backend.engine -> the Engine class (``from_config(config, resolved)``); a missing library's
+# ImportError carries the hint.
+ENGINES: Registry[Any] = Registry("engine")
+ENGINES.register(
+    "transformers",
+    "gymserve.engine.transformers_engine:TransformersEngine",
+    install_hint='install the local extra: pip install "gymserve[local]"',
+)
+ENGINES.register(
+    "llamacpp",
+    "gymserve.engine.llamacpp_engine:LlamaCppEngine",
+    install_hint='install the llamacpp extra: pip install "gymserve[llamacpp]"',
+)
+ENGINES.register("vllm", "gymserve.engine.vllm_engine:VLLMEngine", install_hint="pip install vllm")
+ENGINES.register("trtllm", "gymserve.engine.trtllm_engine:TRTLLMEngine", install_hint="pip install tensorrt_llm")
+
+# tool_call_parser / reasoning_parser -> the parser class (vLLM's names for the same formats).
+TOOL_CALL_PARSERS: Registry[Any] = Registry("tool-call parser")
+TOOL_CALL_PARSERS.register("hermes", "gymserve.parsers.tool_calls:HermesToolCallParser")
+TOOL_CALL_PARSERS.register("qwen2_5_coder", "gymserve.parsers.tool_calls:Qwen25CoderToolCallParser")
+TOOL_CALL_PARSERS.register("llama3_json", "gymserve.parsers.tool_calls:Llama3JsonToolCallParser")
+TOOL_CALL_PARSERS.register("mistral", "gymserve.parsers.tool_calls:MistralToolCallParser")
+TOOL_CALL_PARSERS.register("deepseek_v3", "gymserve.parsers.tool_calls:DeepSeekV3ToolCallParser")
+TOOL_CALL_PARSERS.register("openai", "gymserve.parsers.harmony:HarmonyToolCallParser")
+TOOL_CALL_PARSERS.register("qwen3_coder", "gymserve.parsers.xml_calls:Qwen3CoderToolCallParser")
+REASONING_PARSERS: Registry[Any] = Registry("reasoning parser")
+REASONING_PARSERS.register("deepseek_r1", "gymserve.parsers.reasoning:DeepSeekR1ReasoningParser")
+REASONING_PARSERS.register("qwen3", "gymserve.parsers.reasoning:Qwen3ReasoningParser")
+REASONING_PARSERS.register("openai_gptoss", "gymserve.parsers.harmony:HarmonyReasoningParser")
+
+# routing.policy -> the RoutingPolicy class (gymserve.backends.routing).
 ROUTING_POLICIES: Registry[Any] = Registry("routing policy")
 ROUTING_POLICIES.register("sticky-least-loaded", "gymserve.backends.routing.sticky_least_loaded:StickyLeastLoaded")
 ROUTING_POLICIES.register("round-robin", "gymserve.backends.routing.round_robin:RoundRobin")

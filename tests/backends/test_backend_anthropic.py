@@ -268,13 +268,15 @@ def test_overloaded_upstream_is_retried():
             srv.stop()
 
 
-def test_an_upstream_refusal_keeps_its_status_and_words(anthropic_fake, served):
+def test_an_unknown_field_is_refused_before_the_upstream_sees_it(anthropic_fake, served):
     srv = served()
     with pytest.raises(anthropic.BadRequestError) as exc:
         _messages_client(srv).messages.create(
             model="claude-test", max_tokens=8, messages=[{"role": "user", "content": "x"}], extra_body={"nonsense": 1}
         )
-    assert exc.value.body["error"]["message"] == "nonsense: Extra inputs are not permitted"
+    # gymserve's own 400 (server.known_fields), naming it; the upstream would say "Extra inputs".
+    assert exc.value.body["error"]["message"].startswith("nonsense is not a field gymserve applies")
+    assert not [r for r in anthropic_fake.requests if r.path == "/v1/messages"]
 
 
 async def test_models_come_from_the_upstream(anthropic_fake):

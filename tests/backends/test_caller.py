@@ -176,8 +176,9 @@ async def test_breaker_opens_after_failures_lets_one_trial_through_and_closes(se
         routing={"breaker_failures": 2, "breaker_cooldown": 0.4},
     )
     t0 = time.monotonic()
-    # Two new sessions land on r0 (idle, fewest sessions), fail there and are answered by r1 at once.
-    assert [await turn(b, "a"), await turn(b, "b")] == ["from r1", "from r1"]
+    # A new session lands on r0 (idle), fails there and is answered by r1 at once. One failure does
+    # not move it (r0's breaker is closed), so its next turn tries r0 again: the second failure opens it.
+    assert [await turn(b, "a"), await turn(b, "a")] == ["from r1", "from r1"]
     assert time.monotonic() - t0 < 1.0  # failover without backoff
     health = await b.health()
     row0 = health["replicas"][0]

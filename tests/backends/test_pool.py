@@ -155,10 +155,24 @@ def test_exclude_prefers_replicas_this_call_has_not_tried():
     first = p.pick("s")
     p.release(first, Outcome.FAILED, reason="500")
     second = p.pick("s", exclude=[first])
-    assert second is not first and p.sessions.home("s") is second
+    # The retry goes elsewhere, but one failure (breaker still closed) does not move the session.
+    assert second is not first and p.sessions.home("s") is first
     p.release(second, Outcome.FAILED, reason="500")
     third = p.pick("s", exclude=[first, second])  # both tried: any eligible one again
     assert third in (a, b)
+
+
+def test_a_session_moves_only_when_its_replica_is_unhealthy():
+    p = pool(2, breaker_failures=2)
+    home = p.pick("s")
+    p.release(home, Outcome.FAILED, reason="503")
+    retry = p.pick("s", exclude=[home])
+    p.release(retry, Outcome.OK)
+    assert p.sessions.home("s") is home and p.pick("s") is home  # one transient 5xx: still home
+    p.release(home, Outcome.FAILED, reason="503")  # the second in a row opens its breaker
+    assert home.breaker.state == "open"
+    moved = p.pick("s", exclude=[home])
+    assert moved is not home and p.sessions.home("s") is moved
 
 
 def test_round_robin_ignores_sessions_and_consistent_hash_keeps_them():

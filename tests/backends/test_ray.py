@@ -45,7 +45,7 @@ def cluster(local_engine):
                 "health_check_timeout": 10,
                 "startup_timeout": WAIT,
                 "object_store_memory": 80 * 1024 * 1024,
-                "context_window": 512,
+                "max_model_len": 512,
             }
         ),
     )
@@ -361,11 +361,9 @@ def test_launch_flags_become_a_ray_config(tmp_path):
     assert b.local.model == str(tmp_path) and cfg.server.port == 9000
     # A local config file becomes a ray one with the same engine options.
     path = tmp_path / "c.yaml"
-    path.write_text("backend:\n  type: local\n  model: embedded\n  context_window: 256\n  sampling: {seed: 3}\n")
+    path.write_text("backend:\n  type: local\n  model: embedded\n  max_model_len: 256\n  sampling: {seed: 3}\n")
     cfg = load_config(str(path), overrides=launch_overrides(parser.parse_args(["launch", "--config", str(path)])))
-    assert (
-        cfg.backend.type == "ray" and cfg.backend.local.context_window == 256 and cfg.backend.local.sampling.seed == 3
-    )
+    assert cfg.backend.type == "ray" and cfg.backend.local.max_model_len == 256 and cfg.backend.local.sampling.seed == 3
     assert parser.parse_args(["status"]).base_url == "http://127.0.0.1:8000/v1"
 
 

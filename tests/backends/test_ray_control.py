@@ -47,9 +47,9 @@ def cluster(tiny_model_dir):
                 "health_check_timeout": 10,
                 "startup_timeout": WAIT,
                 "object_store_memory": 300 * 1024 * 1024,
-                "context_window": 2048,
+                "max_model_len": 2048,
                 "pause_timeout": 60,
-                "tool_parser": "none",
+                "tool_call_parser": "none",
             }
         ),
     )
@@ -150,7 +150,10 @@ def test_updates_reach_every_replica_from_disk_tensors_and_the_object_store(
 
     # From in-process tensors (put once into the object store by the front end).
     new = base[NORM] * 0.5
-    assert _on_loop(cluster, cluster.backend.update_weights({NORM: new}, weight_version="tensors-2")) == "tensors-2"
+    assert (
+        _on_loop(cluster, cluster.backend.control.update_weights({NORM: new}, weight_version="tensors-2"))
+        == "tensors-2"
+    )
     teacher.load_state_dict({**base, NORM: new})
     for s in sessions:
         _check_answer(http, teacher, s, "tensors-2")
@@ -158,7 +161,7 @@ def test_updates_reach_every_replica_from_disk_tensors_and_the_object_store(
     # From an object the driver put in Ray's object store, handed to every replica by reference.
     new = base[NORM] * 2.0
     ref = ray.put({NORM: new})
-    assert _on_loop(cluster, cluster.backend.update_weights(ref)) == 3  # the fleet's count of changes
+    assert _on_loop(cluster, cluster.backend.control.update_weights(ref)) == 3  # the fleet's count of changes
     for name in ("replica-0", "replica-1"):
         assert torch.equal(_served_state(cluster, name)[NORM], new)
     assert _versions(http) == {"replica-0": 3, "replica-1": 3}
@@ -201,7 +204,7 @@ def test_an_update_one_replica_refuses_is_undone_on_the_other(http, cluster, bas
     version = "renamed"
     tmp = {NORM: base[NORM] * 3}
     with pytest.raises(Exception) as exc:
-        _on_loop(cluster, cluster.backend.update_weights(tmp, weight_version="refused"))
+        _on_loop(cluster, cluster.backend.control.update_weights(tmp, weight_version="refused"))
     err = exc.value
     assert getattr(err, "status_code", None) == 409 and err.code == "lora_adapter_merged"
     assert err.message.startswith("replica-0: ") and "undone on replica-1" in err.message
@@ -251,7 +254,10 @@ def test_failover_never_lands_on_another_version_and_a_restarted_replica_catches
             lambda: _remote(victim.client.info.remote())["in_flight"] == 1, "the long call to be in flight", every=0.02
         )
         new = base[NORM] * 1.1
-        assert _on_loop(cluster, cluster.backend.update_weights({NORM: new}, weight_version="moved-on")) == "moved-on"
+        assert (
+            _on_loop(cluster, cluster.backend.control.update_weights({NORM: new}, weight_version="moved-on"))
+            == "moved-on"
+        )
         ray.kill(victim.client, no_restart=False)
         r = fut.result(timeout=WAIT)
     assert r.status_code == 502, r.text

@@ -19,7 +19,7 @@ NORM = "model.norm.weight"
 
 
 def _replica(tiny_model_dir, name="replica-0") -> EngineReplica:
-    cfg = LocalBackendConfig(model=str(tiny_model_dir), num_threads=1, tool_parser="none", max_batch_size=2)
+    cfg = LocalBackendConfig(model=str(tiny_model_dir), num_threads=1, tool_call_parser="none", max_num_seqs=2)
     return EngineReplica.serving(name, LocalBackend.from_config(cfg))
 
 

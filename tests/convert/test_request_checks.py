@@ -7,36 +7,9 @@ import pytest
 
 from gymserve.convert.request_checks import chat_tools, check_request
 from gymserve.errors import InvalidRequestError
+from helpers.apis import CHAT_ON_RESPONSES, RESPONSES_ON_CHAT
 
 MSG = [{"role": "user", "content": "hi"}]
-
-# Chat Completions fields sent to /v1/responses: (field, value, the words that name the right field).
-CHAT_ON_RESPONSES = [
-    ("max_tokens", 4, "use max_output_tokens"),
-    ("max_completion_tokens", 4, "use max_output_tokens"),
-    ("messages", MSG, "use input"),
-    ("n", 2, "one response per request; send n requests"),
-    ("logprobs", True, "use top_logprobs"),
-    ("response_format", {"type": "json_object"}, "use text.format"),
-    ("reasoning_effort", "low", "use reasoning.effort"),
-    ("functions", [{"name": "f"}], "use tools"),
-    ("function_call", "auto", "use tool_choice"),
-    ("verbosity", "low", "use text.verbosity"),
-    ("logit_bias", {"1": 5}, "send it to /v1/chat/completions instead"),
-    ("modalities", ["text"], "send it to /v1/chat/completions instead"),
-]
-# Responses API fields sent to /v1/chat/completions.
-RESPONSES_ON_CHAT = [
-    ("input", "hi", "use messages"),
-    ("instructions", "be brief", "put them in a system message at the start of messages"),
-    ("max_output_tokens", 4, "use max_completion_tokens (or max_tokens)"),
-    ("text", {"format": {"type": "json_object"}}, "use response_format"),
-    ("reasoning", {"effort": "low"}, "use reasoning_effort"),
-    ("previous_response_id", "resp_1", "send the whole conversation in messages"),
-    ("conversation", "conv_1", "send the whole conversation in messages"),
-    ("include", ["reasoning.encrypted_content"], "send it to /v1/responses instead"),
-    ("truncation", "auto", "send it to /v1/responses instead"),
-]
 
 
 @pytest.mark.parametrize(("field", "value", "hint"), CHAT_ON_RESPONSES, ids=[f for f, _, _ in CHAT_ON_RESPONSES])

@@ -294,7 +294,7 @@ def docs_server(tiny_model_dir, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("docs-model") / EMBEDDED_MODEL_NAME
     model_dir.symlink_to(tiny_model_dir, target_is_directory=True)
     cfg = GymserveConfig(
-        server=ServerConfig(port=0), backend=LocalBackendConfig(model=str(model_dir), context_window=2048)
+        server=ServerConfig(port=0), backend=LocalBackendConfig(model=str(model_dir), max_model_len=2048)
     )
     srv = start_background_server(cfg, backend_factory=lambda: LocalBackend.from_config(cfg.backend))
     yield srv
@@ -404,10 +404,10 @@ ERROR_MODULES = (
     "engine/control.py",
     "engine/base.py",
     "backends/base.py",
-    "server/control.py",
+    "control.py",
+    "server/control_routes.py",
     "engine/lora.py",
-    "backends/local/lora.py",
-    "server/lora.py",
+    "backends/local/backend.py",
     "engine/pause_gate.py",
     "engine/library_control.py",
     "engine/vllm_engine.py",
@@ -491,6 +491,6 @@ def test_docs_mention_no_unknown_parser_names():
                     if a in ("--tool-call-parser", "--reasoning-parser")
                 ]
     for b, _ in CONFIGS:
-        used += [(b, name) for name in re.findall(r"^\s*(?:tool_parser|reasoning_parser):\s*(\S+)", b.code, re.M)]
+        used += [(b, name) for name in re.findall(r"^\s*(?:tool_call_parser|reasoning_parser):\s*(\S+)", b.code, re.M)]
     bad = [f"{b.where}: {name}" for b, name in used if name.strip("'\"") not in known]
     assert not bad, f"unknown parser names: {bad}"

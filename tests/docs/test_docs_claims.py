@@ -15,7 +15,7 @@ Read from the code, never from a list typed here, so a new engine, route or flag
   names as another server's ("vLLM's ``--flag``"); columns of a comparison table headed by another
   server are that server's and not checked;
 - ``server.*`` / ``backend.*`` / ``sampling.*`` option paths in prose are configuration options;
-- parser names in tables headed ``tool_parser`` are registered tool-call parsers.
+- parser names in tables headed ``tool_call_parser`` are registered tool-call parsers.
 """
 
 from __future__ import annotations
@@ -317,14 +317,14 @@ def test_config_option_paths_in_prose_exist():
     assert not bad, f"no such configuration option: {bad}"
 
 
-def test_tool_parser_tables_name_registered_parsers():
+def test_tool_call_parser_tables_name_registered_parsers():
     from gymserve.parsers import tool_call_parser_names
 
     known = set(tool_call_parser_names()) | {"auto", "none"}
     bad = []
     for path in doc_files():
         for table in tables_of(path):
-            for col in [h for h in table.header if "`tool_parser`" in h]:
+            for col in [h for h in table.header if "`tool_call_parser`" in h]:
                 bad += [f"{_rel(path)}: {c}" for c in table.column(col) if _code(c) not in known]
     assert not bad, f"unregistered tool-call parsers: {bad}"
 

@@ -7,6 +7,7 @@ torch, check the pin), against this environment's torch.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def test_llamacpp_build_progress_is_one_line_per_tenth():
     steps = [s for s in shown if s.startswith("llama-cpp-python: building")]
     assert len(steps) == 11  # 0%, 10%, ... 100%
     assert steps[0] == (
-        "llama-cpp-python: building llama.cpp from source (once; pip caches the wheel): 1/206 (0%), 3 s"
+        "llama-cpp-python: building llama.cpp from source (once; gymserve keeps the wheel): 1/206 (0%), 3 s"
     )
     assert steps[-1].endswith("206/206 (100%), 33 s")
     assert shown[-2:] == ["Successfully built llama-cpp-python", "Successfully installed llama-cpp-python-0.3.36"]
@@ -158,3 +159,103 @@ def test_llamacpp_spec_is_the_extras():
 
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
     assert _install_llamacpp().SPEC in extra["llamacpp"]
+
+
+def _flags(text: str) -> dict[str, str]:
+    """``-DKEY=VALUE`` pairs of a CMake command line."""
+    pairs = [f.removeprefix("-D").split("=", 1) for f in text.split()]
+    assert all(len(p) == 2 for p in pairs), text
+    return dict(pairs)
+
+
+def test_llamacpp_build_flags_are_portable(monkeypatch):
+    """No native CPU detection (a wheel built on one machine runs on another), no AMX (its kernels
+    crash in llama_decode, ggml-org/llama.cpp#20824), no AVX-512; AVX2 (x86-64-v3) on."""
+    mod = _install_llamacpp()
+    monkeypatch.delenv(mod.FLAGS_ENV, raising=False)
+    flags = _flags(mod.cmake_flags())
+    assert flags["GGML_NATIVE"] == "OFF"
+    amx = {k: v for k, v in flags.items() if "AMX" in k}
+    avx512 = {k: v for k, v in flags.items() if "AVX512" in k}
+    assert amx == {"GGML_AMX_TILE": "OFF", "GGML_AMX_INT8": "OFF", "GGML_AMX_BF16": "OFF"}
+    assert set(avx512.values()) == {"OFF"} and "GGML_AVX512" in avx512
+    assert {flags[k] for k in ("GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C")} == {"ON"}
+    monkeypatch.setenv(mod.FLAGS_ENV, "-DGGML_NATIVE=OFF -DGGML_AVX2=OFF")
+    assert mod.cmake_flags() == "-DGGML_NATIVE=OFF -DGGML_AVX2=OFF"
+
+
+def test_llamacpp_flags_are_the_engines_rebuild_hint():
+    """The engine's refusal of an AMX build quotes the same flags the script builds with."""
+    from gymserve.engine.llamacpp_runtime import PORTABLE_CMAKE_ARGS, REBUILD_HINT
+
+    assert _install_llamacpp().CMAKE_FLAGS == PORTABLE_CMAKE_ARGS
+    assert PORTABLE_CMAKE_ARGS in REBUILD_HINT and "python scripts/install_llamacpp.py" in REBUILD_HINT
+
+
+def test_llamacpp_build_passes_the_flags_to_pip_without_its_cache(monkeypatch, tmp_path):
+    """What the script runs for a build: ``pip wheel --no-cache-dir`` (pip's cache is keyed by the
+    source, not CMAKE_ARGS, so a cached native wheel must not come back) with CMAKE_ARGS set to the
+    portable flags, into gymserve's own wheel folder."""
+    mod = _install_llamacpp()
+    monkeypatch.delenv(mod.FLAGS_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(mod, "satisfied", lambda spec: None)
+    ran: list[tuple[list[str], dict[str, str]]] = []
+
+    class FakePopen:
+        def __init__(self, cmd, *, env, **kw):
+            ran.append((cmd, env))
+            self.stdout = iter(["  [1/2] c++ a.cpp\n", "  [2/2] c++ b.cpp\n"])
+            self.returncode = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(mod.subprocess, "Popen", FakePopen)
+    installed: list[str] = []
+    monkeypatch.setattr(mod, "_install_wheel", lambda install, wheels, constraints: installed.append(wheels) or 0)
+    assert mod.main([]) == 0
+    [(cmd, env)] = ran
+    assert cmd[1:4] == ["-m", "pip", "wheel"] and "--no-cache-dir" in cmd and cmd[-1] == mod.SPEC
+    wheels = cmd[cmd.index("-w") + 1]
+    assert wheels == mod.wheel_dir(mod.SPEC, mod.CMAKE_FLAGS) and wheels.startswith(
+        str(tmp_path / "gymserve" / "llamacpp")
+    )
+    assert env["CMAKE_ARGS"] == mod.CMAKE_FLAGS and env["FORCE_CMAKE"] == "1"
+    assert installed == [wheels]
+
+
+def test_llamacpp_wheel_folder_is_keyed_by_spec_and_flags(monkeypatch, tmp_path):
+    """pip keys its wheel cache by the source only; gymserve's folder changes with the flags (and
+    the requirement), so a wheel built with other flags is never taken for the portable one."""
+    mod = _install_llamacpp()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    portable = mod.wheel_dir(mod.SPEC, mod.CMAKE_FLAGS)
+    assert portable == mod.wheel_dir(mod.SPEC, mod.CMAKE_FLAGS)
+    assert mod.wheel_dir(mod.SPEC, "-DGGML_NATIVE=ON") != portable
+    assert mod.wheel_dir(mod.SPEC, mod.CMAKE_FLAGS + " -DGGML_AMX_INT8=ON") != portable
+    assert mod.wheel_dir("llama-cpp-python==0.3.40", mod.CMAKE_FLAGS) != portable
+    assert os.path.dirname(portable) == str(tmp_path / "gymserve" / "llamacpp")
+
+
+def test_llamacpp_unportable_names_amx_and_avx512():
+    mod = _install_llamacpp()
+    native_xeon = {"SSE3": "1", "AVX": "1", "AVX2": "1", "AVX512": "1", "AMX_INT8": "1", "OPENMP": "1"}
+    assert mod.unportable(native_xeon) == ["AMX_INT8", "AVX512"]
+    assert mod.unportable({"AVX2": "1", "AMX_INT8": "1"}) == ["AMX_INT8"]
+    assert mod.unportable({"AVX": "1", "AVX2": "1", "AVX512": "0", "AMX_INT8": "0"}) == []
+
+
+def test_llamacpp_an_installed_amx_build_is_rebuilt(monkeypatch, capsys):
+    """An AMX build already installed (pip's own native build) does not satisfy the script."""
+    mod = _install_llamacpp()
+    monkeypatch.delenv(mod.FLAGS_ENV, raising=False)
+    monkeypatch.setattr(mod.metadata, "version", lambda name: "0.3.36")
+    monkeypatch.setattr(mod, "installed_features", lambda: {"AVX2": "1", "AMX_INT8": "1"})
+    assert mod.satisfied("llama-cpp-python>=0.3.36") is None
+    assert "built with ['AMX_INT8']: rebuilding portably" in capsys.readouterr().out
+    monkeypatch.setattr(mod, "installed_features", lambda: {"AVX2": "1", "AMX_INT8": "0"})
+    assert mod.satisfied("llama-cpp-python>=0.3.36") == "0.3.36"

@@ -706,7 +706,7 @@ def test_serve_policy_around_the_trainers_own_llm(fake_trtllm, model_dir, tokeni
     from gymserve.server.embed import serve_policy
 
     llm = FakeLLM(str(model_dir), max_seq_len=4096)
-    srv = serve_policy(llm, tokenizer, backend_config={"tool_parser": "none"}, model_name="policy")
+    srv = serve_policy(llm, tokenizer, backend_config={"tool_call_parser": "none"}, model_name="policy")
     try:
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60)
         done = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}])

@@ -1067,7 +1067,7 @@ def test_serve_policy_around_the_trainers_own_async_llm(fake_vllm, model_dir, to
     llm = FakeAsyncLLM(
         AsyncEngineArgs(model=str(model_dir), max_model_len=4096, weight_transfer_config={"backend": "disk"})
     )
-    srv = serve_policy(llm, tokenizer, backend_config={"tool_parser": "none"}, model_name="policy")
+    srv = serve_policy(llm, tokenizer, backend_config={"tool_call_parser": "none"}, model_name="policy")
     try:
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60)
         root = srv.base_url.removesuffix("/v1")
@@ -1124,3 +1124,22 @@ def test_lora_on_an_engine_started_without_it_is_a_501_naming_the_setting(engine
     with pytest.raises(NotSupportedError, match="enable_lora: true") as err:
         asyncio.run(engine.load_lora_adapter("policy", str(tmp_path)))
     assert err.value.status_code == 501 and not any(c[0] == "add_lora" for c in engine.engine.control_calls)
+
+
+def test_a_dead_vllm_engine_core_is_the_engine_fault(engine, tokenizer):
+    """vLLM's own death report (``AsyncLLM.errored``, ``dead_error``) is the engine's ``fault``: the
+    local backend's /health says down and a new call is a 503 naming vLLM and the cause."""
+    from gymserve.backends.local import LocalBackend
+    from gymserve.config import LocalBackendConfig
+    from gymserve.errors import EngineDownError
+
+    assert engine.fault is None
+    engine.engine.errored = True
+    engine.engine.dead_error = RuntimeError("EngineCore encountered an issue. See stack trace above.")
+    assert engine.fault == "RuntimeError: EngineCore encountered an issue. See stack trace above."
+    backend = LocalBackend(LocalBackendConfig(model="policy"), engine, tokenizer)
+    health = asyncio.run(backend.health())
+    assert health["status"] == "down" and health["engine"] == "vllm"
+    assert "RuntimeError: EngineCore encountered an issue" in health["reason"]
+    with pytest.raises(EngineDownError, match="the vllm engine is down"):
+        backend.check_engine()

@@ -322,3 +322,36 @@ def test_keep_pause_and_update_continue_the_call_on_the_new_weights(tiny_model_d
     assert max(abs(a - b) for a, b in zip(old[:k], lps[:k])) <= 1e-4
     assert max(abs(a - b) for a, b in zip(new[k:], lps[k:])) <= 1e-4
     assert max(abs(a - b) for a, b in zip(old[k:], lps[k:])) > 1e-2  # the new weights really differ
+
+
+# ---------------------------------------------------------------- the start-up self-check (issue #24)
+def test_the_engine_decodes_one_token_before_it_takes_calls(tiny_gguf_dir, monkeypatch):
+    """A llama.cpp build whose kernels fail does so while the engine loads, before the server says
+    it is serving: one real ``llama_decode`` of one token, which leaves the KV cache empty."""
+    from gymserve.engine.llamacpp_runtime import LlamaContext
+
+    calls: list[tuple[list[int], list[int], list[int]]] = []
+    real = LlamaContext.decode
+
+    def spy(self, tokens, positions, seq_ids, want):
+        calls.append((list(tokens), list(positions), list(seq_ids)))
+        return real(self, tokens, positions, seq_ids, want)
+
+    monkeypatch.setattr(LlamaContext, "decode", spy)
+    eng = _engine(tiny_gguf_dir)
+    try:
+        assert calls == [([eng.eos_token_ids[0]], [0], [0])]
+        assert eng.ctx.seq_pos_max(0) == -1  # the check left nothing in the cache
+        monkeypatch.setattr(LlamaContext, "decode", real)
+        out = _run(eng.generate([1000, 1001, 1002], GREEDY))
+        assert len(out.token_ids) == 12
+    finally:
+        _run(eng.close())
+
+
+def test_a_build_that_decodes_garbage_fails_at_start_up(tiny_gguf_dir, monkeypatch):
+    from gymserve.engine.llamacpp_runtime import LlamaContext
+
+    monkeypatch.setattr(LlamaContext, "decode", lambda self, *a: np.full((1, self.vocab_size), np.nan, np.float32))
+    with pytest.raises(EngineError, match="start-up self-check decoded one token .* non-finite logits"):
+        _engine(tiny_gguf_dir)

@@ -240,7 +240,7 @@ def policy(tiny_model_dir, tokenizer):
         load_model(tiny_model_dir),
         tokenizer,
         model_name="tiny",
-        backend_config={"sampling": {"temperature": 1.0, "seed": 7}, "num_threads": 1, "tool_parser": "none"},
+        backend_config={"sampling": {"temperature": 1.0, "seed": 7}, "num_threads": 1, "tool_call_parser": "none"},
     )
     yield srv
     srv.stop()
@@ -351,7 +351,7 @@ LORA_CALLS = [
 
 def test_lora_routes_take_the_admin_key(tiny_model_dir):
     from gymserve.config import validate_config
-    from gymserve.server.lora import LORA_PATHS
+    from gymserve.server.control_routes import LORA_PATHS
     from gymserve.server.run import start_background_server
 
     assert {p for p, _ in LORA_CALLS} == LORA_PATHS
@@ -382,7 +382,9 @@ def test_lora_routes_closed_or_unsupported(monkeypatch):
             for path, body in LORA_CALLS:
                 r = httpx.post(srv.base_url.removesuffix("/v1") + path, json=body)
                 assert r.status_code == 501 and r.json()["error"]["code"] == "control_not_supported", r.text
-        monkeypatch.setattr("gymserve.server.control.control_allowed", lambda host, *keys: False)  # as for 0.0.0.0
+        monkeypatch.setattr(
+            "gymserve.server.control_routes.control_allowed", lambda host, *keys: False
+        )  # as for 0.0.0.0
         with start_background_server(cfg) as srv:
             for path, body in LORA_CALLS:
                 r = httpx.post(srv.base_url.removesuffix("/v1") + path, json=body)

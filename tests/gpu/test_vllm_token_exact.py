@@ -27,7 +27,7 @@ def server(gpu_model_dir, gpu_settings):
         backend=LocalBackendConfig(
             model=str(gpu_model_dir),
             engine="vllm",
-            max_batch_size=64,
+            max_num_seqs=64,
             sampling=SamplingConfig(temperature=1.0, top_p=1.0),
             engine_args={
                 "dtype": gpu_settings["dtype"],

@@ -64,7 +64,9 @@ def test_the_check_fails_when_the_served_weights_differ(tiny_model_dir, tokenize
     model = load_model(tiny_model_dir)
     with torch.no_grad():
         model.model.norm.weight.mul_(3.0)  # a different policy than the trainer's copy of the model dir
-    srv = serve_policy(model, tokenizer, model_name="tiny", backend_config={"num_threads": 1, "tool_parser": "none"})
+    srv = serve_policy(
+        model, tokenizer, model_name="tiny", backend_config={"num_threads": 1, "tool_call_parser": "none"}
+    )
     try:
         with pytest.raises(LoopCheckError, match="differ from teacher forcing"):
             run_loop(

@@ -48,7 +48,12 @@ def served(tiny_model_dir, tokenizer, tmp_path_factory):
     srv = serve_policy(
         load_model(tiny_model_dir),
         tokenizer,
-        backend_config={"sampling": {"temperature": 1.0}, "num_threads": 1, "tool_parser": "none", "pause_timeout": 60},
+        backend_config={
+            "sampling": {"temperature": 1.0},
+            "num_threads": 1,
+            "tool_call_parser": "none",
+            "pause_timeout": 60,
+        },
     )
     client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id

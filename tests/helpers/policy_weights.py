@@ -31,7 +31,7 @@ def serve_tiny(model_dir: Any, tokenizer: Any, *, seed: int) -> PolicyServer:
         backend_config={
             "sampling": {"temperature": 1.0, "seed": seed},
             "num_threads": 1,
-            "tool_parser": "none",
+            "tool_call_parser": "none",
             "pause_timeout": 120,
         },
     )

@@ -306,3 +306,16 @@ def test_feed_after_finish_raises():
     parser.finish()
     with pytest.raises(RuntimeError):
         parser.feed("x")
+
+
+@pytest.mark.parametrize("separator", ["\n", "\n\n", "; ", ";\n", "<|python_tag|>", "\n<|python_tag|>"])
+@pytest.mark.parametrize("tagged", [False, True])
+def test_llama3_calls_stream_as_parsed_whatever_separates_them(separator, tagged):
+    """Streamed one character at a time, every Llama 3.x separator gives the calls the whole-text
+    parse gives: both of them, none left as content (issue #26)."""
+    a = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    b = '{"name": "get_time", "parameters": {"tz": "CET"}}'
+    text = ("<|python_tag|>" if tagged else "") + a + separator + b
+    assert_agrees(text, list(range(len(text))), "stop", "llama3_json", None, "", TOOLS)
+    whole = parse_output(text, tool_parser=get_tool_call_parser("llama3_json"), tools=TOOLS, finish_reason="stop")
+    assert [c.name for c in whole.tool_calls] == ["get_weather", "get_time"] and not whole.content

@@ -151,6 +151,33 @@ def test_llama3_json_python_tag_and_semicolons():
     assert parse("llama3_json", text) == (None, [call("get_weather", city="Rome"), call("get_time")])
 
 
+# Every separator and key spelling Llama 3.x emits (issue #26): Meta's model card spells the
+# arguments "parameters", vLLM's llama3_json parser reads "arguments" too and splits on ";", and
+# Llama 3.2/3.3 answers put one call per line, or each after its own <|python_tag|>.
+_PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+_CET = '{"name": "get_time", "parameters": {"tz": "CET"}}'
+LLAMA3_TWO_CALLS = [
+    _PARIS + "\n" + _CET,
+    _PARIS + "\n\n" + _CET,
+    _PARIS + "; " + _CET,
+    _PARIS + ";" + _CET,
+    _PARIS + ";\n" + _CET,
+    "<|python_tag|>" + _PARIS + "; " + _CET,
+    "<|python_tag|>" + _PARIS + "\n" + _CET,
+    "<|python_tag|>" + _PARIS + "<|python_tag|>" + _CET,
+    _PARIS + "\n<|python_tag|>" + _CET,
+]
+
+
+@pytest.mark.parametrize("text", LLAMA3_TWO_CALLS)
+def test_llama3_json_yields_every_call_whatever_separates_them(text):
+    assert parse("llama3_json", text) == (None, [call("get_weather", city="Paris"), call("get_time", tz="CET")])
+
+
+def test_llama3_json_text_after_newline_separated_calls_stays_content():
+    assert parse("llama3_json", _PARIS + "\nThat is all.") == ("That is all.", [call("get_weather", city="Paris")])
+
+
 def test_llama3_json_text_before_python_tag_is_content():
     text = 'Checking.<|python_tag|>{"name": "get_time", "parameters": {}}'
     assert parse("llama3_json", text) == ("Checking.", [call("get_time")])

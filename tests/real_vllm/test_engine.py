@@ -35,7 +35,7 @@ def server(model_dir):
         backend=LocalBackendConfig(
             model=str(model_dir),
             engine="vllm",
-            max_batch_size=8,
+            max_num_seqs=8,
             sampling=SamplingConfig(temperature=1.0, top_p=1.0),
             engine_args={"dtype": "float32", "max_model_len": 2048, "enforce_eager": True},
         ),

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from gymserve.config import validate_config
-from gymserve.server.control import CONTROL_PATHS, control_allowed
+from gymserve.server.control_routes import CONTROL_PATHS, control_allowed
 from gymserve.server.run import start_background_server
 from helpers.fakes import ChatScript, FakeServer
 
@@ -85,7 +85,7 @@ def test_without_a_key_the_routes_close_beyond_loopback(upstream, monkeypatch):
         assert not control_allowed(host) and not control_allowed(host, None, "")
         assert control_allowed(host, SERVER_KEY) and control_allowed(host, None, ADMIN_KEY)
     # Served for real on 127.0.0.1 with the decision a 0.0.0.0 bind without a key gets.
-    monkeypatch.setattr("gymserve.server.control.control_allowed", lambda host, *keys: False)
+    monkeypatch.setattr("gymserve.server.control_routes.control_allowed", lambda host, *keys: False)
     cfg = validate_config({"server": {"port": 0}, "backend": {"type": "chat", "base_urls": [upstream.url + "/v1"]}})
     with start_background_server(cfg) as srv:
         root = srv.base_url.removesuffix("/v1")

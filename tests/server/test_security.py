@@ -263,11 +263,15 @@ def test_base_urls_come_only_from_configuration(upstream):
                     "X-Base-URL": evil.url + "/v1",
                     "Forwarded": f"host=127.0.0.1:{evil.port}",
                 }
+                # A body field naming an upstream is refused (server.known_fields), never followed.
                 r = httpx.post(srv.base_url + "/chat/completions", json=body, headers=headers)
-                assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "from up"
+                assert r.status_code == 400 and r.json()["error"]["param"] == key
                 r = httpx.post(
                     srv.base_url + "/responses", json={"input": "hi", key: evil.url + "/v1"}, headers=headers
                 )
-                assert r.status_code == 200
+                assert r.status_code == 400 and r.json()["error"]["param"] == key
+            # The headers alone are ignored: the call goes to the configured upstream.
+            r = httpx.post(srv.base_url + "/chat/completions", json={"messages": MSG}, headers=headers)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "from up"
         assert evil.requests == []
-        assert len(upstream.chat_requests()) == 14
+        assert len(upstream.chat_requests()) == 1

@@ -331,7 +331,7 @@ def test_status_at_the_root(server):
 
 
 def _refused_fields():
-    from test_request_checks import CHAT_ON_RESPONSES, RESPONSES_ON_CHAT
+    from helpers.apis import CHAT_ON_RESPONSES, RESPONSES_ON_CHAT
 
     return [("responses", f, v, h) for f, v, h in CHAT_ON_RESPONSES] + [
         ("chat", f, v, h) for f, v, h in RESPONSES_ON_CHAT

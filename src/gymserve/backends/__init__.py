@@ -1,12 +1,11 @@
 """Backends: one class per kind of upstream, chosen by ``backend.type`` in the config.
 
-``BACKENDS`` names every kind (a ``gymserve.registry.Registry``, defined beside the backend config
-models in ``gymserve.config``, which validates ``backend.type`` and sits below the backends); the
-CLI's ``--backend`` choices and error messages read ``BACKENDS.names()`` too. Each entry is imported
-on first use, so a local-only install never imports the openai SDK, a remote-only install never
-imports torch, and nothing imports Ray until a ray backend is built. A new backend is one module
-with a ``Backend`` subclass that has ``from_config(config, *, max_queue)``, its config model in
-``gymserve.config``, and one ``BACKENDS.register`` line there.
+``BACKENDS`` (``gymserve.registry``) names every kind; the config validates ``backend.type`` by
+it and the CLI's ``--backend`` choices and error messages read ``BACKENDS.names()``. Each entry is
+imported on first use, so a local-only install never imports the openai SDK, a remote-only install
+never imports torch, and nothing imports Ray until a ray backend is built. A new backend is one
+module with a ``Backend`` subclass that has ``from_config(config, *, max_queue)``, its config model
+in ``gymserve.config``, and one ``BACKENDS.register`` line in ``gymserve/registry.py``.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
-from gymserve.config import BACKENDS
-from gymserve.registry import UnknownNameError
+from gymserve.registry import BACKENDS, UnknownNameError
 
 __all__ = ["BACKENDS", "Backend", "RequestContext", "build_backend"]
 
@@ -26,7 +24,7 @@ def build_backend(config: Any, *, max_queue: int | None = None) -> Backend:
     ``BACKENDS`` entry).
 
     Raises ``ConfigError`` naming the choices for an unknown backend type or a
-    ``tool_parser``/``reasoning_parser`` that names no registered parser; whatever the backend's
+    ``tool_call_parser``/``reasoning_parser`` that names no registered parser; whatever the backend's
     ``from_config`` raises otherwise (``ImportError`` naming the package to install, start-up errors).
     """
     from gymserve.config import ConfigError, GymserveConfig

@@ -10,9 +10,8 @@ a backend attribute this class does not declare.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gymserve.backends.context import RequestContext
@@ -31,8 +30,8 @@ __all__ = ["Backend", "RequestContext"]
 
 if TYPE_CHECKING:
     from gymserve.backends.pool import Limiter, ReplicaPool
+    from gymserve.control import Control
     from gymserve.convert import ConvertOptions
-    from gymserve.engine.base import PauseMode
 
 
 class Backend(ABC):
@@ -46,12 +45,11 @@ class Backend(ABC):
     Declared state: ``name`` (the registry name: ``/health``, metrics labels, logs); ``limiter``
     (the ``pool.Limiter`` bounding calls in flight, read by the queue-depth metrics; None when the
     backend has none); ``pool`` (the ``pool.ReplicaPool`` routing its calls across replicas, read by
-    the per-replica metrics; None without one); ``secrets`` (credentials the server must redact from logs and capture). The
-    control plane of a policy being trained (``pause_generation``, ``resume_generation``,
-    ``is_paused``, ``update_weights``, ``update_weight_version``, ``control_status``; vLLM's names,
-    served by ``server.control``) answers ``NotSupportedError`` (501) by default; the local backend
-    (``local.control``), the Ray backend (``ray_cluster.control``: every replica, all or none) and
-    the chat backend (``chat_control``: a gateway forwarding to its servers) implement it.
+    the per-replica metrics; None without one); ``secrets`` (credentials the server must redact from
+    logs and capture); ``control`` (the ``gymserve.control.Control`` of what owns the weights or
+    the servers: pause, weight updates, LoRA, status; None for a backend serving weights it does
+    not own, whose control routes then answer 501 through ``gymserve.control.control_of``). This
+    class is the data path only: it declares no control verb.
 
     Errors: every method raises ``gymserve.errors.GymserveError`` subclasses only; the server turns
     them into OpenAI error objects with their status.
@@ -60,6 +58,7 @@ class Backend(ABC):
     name: ClassVar[str] = "backend"
     limiter: Limiter | None = None
     pool: ReplicaPool | None = None
+    control: Control | None = None
 
     @classmethod
     @abstractmethod
@@ -197,70 +196,6 @@ class Backend(ABC):
     async def health(self) -> dict[str, Any]:
         """``{"status": "ok" | "degraded" | "down", ...details}``. Default: ok with ``describe()``."""
         return {"status": "ok", **self.describe()}
-
-    # ---- control plane of a policy being trained (server.control; vLLM's names) ---------------
-
-    def _no_control(self, what: str):
-        from gymserve.errors import NotSupportedError
-
-        return NotSupportedError(
-            f"{what} is not supported by the {self.name} backend yet: it serves weights it does not own. "
-            "Use the local backend (backend.type: local) for weight updates and pauses in gymserve, or "
-            "drive your upstream server's own control API",
-            code="control_not_supported",
-        )
-
-    async def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
-        """Pause in ``mode`` (``abort`` | ``wait`` | ``keep``) for at most ``timeout`` s; see
-        docs/concepts/training-control.md. Raises ``NotSupportedError`` (501) by default."""
-        raise self._no_control("pause_generation")
-
-    async def resume_generation(self) -> None:
-        """End a pause. Raises ``NotSupportedError`` (501) by default."""
-        raise self._no_control("resume_generation")
-
-    async def is_paused(self) -> bool:
-        """Whether generation is paused. Raises ``NotSupportedError`` (501) by default."""
-        raise self._no_control("is_paused")
-
-    async def update_weights(
-        self, tensors: Any = None, *, path: str | None = None, weight_version: int | str | None = None
-    ) -> int | str:
-        """Swap in a state dict (``tensors``) or the safetensors under ``path``, all or nothing;
-        returns the new weight version. Raises ``NotSupportedError`` (501) by default."""
-        raise self._no_control("update_weights")
-
-    async def update_weight_version(self, new_version: int | str) -> None:
-        """Name the serving weights ``new_version``. Raises ``NotSupportedError`` (501) by default."""
-        raise self._no_control("update_weight_version")
-
-    async def load_lora_adapter(
-        self,
-        lora_name: str,
-        lora_path: str | os.PathLike | None = None,
-        *,
-        tensors: Mapping[str, Any] | None = None,
-        config: Any = None,
-        load_inplace: bool = False,
-        weight_version: int | str | None = None,
-    ) -> int | str:
-        """Merge a LoRA adapter (PEFT format; see ``engine.lora``); returns the new weight version.
-        Raises ``NotSupportedError`` (501) by default."""
-        raise self._no_control("load_lora_adapter")
-
-    async def unload_lora_adapter(self, lora_name: str, *, weight_version: int | str | None = None) -> int | str:
-        """Remove the LoRA adapter ``lora_name``; returns the new weight version. Raises
-        ``NotSupportedError`` (501) by default."""
-        raise self._no_control("unload_lora_adapter")
-
-    def lora_adapters(self) -> list[dict[str, Any]]:
-        """The loaded LoRA adapters (``[]`` by default)."""
-        return []
-
-    def control_status(self) -> list[dict[str, Any]]:
-        """Per replica ``{"replica", "weight_version", "weight_updates", "paused", ...}`` for
-        ``/health`` and ``/metrics``; empty for a backend without weights of its own."""
-        return []
 
     async def close(self) -> None:
         """Release clients, engines and background tasks (idempotent)."""

@@ -19,11 +19,13 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from gymserve.backends.base import RequestContext
 from gymserve.backends.pool import Limiter, Outcome, Replica, ReplicaPool, backoff_delay, usage_of
+from gymserve.backends.stream_end import StreamEnd
 from gymserve.backends.upstream import Upstream
 from gymserve.backends.upstream_errors import is_retryable, translate_error
 from gymserve.errors import (
@@ -34,6 +36,7 @@ from gymserve.errors import (
     UpstreamError,
     UpstreamRateLimitedError,
     UpstreamRejectedError,
+    UpstreamStreamIncompleteError,
     UpstreamTimeoutError,
     UpstreamUnreachableError,
 )
@@ -144,6 +147,7 @@ class UpstreamCaller:
         """
         attempt = 0
         tried: list[Replica] = []
+        said: list[tuple[str, GymserveError]] = []  # (URL tried, what it answered), for the final error
         headers = self._headers(ctx)
         # At start-up, choose among replicas known to answer (bounded: a hanging one costs one probe timeout).
         await self.pool.first_probe(self.probe_timeout)
@@ -153,6 +157,7 @@ class UpstreamCaller:
         while True:
             target = url or self.url(rep, kind)
             ctx.extra["replica"] = replica_label(rep.base_url)
+            await self._await_retry_after(rep, said)
             try:
                 # httpx's timeout bounds each read, not the whole answer: an upstream that trickles
                 # a byte at a time would never time out. The deadline bounds the whole call (for
@@ -176,11 +181,12 @@ class UpstreamCaller:
             except Exception as exc:
                 err = self.translate(exc, target, kind)
                 self.release(rep, ctx, err, routed=replica is None)
+                said.append((redact_url(target), err))
                 if attempt >= self.config.max_retries or not is_retryable(err):
-                    raise err from None
+                    raise with_attempts(err, said) from None
                 if not self.pool.retry_budget.try_withdraw():
                     log.warning("not retrying %s: the retry budget is spent (%s)", redact_url(target), err.message)
-                    raise err from None
+                    raise with_attempts(err, said) from None
                 attempt += 1
                 tried.append(rep)
                 failed = rep
@@ -188,11 +194,12 @@ class UpstreamCaller:
                     rep = self.pool.pick(ctx.session_id, exclude=tried)
                 else:
                     self._pin(replica)
-                # Another replica: go now (the failed one is out of rotation). The same one: back off.
+                # Another replica: go now (the failed one is out of rotation). The same one: back off;
+                # after a 429 the wait is its Retry-After, which the next turn of the loop awaits
+                # (``_await_retry_after``: bounded, and for whichever replica is picked).
                 delay = 0.0
-                if rep is failed:
-                    asked = err.upstream_retry_after if isinstance(err, UpstreamRateLimitedError) else None
-                    delay = backoff_delay(attempt - 1, self.config.retry_backoff, asked)
+                if rep is failed and not isinstance(err, UpstreamRateLimitedError):
+                    delay = backoff_delay(attempt - 1, self.config.retry_backoff)
                 log.warning(
                     "retry %d/%d of %s on %s in %.2f s: %s",
                     attempt,
@@ -213,6 +220,30 @@ class UpstreamCaller:
                 self.release(rep, ctx, None, result, routed=replica is None)
             return result, rep
 
+    async def _await_retry_after(self, rep: Replica, said: list[tuple[str, GymserveError]]) -> None:
+        """Never call a replica inside its upstream ``Retry-After``: wait until it has passed when
+        that is within the backend's ``timeout`` (the wait a call accepts anyway), else release
+        ``rep`` and raise ``UpstreamRateLimitedError`` (429) whose ``Retry-After`` is the earliest
+        moment any replica takes calls again, naming every upstream tried and what each said."""
+        wait = self.pool.throttle_wait(rep)
+        if wait <= 0:
+            return
+        if wait > self.config.timeout:
+            self.pool.release(rep, Outcome.CANCELLED)
+            earliest = min(self.pool.throttle_wait(r) for r in self.pool.replicas)
+            err = UpstreamRateLimitedError(
+                f"every replica is rate limiting: the earliest Retry-After ends in {earliest:.1f} s, longer than "
+                f"the backend timeout ({self.config.timeout:g} s); retry after it",
+                upstream_retry_after=max(1.0, math.ceil(earliest)),
+            )
+            raise with_attempts(err, said) from None
+        log.info("waiting %.2f s for the Retry-After of %s", wait, replica_label(rep.base_url))
+        try:
+            await asyncio.sleep(wait)
+        except asyncio.CancelledError:
+            self.pool.release(rep, Outcome.CANCELLED)
+            raise
+
     def _pin(self, replica: Replica) -> None:
         """Count a call to a given replica (not chosen by the pool) as in flight there."""
         replica.in_flight += 1
@@ -231,20 +262,30 @@ class UpstreamCaller:
         got = done = False
         error: GymserveError | None = None
         usage: Any = None
+        end = StreamEnd(kind)
         try:
             async for event in stream:
                 got = True
                 if isinstance(event, dict):
+                    end.see(event)
                     if isinstance(event.get("usage"), dict):
                         usage = event
                     elif isinstance(event.get("response"), dict) and isinstance(event["response"].get("usage"), dict):
                         usage = event["response"]
                 yield event
+            where = redact_url(url)
             if require_events and not got:
-                where = redact_url(url)
                 raise UpstreamBadResponseError(
                     f"{where} answered a streaming request without any events (not server-sent events, or an "
                     "empty stream); does the server support stream=true?",
+                    url=where,
+                )
+            if not end.complete:
+                replica.stats.streams_incomplete += 1
+                log.warning("stream from %s ended without %s", where, end.expected)
+                raise UpstreamStreamIncompleteError(
+                    f"{where} ended the stream without {end.expected}: the answer was cut short (a crashed or "
+                    "restarted server, or a proxy that closed the stream) and is not complete; send the call again",
                     url=where,
                 )
             done = True
@@ -264,6 +305,17 @@ class UpstreamCaller:
         await self.pool.close()
         for replica in self.pool.replicas:
             await replica.client.close()
+
+
+def with_attempts(err: GymserveError, said: list[tuple[str, GymserveError]]) -> GymserveError:
+    """``err`` with every attempt of the call listed in its message (``attempts: 1. URL: message;
+    2. …``) when there was more than one, or when ``err`` is not the one answer it describes, so the
+    final error names every upstream tried and what each said."""
+    if len(said) < 2 and (not said or said[0][1] is err):
+        return err
+    listed = "; ".join(f"{i}. {where}: {e.message}" for i, (where, e) in enumerate(said, 1))
+    err.message = f"{err.message} (attempts: {listed})"
+    return err
 
 
 @functools.lru_cache(maxsize=1024)

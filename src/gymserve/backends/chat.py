@@ -45,16 +45,19 @@ class ChatUpstream(Upstream):
         return Transport(AsyncOpenAI(base_url=base, api_key=key, **self._sdk_options()), lean)
 
 
-class ChatBackend(ChatControl, RemoteBackend):
-    """``RemoteBackend`` over a ``ChatUpstream``, with the training gateway's control plane
-    (``chat_control``: pause at the door, forwarding to the servers' control endpoints)."""
+class ChatBackend(RemoteBackend):
+    """``RemoteBackend`` over a ``ChatUpstream``, holding the training gateway's control
+    (``chat_control.ChatControl``: pause at the door, forwarding to the servers' control
+    endpoints); its gate and versions are the ones ``RemoteBackend`` admits and stamps calls with."""
 
     name = "chat"
     upstream_type = ChatUpstream
+    control: ChatControl
 
     def __init__(self, upstream: Upstream, *, max_queue: int = 1024):
         super().__init__(upstream, max_queue=max_queue)
-        self._init_control(upstream.config, max_queue)
+        self.control = ChatControl(upstream.config, max_queue)
+        self.gate, self.versions = self.control.gate, self.control.versions
         # A replica back from being unhealthy may have restarted on other weights: read its version again.
         versions = self.versions
         if versions is not None:
@@ -62,9 +65,9 @@ class ChatBackend(ChatControl, RemoteBackend):
 
     async def health(self) -> dict[str, Any]:
         """The replicas' health (``RemoteBackend.health``), after reading their weight versions."""
-        await self.refresh_versions()
+        await self.control.refresh()
         return await super().health()
 
     async def close(self) -> None:
-        await self._close_control()
+        await self.control.close()
         await super().close()

@@ -1,7 +1,7 @@
 """The chat backend as a training gateway: pause at the door, forward the rest to the servers.
 
 A trainer running its own vLLM or SGLang servers behind gymserve drives them through gymserve's
-control routes (vLLM's names, ``server.control``): the gateway holds the rollouts' calls while the
+control routes (vLLM's names, ``server.control_routes``): the gateway holds the rollouts' calls while the
 trainer updates its servers, so no rollout fails, and forwards what the servers can do themselves to
 their own control endpoints (``upstream_control``; ``backend.upstream_control`` names the flavour).
 
@@ -39,22 +39,24 @@ from typing import Any
 
 from gymserve.backends.chat_versions import ReplicaVersions
 from gymserve.backends.upstream_control import UpstreamControl, control_for
+from gymserve.control import Control, check_mode, check_timeout, check_version
 from gymserve.engine.base import PauseMode, WeightVersion
-from gymserve.engine.control import check_mode, check_timeout, check_version
 from gymserve.engine.pause_gate import PauseGate
 from gymserve.errors import ConflictError, GymserveError, NotSupportedError
 from gymserve.redaction import redact_url
 
 
-class ChatControl:
-    """Mixed into ``chat.ChatBackend``; ``_init_control(config, max_queue)`` sets the gate (which
-    ``remote.RemoteBackend`` admits every call through) and the upstream control up."""
+class ChatControl(Control):
+    """``chat.ChatBackend.control``, built from its ``ChatBackendConfig``: the ``gate`` (which
+    ``remote.RemoteBackend`` admits every call through), the ``upstream_control`` forwarding to the
+    servers, and the ``versions`` the gateway knows of them (stamped on every answer)."""
 
-    gate: PauseGate | None
+    gate: PauseGate
     upstream_control: UpstreamControl
-    versions: ReplicaVersions | None
+    versions: ReplicaVersions
 
-    def _init_control(self, config: Any, max_queue: int) -> None:
+    def __init__(self, config: Any, max_queue: int):
+        super().__init__("chat")
         self.gate = PauseGate(name="the chat backend", default_timeout=float(config.pause_timeout), max_queue=max_queue)
         self.upstream_control = control_for(config)
         read = self.upstream_control.weight_versions if self._forwarding else None
@@ -72,7 +74,6 @@ class ChatControl:
         it took effect. Raises ``ConflictError`` (409) when a ``wait`` pause ends before the calls
         in flight finish, or the servers' error when they refuse the pause (the gateway then lets
         calls through again: no pause took effect)."""
-        assert self.gate is not None
         mode = check_mode(mode)
         timeout = None if timeout is None else check_timeout(timeout)
         await self.gate.pause(mode, timeout, abort_in_flight=not self._forwarding, drain=False)
@@ -93,14 +94,13 @@ class ChatControl:
     async def resume_generation(self) -> None:
         """Resume the servers (when forwarding), then let the held calls go. The held calls go even
         when a server refuses to resume, so the rollouts are never stuck at the gateway."""
-        assert self.gate is not None
         try:
             await self.upstream_control.resume()
         finally:
             self.gate.resume()
 
     async def is_paused(self) -> bool:
-        return self.gate is not None and self.gate.paused is not None
+        return self.gate.paused is not None
 
     # ---- weight changes -------------------------------------------------------------------------
 
@@ -108,13 +108,12 @@ class ChatControl:
         return self._changes + 1 if weight_version is None else check_version(weight_version)
 
     def _changed(self, version: WeightVersion) -> WeightVersion:
-        assert self.versions is not None
         self._changes += 1
         self.versions.set_all(version)
         return version
 
     async def update_weights(
-        self, tensors: Any = None, *, path: str | None = None, weight_version: WeightVersion | None = None
+        self, tensors: Any = None, *, path: str | os.PathLike | None = None, weight_version: WeightVersion | None = None
     ) -> WeightVersion:
         """Forward a weight update from ``path`` (on the servers' machine) to every server; returns
         the new version. In-process ``tensors`` cannot reach a remote server: 501."""
@@ -139,7 +138,6 @@ class ChatControl:
     def _forwarding_change(self):
         """Around a weight change sent to the servers (``ReplicaVersions.changing``): answers that
         overlap it get no version; nothing is sent without a flavour, so nothing changes then."""
-        assert self.versions is not None
         return self.versions.changing() if self._forwarding else contextlib.nullcontext()
 
     async def load_lora_adapter(
@@ -174,17 +172,15 @@ class ChatControl:
 
     # ---- status ---------------------------------------------------------------------------------
 
-    async def refresh_versions(self) -> None:
+    async def refresh(self) -> None:
         """Read each server's version (``/health`` calls it; best effort: a failure keeps the last)."""
-        if self.versions is not None:
-            await self.versions.refresh(force=True)
+        await self.versions.refresh(force=True)
 
     def control_status(self) -> list[dict[str, Any]]:
         """Per replica ``{"replica", "weight_version" (None until known), "weight_updates",
         "version_overlaps" (answers left without a version: a change was forwarded while they ran),
         "paused", "pause_seconds_left", "upstream_control", "calls_waiting", "calls_in_flight"}``."""
-        assert self.versions is not None
-        gate = self.gate.status() if self.gate is not None else {}
+        gate = self.gate.status()
         return [
             {
                 "replica": redact_url(root),
@@ -197,7 +193,6 @@ class ChatControl:
             for root, version in self.versions.versions.items()
         ]
 
-    async def _close_control(self) -> None:
-        if self.gate is not None:
-            self.gate.close()
+    async def close(self) -> None:
+        self.gate.close()
         await self.upstream_control.close()

@@ -88,7 +88,9 @@ class JSONClient:
                     parsed: Any = orjson.loads(raw)
                 except orjson.JSONDecodeError:
                     parsed = text
-                answer = _Answer(resp.status, text, dict(resp.headers), _SentRequest(str(resp.url)))
+                # Names lower-cased: readers look headers up as httpx's case-insensitive ones (``retry-after``).
+                headers = {k.lower(): v for k, v in resp.headers.items()}
+                answer = _Answer(resp.status, text, headers, _SentRequest(str(resp.url)))
                 raise HTTPStatusFailure(resp.status, answer, parsed)
             return orjson.loads(raw)
 

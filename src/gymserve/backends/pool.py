@@ -57,7 +57,8 @@ class ReplicaStats:
     ``routed``: calls sent; ``failures``: calls that ended FAILED or DOWN; ``moves_in``: sessions
     moved here from another replica; ``later_turns``: answered turns of sessions after their first;
     ``affinity_hits``: those answered where the session's previous turn was; ``prompt_tokens`` /
-    ``estimated_cached_tokens``: the prefix-hit estimate (``routing.sessions``).
+    ``estimated_cached_tokens``: the prefix-hit estimate (``routing.sessions``);
+    ``streams_incomplete``: streams that ended without their API's terminal event (``caller.StreamEnd``).
     """
 
     routed: int = 0
@@ -67,6 +68,7 @@ class ReplicaStats:
     affinity_hits: int = 0
     prompt_tokens: int = 0
     estimated_cached_tokens: int = 0
+    streams_incomplete: int = 0
 
     @property
     def prefix_hit_estimate(self) -> float | None:
@@ -191,18 +193,28 @@ class ReplicaPool(Generic[R]):
             if chosen is None and exclude:
                 chosen = self.policy.place(lambda r: self._usable(r, now) and self._allowed(r, where), session_id)
             if chosen is None:
-                chosen = self.policy.place(lambda r: self._allowed(r, where), session_id)
+                # Panic: none is usable. Breakers and probes are ignored, a Retry-After never is: a
+                # replica not inside one first, else the one whose Retry-After ends first (the
+                # caller waits for it, ``throttle_wait``).
+                chosen = self.policy.place(lambda r: self._allowed(r, where) and r.throttled_until <= now, session_id)
                 if chosen is None:
-                    raise NoReplicaError(
-                        f"no replica can take this call: none of the {len(self.replicas)} replicas passes the "
-                        "routing filters (e.g. every replica is loading new weights); retry once they are back"
-                    )
+                    allowed = [r for r in self.replicas if self._allowed(r, where)]
+                    if not allowed:
+                        raise NoReplicaError(
+                            f"no replica can take this call: none of the {len(self.replicas)} replicas passes the "
+                            "routing filters (e.g. every replica is loading new weights); retry once they are back"
+                        )
+                    chosen = min(allowed, key=lambda r: r.throttled_until)
                 self.panics += 1
                 log.warning("no healthy replica; sending the call to %s anyway", chosen.base_url)
         chosen.in_flight += 1
         chosen.stats.routed += 1
         chosen.breaker.on_pick()
-        if session_id is not None and self.sessions.route(session_id, chosen, now):
+        # A retry that leaves a home replica which failed this call once but is still healthy (its
+        # breaker not open: one transient 5xx is below ``breaker_failures``) does not move the
+        # session: its next turn goes home, where its prefix is cached.
+        keep_home = home is not None and home in exclude and home.healthy and chosen is not home
+        if session_id is not None and not keep_home and self.sessions.route(session_id, chosen, now):
             chosen.stats.moves_in += 1
             if home is not None and not home.healthy:
                 log.info("session %s moves off unhealthy replica %s to %s", session_id, home.base_url, chosen.base_url)
@@ -252,6 +264,10 @@ class ReplicaPool(Generic[R]):
             replica.throttled_until = max(replica.throttled_until, self._clock() + min(wait, 60.0))
         else:
             breaker.cancelled()
+
+    def throttle_wait(self, replica: R) -> float:
+        """Seconds until ``replica``'s upstream ``Retry-After`` has passed (0 when it is not throttled)."""
+        return max(0.0, replica.throttled_until - self._clock())
 
     def mark_down(self, replica: R, reason: str) -> None:
         """Take ``replica`` out of rotation now (its breaker opens; ``reason`` becomes ``last_error``)."""
@@ -364,6 +380,7 @@ class ReplicaPool(Generic[R]):
             "prompt_tokens": s.prompt_tokens,
             "estimated_cached_tokens": s.estimated_cached_tokens,
             "prefix_hit_estimate": round(hit, 4) if hit is not None else None,
+            "streams_incomplete": s.streams_incomplete,
         }
 
     def status(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Parsing on gymserve's side for chat servers started without a tool-call or reasoning parser.
 
 Such a server returns the model's raw text (``<think>…</think>``, ``<tool_call>…</tool_call>``) as
-``content``. The chat backend's ``tool_parser`` / ``reasoning_parser`` options run the local
+``content``. The chat backend's ``tool_call_parser`` / ``reasoning_parser`` options run the local
 engine's parsers over it: :func:`apply_parsers` on a whole completion, :class:`ParsedChunkStream`
 on a stream, chunk by chunk as it arrives (the same scanner, so the two agree). The rules, as for a
 whole completion: tool calls are looked for only when the request offered tools and the server

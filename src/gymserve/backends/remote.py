@@ -46,7 +46,7 @@ from gymserve.backends.raw_text import ParsedChunkStream, apply_parsers
 from gymserve.backends.remote_completions import RemoteCompletions
 from gymserve.backends.remote_tokens import RemoteTokens
 from gymserve.backends.responses_over_chat import ChatAnswer, overflow_events
-from gymserve.backends.token_stream import StreamedTokens, attach_token_info, stream_cut_short
+from gymserve.backends.token_stream import StreamedTokens, attach_token_info
 from gymserve.backends.upstream import Upstream
 from gymserve.convert import (
     ConvertOptions,
@@ -89,10 +89,10 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
         self.pool = self.caller.pool
         self._wants_token_ids = bool(getattr(config, "return_token_id_information", False))
         self._tool_parser = self._reasoning_parser = None
-        if getattr(config, "tool_parser", None):
+        if getattr(config, "tool_call_parser", None):
             from gymserve.parsers import tool_call_parser_for
 
-            self._tool_parser = tool_call_parser_for(config.tool_parser, model_name=config.model)[0]
+            self._tool_parser = tool_call_parser_for(config.tool_call_parser, model_name=config.model)[0]
         if getattr(config, "reasoning_parser", None):
             from gymserve.parsers import get_reasoning_parser
 
@@ -268,8 +268,6 @@ class RemoteBackend(RemoteCompletions, RemoteTokens, Backend):
                 stamp.see(piece)
                 yield piece
                 return
-            if tokens is not None and not tokens.finished:
-                raise stream_cut_short(where)
 
     async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
         """The upstream's completion for the Responses path, which answers an overflow itself

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from gymserve.backends.chat_versions import StreamStamp, VersionWatch, root_of, stamp_choices
 from gymserve.backends.completion_tokens import CompletionTokens
 from gymserve.backends.context import RequestContext
-from gymserve.backends.token_stream import stream_cut_short
 from gymserve.errors import UpstreamBadResponseError, UpstreamError
 from gymserve.redaction import redact_url
 
@@ -102,5 +101,3 @@ class RemoteCompletions:
                             await tokens.attach(choice, self.caller, replica, ctx, where)
                     stamp.see(chunk)
                     yield chunk
-            if tokens is not None and not tokens.finished:
-                raise stream_cut_short(where)

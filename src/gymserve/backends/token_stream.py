@@ -97,16 +97,6 @@ class StreamedTokens:
         return {"prompt_token_ids": self.prompt, "choices": [choice]}
 
 
-def stream_cut_short(where: str) -> UpstreamTokenIdsError:
-    """The 502 for an upstream stream that ended before every choice had its finish reason: the
-    generation's token IDs are incomplete (chat and completions streams alike)."""
-    return UpstreamTokenIdsError(
-        f"{where} ended the stream without a finish_reason for every choice, so the token IDs of the "
-        "generation are incomplete; is the server cutting streams short?",
-        url=where,
-    )
-
-
 def _index(choice: dict[str, Any]) -> int:
     index = choice.get("index", 0)
     return index if isinstance(index, int) else 0

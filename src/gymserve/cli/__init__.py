@@ -10,7 +10,9 @@ Failures print one line (``gymserve.failures``): the message of a known error, o
 failed and where, plus the file holding the traceback; ``--debug`` (or ``GYMSERVE_DEBUG=1``)
 prints the traceback instead.
 Exit codes: 0 success, 1 a bug (or a failed check), 2 a usage, config, model or upstream error,
-130 interrupted.
+130 interrupted; ``serve``: ``128 + N`` when signal N killed the server (``gymserve.cli.supervise``:
+``serve`` runs the server in a child process and says in one line what killed it; ``serve``,
+``launch`` and ``demo`` enable ``faulthandler``, so a native crash prints the Python backtrace).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from gymserve.cli.flags import (
     config_from_args,
     serve_overrides,
 )
-from gymserve.engine import ENGINES
+from gymserve.registry import ENGINES
 
 __all__ = ["build_parser", "config_from_args", "main", "run_server", "serve_overrides", "version"]
 
@@ -220,6 +222,12 @@ def _serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gymserve`` console script; returns the exit code (see the module docstring)."""
     args = build_parser().parse_args(argv)
+    from gymserve.cli.supervise import should_supervise, supervise
+
+    if should_supervise(args.command, argv):
+        return supervise(sys.argv[1:])
+    if args.command in ("serve", "launch", "demo"):
+        _enable_faulthandler()
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -234,6 +242,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear line (gymserve.failures)
         return report(exc, args.command)
+
+
+def _enable_faulthandler() -> None:
+    """A crash in native code (llama.cpp, torch) prints the Python backtrace of every thread to
+    stderr before the process dies (``faulthandler``); under pytest or another tool that enabled it
+    already, that one stays. stderr without a file descriptor (a captured stream): nothing."""
+    import faulthandler
+
+    if faulthandler.is_enabled():
+        return
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gymserve.config import BACKENDS, ConfigError
-from gymserve.engine import ENGINES
+from gymserve.config import ConfigError
 from gymserve.parsers import reasoning_parser_names, tool_call_parser_names
+from gymserve.registry import BACKENDS, ENGINES
 
 LOCAL = frozenset({"local", "ray"})
 REMOTE = frozenset({"chat", "openai", "azure", "anthropic"})
@@ -182,7 +182,7 @@ ENGINE = (
     ),
     Flag(
         ("--max-model-len",),
-        "backend.context_window",
+        "backend.max_model_len",
         {
             "type": context_length,
             "metavar": "TOKENS",
@@ -193,7 +193,7 @@ ENGINE = (
     ),
     Flag(
         ("--max-num-seqs",),
-        "backend.max_batch_size",
+        "backend.max_num_seqs",
         {"type": int, "metavar": "N", "help": "sequences decoded together, as in vllm serve; more requests wait"},
         kinds=LOCAL,
     ),
@@ -248,7 +248,7 @@ ENGINE = (
 PARSERS = (
     Flag(
         ("--tool-call-parser",),
-        "backend.tool_parser",
+        "backend.tool_call_parser",
         {
             "metavar": "NAME",
             "choices": (*tool_call_parser_names(), "auto", "none"),

@@ -1,14 +1,15 @@
 """Inference engines behind one interface (``engine.base.Engine``), created from config.
 
-``ENGINES`` names every engine; each entry is imported lazily so installing gymserve without an
-engine's package works, and asking for a missing one says which package to install. A new engine is
-one module with a class that has ``from_config(config, resolved)`` and one ``ENGINES.register`` line.
+``ENGINES`` (``gymserve.registry``, re-exported here) names every engine; each entry is imported
+lazily so installing gymserve without an engine's package works, and asking for a missing one says
+which package to install. A new engine is one module with a class that has
+``from_config(config, resolved)`` and one ``ENGINES.register`` line in ``gymserve/registry.py``.
 """
 
 from __future__ import annotations
 
 from gymserve.engine.base import Engine, Generation, SamplingParams, TokenDelta
-from gymserve.registry import Registry
+from gymserve.registry import ENGINES
 
 __all__ = [
     "ENGINES",
@@ -20,20 +21,6 @@ __all__ = [
     "load_engine_tokenizer",
     "resolve_engine_model",
 ]
-
-ENGINES: Registry = Registry("engine")
-ENGINES.register(
-    "transformers",
-    "gymserve.engine.transformers_engine:TransformersEngine",
-    install_hint='install the local extra: pip install "gymserve[local]"',
-)
-ENGINES.register(
-    "llamacpp",
-    "gymserve.engine.llamacpp_engine:LlamaCppEngine",
-    install_hint='install the llamacpp extra: pip install "gymserve[llamacpp]"',
-)
-ENGINES.register("vllm", "gymserve.engine.vllm_engine:VLLMEngine", install_hint="pip install vllm")
-ENGINES.register("trtllm", "gymserve.engine.trtllm_engine:TRTLLMEngine", install_hint="pip install tensorrt_llm")
 
 
 def create_engine(config, resolved) -> Engine:

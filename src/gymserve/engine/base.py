@@ -16,18 +16,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, Self, runtime_checkable
 
+# The control plane's vocabulary (weight versions, pause modes) is declared with its verbs; named
+# here too because every engine speaks it.
+from gymserve.control import PauseMode, WeightVersion
+
 FinishReason = Literal["stop", "length", "abort"]
 """``abort``: ended by ``pause_generation(mode="abort")``, keeping the tokens sampled so far (vLLM's
 finish reason for an aborted request)."""
-
-WeightVersion = int | str
-"""Which weights a token came from: an int the engine counts (0 for the weights it loaded, then one
-more per update), or the string a trainer gave (SGLang's ``weight_version``)."""
-
-PauseMode = Literal["abort", "wait", "keep"]
-"""vLLM's pause modes: ``abort`` ends in-flight calls now, ``wait`` lets them finish, ``keep``
-freezes them until ``resume_generation``."""
-PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 
 
 @dataclass(frozen=True)
@@ -227,7 +222,7 @@ class RunBasedEngine(NoControl):
         engine = cls(  # type: ignore[call-arg]  # the adapters' constructors take these keywords
             resolved.path,
             model_name=resolved.name,
-            context_window=config.context_window,
+            context_window=config.max_model_len,
             engine_args=dict(config.engine_args or {}),
         )
         engine.pause_timeout = float(getattr(config, "pause_timeout", 300.0))  # type: ignore[attr-defined]

@@ -33,42 +33,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from gymserve.engine.base import PAUSE_MODES, PauseMode, WeightVersion
-from gymserve.errors import ConflictError, EngineError, InvalidRequestError
+# The argument checks every control shares are declared with the verbs (``gymserve.control``).
+from gymserve.control import check_mode, check_timeout, check_version
+from gymserve.engine.base import PauseMode, WeightVersion
+from gymserve.errors import ConflictError, EngineDownError, EngineError
 
 log = logging.getLogger("gymserve.engine")
-
-MAX_VERSION_CHARS = 256
-
-
-def check_mode(mode: Any) -> PauseMode:
-    """``mode`` if it is a pause mode, else ``InvalidRequestError`` (400, param ``mode``)."""
-    if mode not in PAUSE_MODES:
-        raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
-    return mode
-
-
-def check_timeout(timeout: Any) -> float:
-    """A pause timeout in seconds: a finite number > 0, else ``InvalidRequestError`` (param ``timeout``)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}", param="timeout")
-    return float(timeout)
-
-
-def check_version(version: Any, param: str = "weight_version") -> WeightVersion:
-    """A weight version a caller names: an int or a non-empty string of at most 256 characters."""
-    if (
-        isinstance(version, bool)
-        or not isinstance(version, (int, str))
-        or version == ""
-        or (isinstance(version, str) and len(version) > MAX_VERSION_CHARS)
-    ):
-        raise InvalidRequestError(
-            f"{param} must be an integer or a non-empty string of at most "
-            f"{MAX_VERSION_CHARS} characters, got {version!r}",
-            param=param,
-        )
-    return version
 
 
 class UndoLog:
@@ -248,6 +218,7 @@ class WorkerControl:
     _inbox: Any
     _closed: bool
     _update_lock: asyncio.Lock | None
+    _fault: str | None = None  # why the worker died ("OverflowError: ..."), None while it runs
 
     @property
     def weight_version(self) -> WeightVersion:
@@ -259,6 +230,8 @@ class WorkerControl:
         return self._control.status()
 
     async def _send(self, cmd: Command) -> Any:
+        if self._fault is not None:
+            raise EngineDownError(getattr(self, "engine_name", type(self).__name__), self._fault)
         if self._closed:
             raise EngineError("the engine is shut down")
         self._inbox.put(cmd)

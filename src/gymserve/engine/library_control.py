@@ -5,7 +5,7 @@ weight version (an int counting changes, or the trainer's name for them), which 
 token (``TokenDelta.weight_version``), the pause deadline (neither library has one: the adapter
 resumes by itself when it passes, and says so in the log), and one LoRA adapter at a time served as
 the policy, as the transformers engine serves one (``engine.lora``; the local backend's model-name
-rules, ``backends.local.lora``, then hold for every engine). The libraries' own LoRA requests are
+rules, ``LocalBackend.check_model``, then hold for every engine). The libraries' own LoRA requests are
 per call: the adapter passes the loaded adapter's request with every generation.
 """
 

@@ -55,6 +55,7 @@ from gymserve.engine.control import Command, ControlState, check_timeout, check_
 from gymserve.engine.llamacpp_lora import LlamaCppLora
 from gymserve.engine.llamacpp_runtime import (
     INSTALL_HINT,
+    REBUILD_HINT,
     KVCacheFull,
     LlamaContext,
     LlamaCppScorer,
@@ -245,6 +246,12 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
         except BaseException:
             self.model.close()
             raise
+        try:
+            self._self_check()
+        except BaseException:
+            self.ctx.close()
+            self.model.close()
+            raise
         # A sequence never holds more than its share of the cache.
         self.context_window = min(self.context_window, self.ctx.n_ctx_seq)
         self.pause_timeout = check_timeout(pause_timeout)
@@ -255,6 +262,20 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
         self._update_lock: asyncio.Lock | None = None
         self.stats: collections.Counter[str] = collections.Counter()  # prefilled / reused / decoded tokens, preemptions
         self._start_worker(self._run, "gymserve-llamacpp")
+
+    def _self_check(self) -> None:
+        """One real ``llama_decode`` of one token before the engine takes calls, so a llama.cpp
+        build whose kernels fail does so at start-up, not at the first rollout (the AMX build of
+        ggml-org/llama.cpp#20824 is refused before this by ``llamacpp_runtime.check_build``; a crash
+        here prints faulthandler's backtrace). Raises ``EngineError`` when the logits are not finite."""
+        token = self.eos_token_ids[0] if self.eos_token_ids else 0
+        logits = self.ctx.decode([token], [0], [0], [True])
+        self.ctx.seq_rm(0)
+        if logits.shape != (1, self.vocab_size) or not np.isfinite(logits).all():
+            raise EngineError(
+                f"llama.cpp's start-up self-check decoded one token of {self.gguf} and got non-finite logits: "
+                "the build or the file is broken; rebuild llama-cpp-python: " + REBUILD_HINT
+            )
 
     def teacher_forcer(self) -> LlamaCppScorer:
         """Teacher forcing on the weights this engine serves, without loading them again: a
@@ -543,7 +564,7 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
             return
         raise EngineError(
             f"the KV cache ({self.ctx.n_ctx} cells) cannot hold this sequence; raise engine_args.kv_cells "
-            "or lower context_window"
+            "or lower max_model_len"
         )
 
     def _accept(self, req: _Request, logits: np.ndarray) -> None:

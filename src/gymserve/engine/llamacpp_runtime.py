@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,14 +28,31 @@ from typing import Any
 
 import numpy as np
 
-from gymserve.errors import EngineError
+from gymserve.errors import EngineBuildError, EngineError
 
 log = logging.getLogger("gymserve.llamacpp")
 
-INSTALL_HINT = (
-    'the llamacpp engine needs llama-cpp-python, which is not installed: pip install "gymserve[llamacpp]" '
-    "(it builds llama.cpp from source, about 10 minutes on 2 cores the first time; pip caches the wheel)"
+#: The portable llama.cpp build (``scripts/install_llamacpp.py`` passes the same flags, and a test
+#: keeps the two equal): no ``-march=native``, x86-64-v3 (AVX2), no AVX-512, no AMX.
+PORTABLE_CMAKE_ARGS = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+    "-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF "
+    "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 )
+REBUILD_COMMAND = "python scripts/install_llamacpp.py"
+REBUILD_HINT = (
+    f"from a gymserve checkout run {REBUILD_COMMAND} (or make install) with the environment's python; "
+    f'elsewhere: CMAKE_ARGS="{PORTABLE_CMAKE_ARGS}" pip install --no-cache-dir --force-reinstall --no-deps '
+    '"llama-cpp-python>=0.3.36"'
+)
+INSTALL_HINT = (
+    f"the llamacpp engine needs llama-cpp-python, which is not installed: from a gymserve checkout run "
+    f"{REBUILD_COMMAND} (it builds llama.cpp from source for any x86-64 CPU with AVX2, about 10 minutes on 2 "
+    "cores the first time; docs/getting-started.md, CPU requirements)"
+)
+#: Set to 1 to run a llama.cpp build with AMX kernels anyway (at the risk of ggml-org/llama.cpp#20824).
+ALLOW_AMX_ENV = "GYMSERVE_LLAMACPP_ALLOW_AMX"
+_FEATURE = re.compile(r"([A-Z][A-Z0-9_]*) = (\w+)")
 GGUF_MAGIC = b"GGUF"
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml_type values of the KV cache types offered
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
@@ -86,7 +104,34 @@ def import_llama_cpp():
             llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
             llama_cpp.llama_backend_init()
             _ready = True
+    check_build(llama_cpp.llama_print_system_info().decode("utf-8", "replace"))
     return llama_cpp
+
+
+def system_features(info: str) -> dict[str, str]:
+    """``{feature: value}`` from llama.cpp's ``llama_print_system_info()`` text, e.g.
+    ``"CPU : SSE3 = 1 | AVX2 = 1 | AMX_INT8 = 1 | "`` → ``{"SSE3": "1", "AVX2": "1", "AMX_INT8": "1"}``."""
+    return dict(_FEATURE.findall(info))
+
+
+def check_build(info: str, environ: Any = None) -> None:
+    """Refuse a llama.cpp whose ``llama_print_system_info()`` text ``info`` reports AMX kernels
+    (``AMX_INT8 = 1``): pip's default build of llama-cpp-python compiles them in on a CPU that has
+    AMX (``GGML_NATIVE``), and they crash in the first ``llama_decode`` (ggml-org/llama.cpp#20824,
+    a segfault in ``ggml_backend_amx_mul_mat`` on Q4_K weights). Raises ``EngineBuildError`` naming
+    the cause and the rebuild command, unless ``$GYMSERVE_LLAMACPP_ALLOW_AMX`` is ``1``
+    (``environ``: ``os.environ`` unless given). A native build without AMX is not detectable from
+    this text (llama.cpp reports features, not ``-march``) and runs on the machine that built it."""
+    environ = os.environ if environ is None else environ
+    amx = sorted(k for k, v in system_features(info).items() if k.startswith("AMX") and v == "1")
+    if not amx or environ.get(ALLOW_AMX_ENV) == "1":
+        return
+    raise EngineBuildError(
+        f"the installed llama-cpp-python was built with llama.cpp's AMX kernels ({', '.join(a + ' = 1' for a in amx)} "
+        "in llama_print_system_info), which crash in the first llama_decode on current Xeons "
+        "(ggml-org/llama.cpp#20824); pip's default build picks them on a CPU with AMX. Rebuild it without: "
+        f"{REBUILD_HINT}. To run this build anyway, set {ALLOW_AMX_ENV}=1"
+    )
 
 
 def check_gguf(path: str | os.PathLike) -> Path:
@@ -237,7 +282,7 @@ class LlamaContext:
         if not self.ptr:
             raise EngineError(
                 f"llama.cpp could not create a context of {options.n_ctx} KV cells for {model.path} (see the "
-                "gymserve.llamacpp log); lower context_window or engine_args.kv_cells"
+                "gymserve.llamacpp log); lower max_model_len or engine_args.kv_cells"
             )
         self.n_ctx = int(lib.llama_n_ctx(self.ptr))
         self.n_ctx_seq = int(lib.llama_n_ctx_seq(self.ptr))

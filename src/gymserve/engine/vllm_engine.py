@@ -315,6 +315,16 @@ class VLLMEngine(LibraryControl, RunBasedEngine):
         except Exception as exc:  # noqa: BLE001 - aborting a request that already ended is harmless
             log.debug("vLLM abort of %s: %s", request_id, exc)
 
+    @property
+    def fault(self) -> str | None:
+        """Why vLLM's engine is dead (``AsyncLLM.errored``: its engine-core process died, and vLLM
+        answers every call with ``EngineDeadError``), else None. The local backend's ``/health``
+        then reports ``down`` with this reason, and new calls get 503 ``engine_down``."""
+        if not getattr(self.engine, "errored", False):
+            return None
+        err = getattr(self.engine, "dead_error", None)
+        return f"{type(err).__name__}: {err}" if err is not None else "vLLM reports its engine errored"
+
     async def close(self) -> None:
         """Refuse new calls; shut vLLM down unless the trainer owns it (``around``)."""
         self._closed = True

@@ -7,12 +7,21 @@ cancelled, and the worker drops it at its next step. The worker pulls everything
 inbox between two steps, runs control commands there (``engine.control``), and at shutdown ends
 every call still open with ``EngineError``. An engine subclasses ``WorkerEngine`` and supplies its
 request type (``_new_request``), its batch (``_running``, ``_abort_running``) and the loop itself.
+
+A worker that dies on an exception (a bug, an ``OverflowError`` from the OS, anything its loop does
+not catch) leaves the engine **down**, never silently stuck: ``fault`` says why, every call in
+flight and every control command gets ``EngineDownError`` (503, naming the engine and the cause),
+and the thread stays on as an answering machine that fails whatever still reaches the inbox until
+shutdown, so no caller waits forever and ``close`` (SIGTERM) still returns. The backend's
+``/health`` reports ``down`` with ``fault``. A crash in native code (SIGSEGV in llama.cpp) kills the
+process instead: see docs/concepts/engine-faults.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from collections import deque
@@ -22,7 +31,14 @@ from typing import Any
 
 from gymserve.engine.base import Generation, SamplingParams, TokenDelta, collect
 from gymserve.engine.control import Command, ControlState, WorkerControl
-from gymserve.errors import EngineError
+from gymserve.errors import EngineDownError, EngineError
+
+log = logging.getLogger("gymserve.engine")
+
+#: The longest single wait of the worker for its inbox, in seconds. Any longer deadline (a pause's)
+#: is waited for in steps of this: ``queue.get`` turns its timeout into an OS deadline, and one too
+#: far away raises ``OverflowError`` (``timestamp out of range for platform time_t``).
+MAX_WAIT_SECONDS = 3600.0
 
 
 @dataclass
@@ -61,8 +77,8 @@ class WorkerEngine(WorkerControl):
         ``model_store.ResolvedModel`` (each engine's ``from_config`` adds its own)."""
         return {
             "model_name": resolved.name,
-            "max_batch_size": config.max_batch_size,
-            "context_window": config.context_window,
+            "max_batch_size": config.max_num_seqs,
+            "context_window": config.max_model_len,
             "num_threads": config.num_threads,
             "pause_timeout": config.pause_timeout,
         }
@@ -71,8 +87,49 @@ class WorkerEngine(WorkerControl):
         self._waiting = deque()  # worker-only: requests not admitted yet
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._closed = False
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._fault = None
+        self._thread = threading.Thread(target=self._worker_main, args=(run,), name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def fault(self) -> str | None:
+        """None while the worker runs; once it died, why (``"OverflowError: timestamp out of range..."``)."""
+        return self._fault
+
+    def _down_error(self) -> EngineDownError:
+        return EngineDownError(getattr(self, "engine_name", type(self).__name__), self._fault or "an unknown error")
+
+    def _worker_main(self, run: Callable[[], None]) -> None:
+        """The worker thread: ``run``, and when it dies on an exception, the engine goes down (see
+        the module docstring): every open call and command fails, and so does anything sent later."""
+        try:
+            run()
+            return
+        except BaseException as exc:  # noqa: BLE001 - the engine goes down; nothing may wait on it
+            self._fault = f"{type(exc).__name__}: {exc}"
+            log.critical(
+                "the %s engine's worker thread died; the engine is down until gymserve restarts",
+                getattr(self, "engine_name", type(self).__name__),
+                exc_info=exc,
+            )
+        err = self._down_error()
+        self._control.fail_all(err)
+        try:
+            open_calls = [*self._running(), *self._waiting]
+        except Exception:  # noqa: BLE001 - the engine's state may be what broke
+            open_calls = list(self._waiting)
+        for r in open_calls:
+            r.emit(err)
+        self._waiting.clear()
+        while True:  # the answering machine: nothing that reaches the inbox waits forever
+            item = self._inbox.get()
+            if item is None:
+                return
+            if isinstance(item, Command):
+                if not item.future.done():
+                    item.future.set_exception(err)
+            else:
+                item.emit(err)
 
     # ---- what the engine supplies ------------------------------------------------------------
 
@@ -93,6 +150,8 @@ class WorkerEngine(WorkerControl):
 
     def _check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """Raises ``EngineError`` when the engine is shut down or the prompt is empty."""
+        if self._fault is not None:
+            raise self._down_error()
         if self._closed:
             raise EngineError("the engine is shut down")
         if not prompt_ids:
@@ -118,6 +177,8 @@ class WorkerEngine(WorkerControl):
         try:
             while True:
                 item = await req.out.get()
+                if isinstance(item, EngineDownError):
+                    raise EngineDownError(item.engine, item.reason)  # a fresh one per caller
                 if isinstance(item, BaseException):
                     raise EngineError(f"generation failed: {type(item).__name__}: {item}") from item
                 yield item
@@ -154,11 +215,13 @@ class WorkerEngine(WorkerControl):
         return True
 
     def _pull(self, *, block: bool, timeout: float | None) -> list:
-        """Everything in the inbox; when ``block``, waits for the first item (at most ``timeout`` s)."""
+        """Everything in the inbox; when ``block``, waits for the first item (at most ``timeout`` s,
+        and at most ``MAX_WAIT_SECONDS``: the caller's loop comes back for a longer deadline)."""
         items = []
         try:
             if block:
-                items.append(self._inbox.get(timeout=timeout))
+                wait = None if timeout is None else min(timeout, MAX_WAIT_SECONDS)
+                items.append(self._inbox.get(timeout=wait))
             while True:
                 items.append(self._inbox.get_nowait())
         except queue.Empty:

@@ -169,7 +169,7 @@ def run_demo(
                 sampling=SamplingConfig(temperature=0.0, seed=0),
                 # The demo's rollouts stay under 1,000 tokens; the 1.5B model's trained 32,768 would
                 # make the llamacpp engine allocate a 0.9 GB KV pool (and 0.6 s) for nothing.
-                context_window=DEMO_CONTEXT_WINDOW,
+                max_model_len=DEMO_CONTEXT_WINDOW,
             )
             # A first run prepares the model here, its progress on stderr; the server then finds it ready.
             print(

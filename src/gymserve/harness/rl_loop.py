@@ -352,8 +352,8 @@ def main_train_demo(args: Any) -> int:
                     # Pinned (a request asking for other sampling is a 400): every rollout is then
                     # sampled from the distribution the update assumes.
                     "sampling": {"pin": "reject"},
-                    "max_batch_size": max(1, cfg.prompts * cfg.group),
-                    "tool_parser": "none",
+                    "max_num_seqs": max(1, cfg.prompts * cfg.group),
+                    "tool_call_parser": "none",
                     "num_threads": args.num_threads,
                 },
             )

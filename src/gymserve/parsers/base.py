@@ -1,7 +1,7 @@
 """Parser interfaces and registries: tool-call parsers and reasoning parsers, chosen by name.
 
-The registries (``TOOL_CALL_PARSERS``, ``REASONING_PARSERS``) are ``gymserve.registry.Registry``
-tables, like the engines' and backends'; config validation, CLI help and error messages read their
+The registries (``TOOL_CALL_PARSERS``, ``REASONING_PARSERS``) live in ``gymserve.registry`` with
+the engines' and backends' (re-exported here); config validation, CLI help and error messages read their
 names. One registry serves two users: the local engine (parsing what it generated) and the chat backend
 (parsing raw text from chat servers that run no parser). Names follow ``vllm serve``'s
 ``--tool-call-parser`` / ``--reasoning-parser`` spellings where one exists.
@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from gymserve.parsers.call_scan import CallScanner, CallStart, CallSyntax, ReasoningText, ScanEvent
 from gymserve.parsers.json_scan import declared_tool_names
-from gymserve.registry import Registry
+from gymserve.registry import REASONING_PARSERS, TOOL_CALL_PARSERS, Registry
 from gymserve.wire.ids import new_id
 
 
@@ -253,23 +253,6 @@ class ReasoningParser:
 
 
 P = TypeVar("P", bound=type)
-
-TOOL_CALL_PARSERS: Registry[type[ToolCallParser]] = Registry("tool-call parser")
-REASONING_PARSERS: Registry[type[ReasoningParser]] = Registry("reasoning parser")
-# The built-in parsers, imported on first use (their modules import this one, never the reverse).
-for _name, _cls in (
-    ("hermes", "HermesToolCallParser"),
-    ("qwen2_5_coder", "Qwen25CoderToolCallParser"),
-    ("llama3_json", "Llama3JsonToolCallParser"),
-    ("mistral", "MistralToolCallParser"),
-    ("deepseek_v3", "DeepSeekV3ToolCallParser"),
-):
-    TOOL_CALL_PARSERS.register(_name, f"gymserve.parsers.tool_calls:{_cls}")
-TOOL_CALL_PARSERS.register("openai", "gymserve.parsers.harmony:HarmonyToolCallParser")
-TOOL_CALL_PARSERS.register("qwen3_coder", "gymserve.parsers.xml_calls:Qwen3CoderToolCallParser")
-for _name, _cls in (("deepseek_r1", "DeepSeekR1ReasoningParser"), ("qwen3", "Qwen3ReasoningParser")):
-    REASONING_PARSERS.register(_name, f"gymserve.parsers.reasoning:{_cls}")
-REASONING_PARSERS.register("openai_gptoss", "gymserve.parsers.harmony:HarmonyReasoningParser")
 
 
 def _registry_of(cls: type) -> Registry[Any]:

@@ -55,6 +55,8 @@ class CallSyntax:
     that close such a call (each skipped when present, whitespace allowed before it).
     ``bare``: a message starting with ``{``/``[`` is a region of declared-tool calls. ``fence``: a
     message starting with a ```json (or bare ```) fence is such a region, ended by the fence.
+    ``newline_separates``: with a ``separator``, a line break between two call objects separates
+    them as well (Llama 3.x).
     """
 
     tag: str | None = None
@@ -65,6 +67,7 @@ class CallSyntax:
     call_tail: tuple[str, ...] = ()
     bare: bool = False
     fence: bool = False
+    newline_separates: bool = False
 
 
 @dataclass(frozen=True)
@@ -249,10 +252,13 @@ class CallScanner(StepScanner):
             if self.syntax.one_value:
                 return self._close_region(self.pos)
             if self.syntax.separator:
-                if t[j] != self.syntax.separator:
+                if t[j] == self.syntax.separator:
+                    self.pos, region.after_value = j + 1, False
+                    return True
+                # A line break separates calls too where the format says so (Llama 3.x writes one
+                # call per line as often as it writes ``;``).
+                if not (self.syntax.newline_separates and "\n" in t[self.pos : j] and t[j] == "{"):
                     return self._fail()
-                self.pos, region.after_value = j + 1, False
-                return True
             if t[j] not in "{[" and not self.syntax.heads:
                 return self._fail()
             region.after_value = False

@@ -62,16 +62,19 @@ class Qwen25CoderToolCallParser(ToolCallParser):
 
 class Llama3JsonToolCallParser(ToolCallParser):
     """Llama 3.1/3.2/3.3 JSON tool calls: ``{"name": ..., "parameters": {...}}`` (``arguments``
-    accepted too), several separated by ``;``, optionally after ``<|python_tag|>``.
+    accepted too, each call spelt either way), several separated by ``;``, by line breaks, or each
+    after its own ``<|python_tag|>``, optionally after ``<|python_tag|>``.
 
-    Source: Meta's Llama 3.1 model card (JSON-based tool calling) and chat template; vLLM
-    ``--tool-call-parser llama3_json``. Without the tag a message must start with a call to a
-    declared tool; after the tag any name is accepted, and text before the tag is content.
+    Source: Meta's Llama 3.1 model card (JSON-based tool calling: ``parameters``) and chat template;
+    vLLM ``--tool-call-parser llama3_json`` (its pattern splits calls on ``;`` and reads
+    ``arguments`` or ``parameters``); Llama 3.2/3.3 answers put one call per line. Without the tag a
+    message must start with a call to a declared tool; after the tag any name is accepted, and text
+    before the tag is content.
     """
 
     name = "llama3_json"
 
-    syntax = CallSyntax(tag=PYTHON_TAG, separator=";", bare=True)
+    syntax = CallSyntax(tag=PYTHON_TAG, separator=";", bare=True, newline_separates=True)
 
 
 class MistralToolCallParser(ToolCallParser):
@@ -197,7 +200,7 @@ def infer_tool_call_parser(
 def tool_call_parser_for(
     name: str | None, *, model_type: str | None = None, model_name: str | None = None, chat_template: str | None = None
 ) -> tuple[ToolCallParser | None, str]:
-    """The parser a ``tool_parser`` option names, and why: ``(parser, reason)``.
+    """The parser a ``tool_call_parser`` option names, and why: ``(parser, reason)``.
 
     ``None`` or ``"none"`` → no parser (``"disabled"``); ``"auto"`` → :func:`infer_tool_call_parser`
     over the model facts given (its reason); any other name → the registered parser

@@ -42,7 +42,8 @@ from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.local.request import echo_sampling
 from gymserve.backends.pool import Limiter, Outcome, ReplicaPool, usage_of
 from gymserve.backends.responses_over_chat import ChatAnswer
-from gymserve.errors import EngineError, NoReplicaError, UpstreamConnectionError
+from gymserve.backends.stream_end import StreamEnd
+from gymserve.errors import EngineError, NoReplicaError, UpstreamConnectionError, UpstreamStreamIncompleteError
 from gymserve.protocol import ChatCompletionDict, ChatRequest, ResponsesRequest
 from gymserve.ray_cluster.control import FleetControl
 from gymserve.ray_cluster.fleet import RayReplica, ReplicaFleet, failure_reason, import_ray
@@ -51,7 +52,7 @@ from gymserve.ray_cluster.replica import raise_remote_error
 log = logging.getLogger("gymserve.ray")
 
 
-class RayBackend(FleetControl, Backend):
+class RayBackend(Backend):
     """N replicas of one model on a Ray cluster; see the module docstring.
 
     ``config``: a ``gymserve.config.RayBackendConfig``. ``max_queue``: requests allowed to wait
@@ -59,12 +60,14 @@ class RayBackend(FleetControl, Backend):
     runs through ``responses_over_chat`` on the replicas' chunks (``answer``), with the pinned
     sampling params echoed, so a Response is the one a single local backend gives for the same tokens.
     The control plane (pause, all-or-none weight changes, one version per call) is
-    ``control.FleetControl``'s.
+    ``control.FleetControl``, held as ``control``: calls are admitted through its gate and routed
+    to the replicas on its version.
     """
 
     name = "ray"
     limiter: Limiter
     pool: ReplicaPool
+    control: FleetControl
 
     def __init__(
         self,
@@ -89,7 +92,7 @@ class RayBackend(FleetControl, Backend):
             replicas, probe=self._probe, interval=config.health_check_interval, routing=config.routing
         )
         self.limiter = Limiter(config.replicas * config.max_concurrent_requests, max_queue, name="ray backend")
-        self._init_control(infos, max_queue)
+        self.control = FleetControl(replicas, config, infos, max_queue)
         log.info(
             "ray backend: %d replicas of %s on %s",
             len(replicas),
@@ -115,9 +118,7 @@ class RayBackend(FleetControl, Backend):
         if self._closed:
             return
         self._closed = True
-        self.gate.close()
-        for task in list(self._syncing.values()):
-            task.cancel()
+        await self.control.close()
         await self.pool.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(
@@ -137,8 +138,8 @@ class RayBackend(FleetControl, Backend):
         replica.incarnation, replica.pid = info["incarnation"], info["pid"]
         replica.node, replica.node_id = info.get("node_ip"), info.get("node_id")
         replica.state = "alive"
-        if hasattr(self, "gate"):  # after start-up; __init__ tracks versions once the fleet's is known
-            self._track(replica, info)
+        if isinstance(self.control, FleetControl):  # after start-up: it tracks versions once the fleet's is known
+            self.control.track(replica, info)
 
     async def _probe(self, replica: RayReplica) -> None:
         """``ReplicaPool`` probe: raises when the replica cannot answer within the timeout."""
@@ -189,9 +190,9 @@ class RayBackend(FleetControl, Backend):
         (``control``: a call is never answered by other weights); ``exclude``: replicas that already
         failed it. Raises ``no_replica_error`` (502 ``version_unavailable``) when none serves it."""
         try:
-            return self.pool.pick(session_id, exclude=exclude, where=self.serves(version))
+            return self.pool.pick(session_id, exclude=exclude, where=self.control.serves(version))
         except NoReplicaError:
-            raise self.no_replica_error(version, failed=failed) from None
+            raise self.control.no_replica_error(version, failed=failed) from None
 
     def _failed(
         self, replica: RayReplica, exc: BaseException, session_id: str | None, version: Any, *, retry: bool
@@ -245,8 +246,8 @@ class RayBackend(FleetControl, Backend):
 
         if request.get("stream"):
             request = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
-        async with self.gate.call(), self.limiter.slot():
-            version = self.fleet_version  # the version this call starts on (control module docstring)
+        async with self.control.gate.call(), self.limiter.slot():
+            version = self.control.fleet_version  # the version this call starts on (control module docstring)
             replica = self._pick(ctx.session_id, version)
             for attempt in range(2):
                 ctx.extra["replica"] = replica.name
@@ -308,8 +309,8 @@ class RayBackend(FleetControl, Backend):
         from ray.exceptions import RayActorError, RayTaskError
 
         ray = import_ray()
-        async with self.gate.call(), self.limiter.slot():
-            version = self.fleet_version  # the version this call starts on (control module docstring)
+        async with self.control.gate.call(), self.limiter.slot():
+            version = self.control.fleet_version  # the version this call starts on (control module docstring)
             replica = self._pick(ctx.session_id, version)
             for attempt in range(2):
                 ctx.extra["replica"] = replica.name
@@ -321,6 +322,7 @@ class RayBackend(FleetControl, Backend):
                 started = done = False
                 outcome: Outcome | None = Outcome.CANCELLED  # unless the stream ends otherwise
                 usage = None
+                end = StreamEnd("chat")  # chat and completions chunks end alike: a finish_reason per choice
                 try:
                     async for ref in gen:
                         raw = await ref
@@ -329,8 +331,19 @@ class RayBackend(FleetControl, Backend):
                         outcome = Outcome.CANCELLED
                         started = True
                         usage = usage_of(chunk) or usage
+                        if isinstance(chunk, dict):
+                            end.see(chunk)
                         yield chunk
                     done = True
+                    if not end.complete:
+                        # The replica's generator stopped without finishing its answer (an engine
+                        # that stopped producing): never let the cut-off answer look finished.
+                        outcome = Outcome.FAILED
+                        replica.stats.streams_incomplete += 1
+                        raise UpstreamStreamIncompleteError(
+                            f"replica {replica.name} ended the stream without {end.expected}: the answer was cut "
+                            "short and is not complete; send the call again"
+                        )
                     replica.served += 1
                     outcome = Outcome.OK
                     return

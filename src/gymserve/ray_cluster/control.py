@@ -1,7 +1,7 @@
 """The control plane of a fleet of Ray replicas: pause all, update all or none, one version.
 
-What a trainer gets (``RayBackend``'s ``Backend`` control methods; vLLM's names, served by
-``server.control`` and ``server.lora`` like the local backend's):
+What a trainer gets (``RayBackend.control``, a ``gymserve.control.Control``; vLLM's names, served
+by ``server.control_routes`` like the local backend's):
 
 - **Pause and resume.** The front end's ``PauseGate`` holds new calls (so none starts on a fleet
   in the middle of a change), and every replica's engine pauses in the same mode (``abort``: its
@@ -27,7 +27,7 @@ What a trainer gets (``RayBackend``'s ``Backend`` control methods; vLLM's names,
   again. A replica that is down during a change is brought up to date the same way when it returns.
 - **Observability.** ``control_status()`` lists every replica's version, updates and pause state:
   ``/health`` shows it (``replicas_control``, and ``weight_version`` on each replica's row) and
-  ``/metrics`` exports it per replica (``server.control``).
+  ``/metrics`` exports it per replica (``server.control_routes``).
 
 Errors: what a replica refused passes through with its status (400 ``invalid_weights`` naming the
 tensor, 404, 409...) and the replica's name in the message; a replica that died during a change
@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from gymserve.control import Control, check_mode, check_timeout, check_version
 from gymserve.engine.base import PauseMode, WeightVersion
-from gymserve.engine.control import check_mode, check_timeout, check_version
 from gymserve.engine.pause_gate import PauseGate
 from gymserve.errors import GymserveError, UpstreamConnectionError, UpstreamError
 from gymserve.ray_cluster.fleet import RayReplica, failure_reason, import_ray
@@ -53,15 +54,15 @@ from gymserve.ray_cluster.replica import raise_remote_error
 log = logging.getLogger("gymserve.ray")
 
 
-class FleetControl:
-    """Mixed into ``RayBackend`` (``replicas``, ``config``, ``pool``); see the module docstring.
-    ``_init_control(infos, max_queue)`` sets it up from the replicas' first ``info()``."""
+class FleetControl(Control):
+    """``RayBackend.control``; see the module docstring. Built from the backend's ``replicas`` and
+    ``config`` (a ``RayBackendConfig``) and the replicas' first ``info()`` answers (``infos``).
+    The backend's calls are admitted through ``gate`` and routed with ``serves``."""
 
-    replicas: list[RayReplica]
-    config: Any
-    pool: Any
-
-    def _init_control(self, infos: list[dict[str, Any]], max_queue: int) -> None:
+    def __init__(self, replicas: list[RayReplica], config: Any, infos: list[dict[str, Any]], max_queue: int):
+        super().__init__("ray")
+        self.replicas = replicas
+        self.config = config
         self.gate = PauseGate(
             name="the ray backend", default_timeout=float(self.config.local.pause_timeout), max_queue=max_queue
         )
@@ -71,7 +72,7 @@ class FleetControl:
         self._change_lock = asyncio.Lock()
         self._syncing: dict[str, asyncio.Task] = {}
         for replica, info in zip(self.replicas, infos):
-            self._track(replica, info)
+            self.track(replica, info)
 
     # ---- versions and routing -------------------------------------------------------------------
 
@@ -95,7 +96,7 @@ class FleetControl:
             code="version_unavailable",
         )
 
-    def _track(self, replica: RayReplica, info: dict[str, Any]) -> None:
+    def track(self, replica: RayReplica, info: dict[str, Any]) -> None:
         """Record a replica's control status from its ``info()``; start bringing it up to date when
         it is alive on another version than the fleet's (Ray restarted it, or it missed a change)."""
         control = info.get("control")
@@ -110,7 +111,6 @@ class FleetControl:
             replica.weight_version != self.fleet_version
             and replica.state == "alive"
             and replica.name not in self._syncing
-            and hasattr(self, "_change_lock")
         ):
             try:
                 loop = asyncio.get_running_loop()
@@ -176,6 +176,12 @@ class FleetControl:
         names = {r.lora_adapter for r in self.replicas if self.serves(self.fleet_version)(r) and r.lora_adapter}
         return [{"name": n} for n in sorted(names)]
 
+    async def close(self) -> None:
+        """Release the calls held at the gate and stop bringing replicas up to date."""
+        self.gate.close()
+        for task in list(self._syncing.values()):
+            task.cancel()
+
     # ---- pause ----------------------------------------------------------------------------------
 
     async def _each(self, method: str, *args: Any, targets: list[RayReplica] | None = None) -> list[Any]:
@@ -214,7 +220,7 @@ class FleetControl:
     # ---- weight changes -------------------------------------------------------------------------
 
     async def update_weights(
-        self, tensors: Any = None, *, path: str | None = None, weight_version: WeightVersion | None = None
+        self, tensors: Any = None, *, path: str | os.PathLike | None = None, weight_version: WeightVersion | None = None
     ) -> WeightVersion:
         """Swap new weights into every replica, all or none; returns the new version. ``tensors``:
         a state dict (put once into Ray's object store and handed to every replica by reference),

@@ -49,10 +49,10 @@ class ReplicaControl:
 
     async def pause_generation(self, mode: str, timeout: float | None = None) -> Any:
         """The engine's pause (``engine.control``); ``{"paused": mode}`` or an error payload."""
-        return await _answer(self.backend.pause_generation(mode, timeout=timeout), {"paused": mode})
+        return await _answer(self.backend.control.pause_generation(mode, timeout=timeout), {"paused": mode})
 
     async def resume_generation(self) -> Any:
-        return await _answer(self.backend.resume_generation(), {"paused": None})
+        return await _answer(self.backend.control.resume_generation(), {"paused": None})
 
     async def apply(self, txn: str, op: str, tensors: Any = None, kwargs: dict[str, Any] | None = None) -> Any:
         """Run the weight change ``op`` (one of ``update_weights``, ``update_weight_version``,
@@ -73,10 +73,10 @@ class ReplicaControl:
         try:
             with recording_undo() as undo:
                 if op == "update_weight_version":
-                    await self.backend.update_weight_version(kwargs["new_version"])
+                    await self.backend.control.update_weight_version(kwargs["new_version"])
                     version = kwargs["new_version"]
                 else:
-                    version = await getattr(self.backend, op)(**kwargs)
+                    version = await getattr(self.backend.control, op)(**kwargs)
         except GymserveError as exc:
             return error_payload(exc)
         self._txns()[txn] = (undo, before, lora)

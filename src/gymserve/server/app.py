@@ -6,7 +6,7 @@ in Anthropic's shape), ``POST /tokenize`` and ``POST /detokenize`` (``server.tok
 ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus; ``server.metrics``), ``GET /``: a small JSON status (name,
 version, backend, model, links), as NeMo Gym's servers answer there, and the control routes of
-``server.control`` (pause, resume, weight updates) and ``server.lora`` (LoRA adapters). Every model call is timed and
+``server.control_routes`` (pause, resume, weight updates, LoRA adapters). Every model call is timed and
 counted per backend and replica (``ctx.extra["replica"]``, set by the backend) and, with
 ``capture_path``, written to a JSONL capture file (``server.capture``).
 Bodies are parsed as plain JSON (orjson), checked by ``convert.request_checks.check_request``
@@ -34,14 +34,16 @@ from fastapi.responses import Response, StreamingResponse
 from gymserve._version import __version__
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.convert.completions_request import check_completions_request
+from gymserve.convert.messages_fields import check_top_level
 from gymserve.convert.request_checks import check_request, without_nulls
+from gymserve.convert.tool_pairing import check_tool_pairing
 from gymserve.errors import GymserveError, InvalidRequestError, ShuttingDownError
 from gymserve.server.capture import CaptureWriter, install_log_redaction
-from gymserve.server.control import CONTROL_PATHS, control_health, install_control
+from gymserve.server.control_routes import CONTROL_PATHS, LORA_PATHS, control_health, install_control
 from gymserve.server.disconnect import ClientLeft, until_disconnected
 from gymserve.server.errors import anthropic_status, error_response, install_error_handlers, is_anthropic_route
+from gymserve.server.known_fields import UnknownQueryCheck, check_body_fields
 from gymserve.server.limits import read_body
-from gymserve.server.lora import LORA_PATHS, install_lora
 from gymserve.server.metrics import Metrics, usage_tokens
 from gymserve.server.schemas import install_openapi
 from gymserve.server.tokens import install_tokens
@@ -83,10 +85,13 @@ def _checked(body: dict[str, Any], api: Wire, tokens_as_ids: bool = False) -> di
     ``false`` included, wins: ``serving_chat.py``'s ``_create_chat_logprobs``)."""
     if api == "messages":
         body = without_nulls(body)
+        check_top_level(body)  # another API's field: a 400 naming the Messages field to use
+        check_tool_pairing(body.get("messages"))  # Anthropic's rules, before any backend sees it
     elif api == "completions":
         body = check_completions_request(body)
     else:
         body = check_request(body, api)
+    check_body_fields(body, api)
     if tokens_as_ids and api in ("chat", "completions") and "return_tokens_as_token_ids" not in body:
         body = {**body, "return_tokens_as_token_ids": True}
     stream = body.get("stream")
@@ -198,7 +203,7 @@ def create_app(
     ``capture_path``: append every model call to this JSONL file (``server.capture``), redacting
     ``secrets``, the backend's upstream keys and ``server_api_key``. ``admin_api_key`` guards the
     control routes instead of ``server_api_key``; ``control_allowed`` False answers them 403
-    (``server.control.control_allowed`` decides it from the bind address). ``tokens_as_ids``:
+    (``server.control_routes.control_allowed`` decides it from the bind address). ``tokens_as_ids``:
     vLLM's ``--return-tokens-as-token-ids`` (``_checked``).
     """
     app = FastAPI(
@@ -223,6 +228,8 @@ def create_app(
         )
 
     install_openapi(app)
+    # One rule for unknown query parameters on every route (server.known_fields).
+    app.add_middleware(UnknownQueryCheck, routes=lambda: app.routes)
     all_secrets = tuple(s for s in (*backend.secrets, server_api_key, admin_api_key, *secrets) if s)
     install_log_redaction(all_secrets)
     app.state.capture = capture = (
@@ -239,7 +246,6 @@ def create_app(
             admin_paths=CONTROL_PATHS | LORA_PATHS,
         )
     install_control(app, backend, allowed=control_allowed, registry=metrics.registry)
-    install_lora(app, backend, allowed=control_allowed)
     backend_name = backend.name
     default_replica = "local" if backend_name == "local" else "-"
 
@@ -331,6 +337,9 @@ def create_app(
         if app.state.draining:
             raise ShuttingDownError()
         body = without_nulls(await _body(request, max_body_bytes))
+        check_top_level(body)
+        check_body_fields(body, "count_tokens")
+        check_tool_pairing(body.get("messages"))
         return _json({"input_tokens": await backend.count_tokens(body, _context(request))})
 
     # Plain Starlette routes: the body is parsed by hand anyway, and FastAPI's per-request

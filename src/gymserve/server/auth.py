@@ -4,7 +4,7 @@ anthropic SDK's ``api_key``), compared in constant time; every route but ``/heal
 unknown routes included (a 404 would tell a stranger what exists). The refusal is an OpenAI error
 object, or Anthropic's on the Messages API's routes.
 
-The control routes (``server.control.CONTROL_PATHS``: pause, weight updates) take the admin key
+The control routes (``server.control_routes.CONTROL_PATHS``: pause, weight updates) take the admin key
 instead when ``server.admin_api_key`` is set, so rollout workers holding the server key cannot
 swap the policy; without an admin key they take the server key.
 

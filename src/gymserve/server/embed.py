@@ -5,7 +5,7 @@ trainer owns, and a handle to push new weights into it.
 server: ``start_server(...) → (thread, base_url, server)``): it starts the server in a daemon thread
 (``server.run.start_background_server``) and returns a ``PolicyServer`` whose ``base_url`` agents
 and environments use as their OpenAI base URL, whose ``stop()`` shuts it down cleanly, and whose
-control methods (vLLM's names, see ``server.control``) run on the server's event loop and block
+control methods (vLLM's names: the backend's ``gymserve.control.Control``) run on the server's event loop and block
 the calling thread until done::
 
     server = serve_policy(model, tokenizer)             # a copy the trainer keeps for serving
@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gymserve.control import Control, control_of
 from gymserve.server.run import BackgroundServer
 
 if TYPE_CHECKING:
@@ -51,9 +52,14 @@ class PolicyServer:
         return asyncio.run_coroutine_threadsafe(coro, self._server.loop).result(timeout)
 
     @property
+    def control(self) -> Control:
+        """The backend's ``gymserve.control.Control`` (``control_of``: 501s for a backend without one)."""
+        return control_of(self.backend)
+
+    @property
     def weight_version(self) -> int | str:
         """The version of the weights serving now."""
-        return self.backend.control_status()[0]["weight_version"]
+        return self.control.control_status()[0]["weight_version"]
 
     def update_weights(
         self,
@@ -65,11 +71,11 @@ class PolicyServer:
     ) -> int | str:
         """Swap in a state dict (``tensors``, name → ``torch.Tensor``; any subset) or the
         safetensors under ``path``; returns the new weight version (see ``LocalControl.update_weights``)."""
-        return self._run(self.backend.update_weights(tensors, path=path, weight_version=weight_version), timeout)
+        return self._run(self.control.update_weights(tensors, path=path, weight_version=weight_version), timeout)
 
     def update_weight_version(self, new_version: int | str, *, timeout: float | None = 60) -> None:
         """Name the serving weights ``new_version`` (after changing the model object yourself, paused)."""
-        self._run(self.backend.update_weight_version(new_version), timeout)
+        self._run(self.control.update_weight_version(new_version), timeout)
 
     def load_lora_adapter(
         self,
@@ -86,7 +92,7 @@ class PolicyServer:
         with its ``peft.LoraConfig`` — served under ``lora_name``; returns the new weight version
         (see ``engine.lora``; ``load_inplace`` swaps out the adapter loaded now)."""
         return self._run(
-            self.backend.load_lora_adapter(
+            self.control.load_lora_adapter(
                 lora_name,
                 lora_path,
                 tensors=tensors,
@@ -101,22 +107,22 @@ class PolicyServer:
         self, lora_name: str, *, weight_version: int | str | None = None, timeout: float | None = 600
     ) -> int | str:
         """Restore the base weights; returns the new weight version."""
-        return self._run(self.backend.unload_lora_adapter(lora_name, weight_version=weight_version), timeout)
+        return self._run(self.control.unload_lora_adapter(lora_name, weight_version=weight_version), timeout)
 
     def pause_generation(
         self, mode: PauseMode = "abort", *, timeout: float | None = None, wait_timeout: float | None = 600
     ) -> None:
         """Pause in ``mode`` (``abort``, vLLM's default, | ``wait`` | ``keep``) for at most ``timeout``
         seconds; returns once the pause has taken effect (``wait``: the calls in flight have finished)."""
-        self._run(self.backend.pause_generation(mode, timeout=timeout), wait_timeout)
+        self._run(self.control.pause_generation(mode, timeout=timeout), wait_timeout)
 
     def resume_generation(self, *, timeout: float | None = 60) -> None:
         """End the pause."""
-        self._run(self.backend.resume_generation(), timeout)
+        self._run(self.control.resume_generation(), timeout)
 
     def is_paused(self) -> bool:
         """Whether generation is paused."""
-        return self._run(self.backend.is_paused(), 10)
+        return self._run(self.control.is_paused(), 10)
 
     def stop(self, timeout: float = 30) -> None:
         """Stop the server (in-flight calls get ``server.shutdown_timeout`` to finish) and close the
@@ -152,7 +158,7 @@ def serve_policy(
     ``backend.model``). ``tokenizer``: the policy's Hugging Face
     tokenizer (with its chat template); needed for a model or an engine, loaded from the model's
     ``name_or_path`` when omitted. ``backend_config``: a ``LocalBackendConfig`` or its dict
-    (sampling, parsers, ``max_batch_size``, ``pause_timeout``...). ``host``/``port``: the bind
+    (sampling, parsers, ``max_num_seqs``, ``pause_timeout``...). ``host``/``port``: the bind
     address (port 0: a free one); ``api_key``/``admin_api_key`` as ``server.api_key`` /
     ``server.admin_api_key``. ``model_name``: the name clients see; ``weight_version``: the
     version of the weights it starts with.
@@ -220,8 +226,8 @@ def _engine_for(model: Any, local: Any, model_name: str | None, weight_version: 
     return TransformersEngine(
         model=model,
         model_name=model_name,
-        max_batch_size=local.max_batch_size,
-        context_window=local.context_window,
+        max_batch_size=local.max_num_seqs,
+        context_window=local.max_model_len,
         num_threads=local.num_threads,
         weight_version=weight_version,
         pause_timeout=local.pause_timeout,

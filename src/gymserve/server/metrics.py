@@ -96,6 +96,12 @@ class _ReplicaCollector:
             "Of those, tokens the replica computed for the previous turn (the prefix-hit estimate)",
         ),
         ("breaker_opens", "gymserve_replica_breaker_opens", "Times the replica's circuit breaker opened"),
+        (
+            "streams_incomplete",
+            "gymserve_replica_streams_incomplete",
+            "Streams from the replica that ended without their terminal event (finish_reason, "
+            "response.completed, message_stop): answered 502 stream_incomplete",
+        ),
     )
 
     def __init__(self, backend_name: str, pool_of: Callable[[], Any], label_of: Callable[[Any], str]):

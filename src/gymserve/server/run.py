@@ -44,7 +44,7 @@ def build_app(config, backend):
     """The FastAPI app for ``config`` (a ``GymserveConfig``) over an already built ``backend``;
     ``/v1/models`` lists ``config.served_model_names`` when set, else what the backend names."""
     from gymserve.server.app import create_app
-    from gymserve.server.control import control_allowed
+    from gymserve.server.control_routes import control_allowed
 
     keys = _server_key(config), _server_key(config, "admin_api_key")
     return create_app(
@@ -217,7 +217,7 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def _warn_exposed(config) -> None:
     """Warn (log and stderr) when binding beyond loopback without a server API key (the control
-    routes are then closed: ``server.control.control_allowed``)."""
+    routes are then closed: ``server.control_routes.control_allowed``)."""
     if config.server.host not in _LOOPBACK and not _server_key(config):
         msg = (
             f"binding {config.server.host} without a server API key: anyone who can reach this address can use "

@@ -22,7 +22,6 @@ from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.local.choices import interleave, run_all
 from gymserve.backends.local.completions import LocalCompletions
 from gymserve.backends.local.control import LocalControl
-from gymserve.backends.local.lora import LocalLora
 from gymserve.backends.local.output import CallOutput
 from gymserve.backends.local.request import LocalCall, echo_sampling, prepare_call
 from gymserve.backends.local.stream import stream_chunks
@@ -31,31 +30,41 @@ from gymserve.backends.pool import Limiter
 from gymserve.backends.responses_over_chat import ChatAnswer
 from gymserve.convert import ChunkAccumulator
 from gymserve.engine.base import Engine
-from gymserve.errors import ContextLengthExceededError, InvalidRequestError
+from gymserve.errors import (
+    ConflictError,
+    ContextLengthExceededError,
+    EngineDownError,
+    InvalidRequestError,
+    NotFoundError,
+)
 from gymserve.protocol import ChatCompletionDict, ChatRequest, MessagesRequest
 from gymserve.wire.ids import new_id
 
 
-class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backend):
+class LocalBackend(LocalCompletions, LocalTokens, Backend):
     """Serves one in-process ``Engine``; see the module docstring.
 
     ``config`` is a ``gymserve.config.LocalBackendConfig``; ``engine`` and ``tokenizer`` are loaded
-    by ``LocalBackend.from_config`` (or injected by tests).
+    by ``LocalBackend.from_config`` (or injected by tests). ``control`` (``local.control``) holds
+    the engine's control verbs; the model name a request may use is this class's
+    (``served_model_name``, ``check_model``).
     """
 
     name = "local"
     limiter: Limiter
+    control: LocalControl
 
     def __init__(self, config, engine: Engine, tokenizer, *, max_queue: int = 1024):
         from gymserve.parsers import get_reasoning_parser, tool_call_parser_for
         from gymserve.prompting import ChatTemplate
         from gymserve.prompting.harmony_template import BUILTIN_TEMPLATES
 
-        # Back-pressure: max_batch_size calls in the engine, max_queue waiting, 429 beyond.
-        self.limiter = Limiter(config.max_batch_size, max_queue, name="local backend")
+        # Back-pressure: max_num_seqs calls in the engine, max_queue waiting, 429 beyond.
+        self.limiter = Limiter(config.max_num_seqs, max_queue, name="local backend")
 
         self.config = config
         self.engine = engine
+        self.control = LocalControl(engine)
         # What clients see (``--served-model-name``); the engine's own name still drives parser inference.
         self.model_name = getattr(config, "served_model_name", None) or engine.model_name
         self.tokenizer = tokenizer
@@ -66,7 +75,7 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
                 with open(config.chat_template, encoding="utf-8") as f:
                     chat_template = f.read()
         self.tool_parser, self.tool_parser_reason = tool_call_parser_for(
-            config.tool_parser or "auto",
+            config.tool_call_parser or "auto",
             model_type=engine.model_type,
             model_name=engine.model_name,
             chat_template=chat_template or getattr(tokenizer, "chat_template", None),
@@ -106,12 +115,68 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
             "eos_token_ids": list(self.engine.eos_token_ids),
         }
 
+    def check_engine(self) -> None:
+        """``EngineDownError`` (503) once the engine's worker died, before a call starts (a stream
+        would otherwise answer 200 and then an error event)."""
+        fault = getattr(self.engine, "fault", None)
+        if fault:
+            raise EngineDownError(getattr(self.engine, "engine_name", type(self.engine).__name__), fault)
+
+    async def health(self) -> dict[str, Any]:
+        """``ok``, or ``down`` with ``engine`` and ``reason`` once the engine stopped (``engine.fault``:
+        a worker-thread engine's dead worker, vLLM's dead engine core); ``/health`` answers 503 then."""
+        fault = getattr(self.engine, "fault", None)
+        if fault:
+            name = getattr(self.engine, "engine_name", type(self.engine).__name__)
+            return {
+                **self.describe(),
+                "status": "down",
+                "engine": name,
+                "reason": f"the {name} engine stopped on {fault}; restart gymserve (traceback in its log)",
+            }
+        return await super().health()
+
     def fill_responses_defaults(self, request):
         """Echo the sampling params the engine runs with in the Response (the Responses API echoes what ran)."""
         return echo_sampling(request, self.config.sampling)
 
     async def models(self) -> list[str]:
         return [self.served_model_name()]
+
+    # ---- the model's identity: which name serves which weights ---------------------------------
+    #
+    # vLLM's ``--lora-modules`` convention, where a request's ``model`` picks the adapter: with no
+    # adapter loaded the base model serves every request, whatever its ``model``; an adapter loaded
+    # under the served name replaces the policy under that name (a trainer pushing its LoRA each
+    # step); an adapter loaded under its own name must be named, and the base weights are not
+    # available while it is merged (409 for the base name, 404 ``model_not_found`` for any other).
+
+    def served_model_name(self) -> str:
+        """The name answers carry: the adapter's when one is loaded under its own name, else the
+        model's (``served_model_name`` in the config, else the engine's)."""
+        loaded = self.control.lora_adapters()
+        return loaded[0]["name"] if loaded else self.model_name
+
+    def check_model(self, requested: Any) -> None:
+        """Refuse a request whose ``model`` cannot be served now (see above): ``ConflictError``
+        (409, code ``base_model_unavailable``) for the base model while an adapter of another name
+        is merged, ``NotFoundError`` (404, code ``model_not_found``) for any other name then."""
+        served, base = self.served_model_name(), self.model_name
+        if served == base or requested == served:
+            return
+        if requested == base:
+            raise ConflictError(
+                f"model {base!r} (the base weights) is not served now: LoRA adapter {served!r} is merged "
+                f"into them. Request model {served!r}, or unload the adapter "
+                "(POST /v1/unload_lora_adapter) to serve the base model again",
+                param="model",
+                code="base_model_unavailable",
+            )
+        raise NotFoundError(
+            f"The model {requested!r} does not exist: this server serves {served!r} (a LoRA adapter on {base!r})",
+            param="model",
+            code="model_not_found",
+        )
 
     async def close(self) -> None:
         await self.engine.close()
@@ -121,6 +186,7 @@ class LocalBackend(LocalLora, LocalControl, LocalCompletions, LocalTokens, Backe
     def _prepare(self, request: ChatRequest) -> tuple[LocalCall, list[CallOutput]]:
         """The engine call for ``request`` (``request.prepare_call``: 400s for what is refused) and,
         per choice, the object that turns its tokens into chunks."""
+        self.check_engine()
         self.check_model(request.get("model"))
         if self.tool_parser is not None and isinstance(request.get("messages"), list):
             # The history's tool-call ids in the form the format's template accepts (Mistral).

@@ -136,12 +136,15 @@ class LocalCompletions:
     config: Any
     stop_token_ids: tuple[int, ...]
 
-    if TYPE_CHECKING:  # LocalLora's, in LocalBackend
+    if TYPE_CHECKING:  # LocalBackend's (its model identity)
 
         def check_model(self, requested: Any) -> None: ...
+
+        def check_engine(self) -> None: ...
         def served_model_name(self) -> str: ...
 
     def _completion_outputs(self, request: dict[str, Any]) -> tuple[CompletionCall, list[CompletionOutput]]:
+        self.check_engine()
         self.check_model(request.get("model"))
         call = prepare_completion(
             request,

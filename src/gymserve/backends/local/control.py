@@ -1,9 +1,10 @@
-"""The control plane of the local backend: its engine's pause/resume and weight updates, and the
-weight-version fields of every answer it gives.
+"""The control of the local backend: its engine's pause/resume, weight updates and LoRA adapters,
+and the weight-version fields of every answer it gives.
 
-The operations are the engine's own (``engine.base.Engine``; vLLM's names), so the backend adds
-only what a server needs around them: one replica named ``local`` in ``control_status``, and
-``version_fields`` for the training fields of each chat message and Responses item.
+The operations are the engine's own (``engine.base.Engine``; vLLM's names), so ``LocalControl``
+adds only what a server needs around them: one replica named ``local`` in ``control_status``.
+``version_fields`` gives the training fields of each chat message and Responses item. Which model
+name a request may use while an adapter is merged is the backend's (``LocalBackend.check_model``).
 """
 
 from __future__ import annotations
@@ -12,16 +13,20 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from gymserve.control import Control
 from gymserve.engine.base import Engine, Generation, PauseMode, WeightVersion
 
 REPLICA = "local"
 
 
-class LocalControl:
-    """Mixed into ``LocalBackend`` (which sets ``self.engine``): the ``Backend`` control methods,
-    delegated to the engine. See ``Engine`` for what each does and raises."""
+class LocalControl(Control):
+    """``LocalBackend.control``: the ``Control`` verbs, delegated to ``engine``. See ``Engine`` for
+    what each does and raises; an engine a trainer hands to ``serve_policy`` may implement only
+    generation, and then answers the verbs it lacks as ``Engine``'s defaults do (501)."""
 
-    engine: Engine
+    def __init__(self, engine: Engine):
+        super().__init__("local")
+        self.engine = engine
 
     async def pause_generation(self, mode: PauseMode = "abort", *, timeout: float | None = None) -> None:
         await self.engine.pause_generation(mode, timeout=timeout)
@@ -49,8 +54,40 @@ class LocalControl:
     async def update_weight_version(self, new_version: WeightVersion) -> None:
         await self.engine.update_weight_version(new_version)
 
+    async def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | os.PathLike | None = None,
+        *,
+        tensors: Mapping[str, Any] | None = None,
+        config: Any = None,
+        load_inplace: bool = False,
+        weight_version: WeightVersion | None = None,
+    ) -> WeightVersion:
+        """Merge a PEFT adapter (directory ``lora_path``, or ``tensors`` + ``config`` in process);
+        returns the new weight version. See ``engine.lora.LoraEngine.load_lora_adapter``."""
+        kwargs: dict[str, Any] = {"load_inplace": load_inplace, "weight_version": weight_version}
+        if tensors is not None:
+            kwargs.update(tensors=tensors, config=config)
+        return await self.engine.load_lora_adapter(lora_name, None if lora_path is None else str(lora_path), **kwargs)
+
+    async def unload_lora_adapter(
+        self, lora_name: str, *, weight_version: WeightVersion | None = None
+    ) -> WeightVersion:
+        """Restore the base weights; returns the new weight version (404 for an adapter not loaded)."""
+        return await self.engine.unload_lora_adapter(lora_name, weight_version=weight_version)
+
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """The loaded adapter(s), as ``engine.lora.LoraEngine.lora_adapters`` lists them (``[]`` for
+        an engine without LoRA)."""
+        loaded: list[dict[str, Any]] = getattr(self.engine, "lora_adapters", list)()
+        return loaded
+
     def control_status(self) -> list[dict[str, Any]]:
         return [{"replica": REPLICA, **self.engine.control_status()}]
+
+    async def close(self) -> None:
+        return None  # the engine is the backend's: LocalBackend.close closes it
 
 
 def version_fields(gen: Generation, engine: Any) -> dict[str, Any]:

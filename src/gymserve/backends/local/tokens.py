@@ -26,7 +26,7 @@ class LocalTokens:
     tokenizer: Any
     template: Any
 
-    if TYPE_CHECKING:  # LocalLora's, in LocalBackend
+    if TYPE_CHECKING:  # LocalBackend's (its model identity)
 
         def check_model(self, requested: Any) -> None: ...
 

@@ -1,5 +1,7 @@
-"""HTTP control endpoints for serving a policy being trained: pause, resume, weight updates and
-weight versions.
+"""The HTTP routes of the control plane (``gymserve.control.Control``) for serving a policy being
+trained: pause, resume, weight updates, weight versions, LoRA adapters. Each route checks its body
+(pydantic, 400 naming the field) and calls ``control_of(backend).verb(...)``; nothing else is here
+but the guard, ``/health``'s control fields and the ``/metrics`` collector.
 
 The routes are named and shaped as vLLM's RL endpoints (``vllm serve`` with its dev endpoints
 enabled); docs/concepts/training-control.md maps each to SGLang's. gymserve's additions are marked.
@@ -25,6 +27,25 @@ route                              answer
 ``POST /update_weight_version``    body ``{"new_version": V}`` → ``{"success": true, "new_version": V}``
 =================================  =========================================================
 
+LoRA routes, named and shaped as vLLM's runtime LoRA endpoints (``vllm serve`` with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; SGLang's are ``/load_lora_adapter`` and
+``/unload_lora_adapter`` with the same names):
+
+==================================  ===============================================================
+route                               body → answer
+==================================  ===============================================================
+``POST /v1/load_lora_adapter``      ``{"lora_name", "lora_path", "load_inplace": false}`` (vLLM's
+                                    fields) and gymserve's ``"weight_version"`` → ``{"message",
+                                    "lora_name", "weight_version", "seconds"}``
+``POST /v1/unload_lora_adapter``    ``{"lora_name", "lora_int_id"}`` (vLLM's; the id is accepted and
+                                    not needed) and ``"weight_version"`` → the same fields
+==================================  ===============================================================
+
+``lora_path`` is a PEFT adapter directory on the server's machine (``adapter_config.json`` +
+``adapter_model.safetensors``). vLLM answers a plain-text ``Success: ...`` line; gymserve answers
+JSON whose ``message`` is that line, plus the new weight version. A request's ``model`` picks the
+adapter (``LocalBackend.check_model``).
+
 With the session routes a gymserve answers vLLM's whole disk-transfer sequence (``start_weight_update``,
 ``update_weights``, ``finish_weight_update``), so a chat gateway with ``upstream_control: vllm``
 drives a gymserve behind it like a vLLM server.
@@ -33,11 +54,17 @@ Who may call them: with ``server.admin_api_key`` set, only that key; otherwise t
 when one is set (``server.auth``); on a loopback bind without any key, anyone who can connect. A
 server bound beyond loopback without a key answers every control route 403 (decided at start-up,
 ``control_allowed``), so an open port never lets a stranger swap the policy. Errors are OpenAI error
-objects: 400 bad input (``WeightUpdateError`` names the tensor or file), 401, 403, 409 (a ``wait``
-pause that ended before the calls in flight finished), 501 (a backend without weights of its own).
+objects: 400 bad input (``WeightUpdateError`` names the tensor or file; a bad adapter, naming the
+tensor or config field), 401, 403, 404 (unloading an adapter that is not loaded), 409 (a ``wait``
+pause that ended before the calls in flight finished; another adapter is merged), 501 (a backend
+without weights of its own, or an engine without LoRA).
+
+Adding a route for a new control verb: declare the verb on ``gymserve.control.Control``, add its
+path to ``CONTROL_PATHS`` (so the admin key guards it) and one ``@route`` below calling
+``control_of(backend).verb(...)``.
 
 In-process tensors do not travel over HTTP: a trainer in the same process calls
-``backend.update_weights(state_dict)`` (see ``server.embed``).
+``backend.control.update_weights(state_dict)`` (see ``server.embed``).
 """
 
 from __future__ import annotations
@@ -48,8 +75,9 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from gymserve.control import MAX_PAUSE_SECONDS, control_of
 from gymserve.errors import ConflictError, NotSupportedError, PermissionDeniedError
 
 CONTROL_PATHS = frozenset(
@@ -64,6 +92,7 @@ CONTROL_PATHS = frozenset(
         "/update_weight_version",
     }
 )
+LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 Version = Annotated[
     StrictInt | Annotated[StrictStr, Field(min_length=1, max_length=256)],
@@ -105,6 +134,37 @@ class FinishWeightUpdateRequest(_Body):
     )
 
 
+Name = Field(
+    min_length=1,
+    max_length=256,
+    description="the adapter's name; requests name it in `model` (the base "
+    "model's name: it replaces the policy under that name)",
+)
+
+
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: str = Name
+    lora_path: str = Field(
+        min_length=1,
+        description="a PEFT adapter directory (adapter_config.json + "
+        "adapter_model.safetensors) on the server's machine",
+    )
+    load_inplace: StrictBool = Field(
+        False,
+        description="replace the adapter loaded now (this name or another) in "
+        "one atomic update; without it a second adapter is refused",
+    )
+    weight_version: Version | None = Field(
+        None, description="the new weights' version (default: the number of updates so far); gymserve's"
+    )
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str = Name
+    lora_int_id: int | None = Field(None, description="vLLM's adapter id; accepted, not needed")
+    weight_version: Version | None = Field(None, description="the restored weights' version; gymserve's")
+
+
 def is_loopback(host: str) -> bool:
     """Whether binding ``host`` only accepts connections from this machine."""
     if host == "localhost":
@@ -123,7 +183,7 @@ def control_allowed(host: str, *keys: str | None) -> bool:
 def control_health(backend: Any) -> dict[str, Any]:
     """What ``/health`` adds: ``weight_version`` and ``paused`` (the mode, or None) for one
     replica, ``replicas_control`` (each replica's status) for several, nothing without weights."""
-    status = backend.control_status()
+    status = control_of(backend).control_status()
     if len(status) == 1:
         return {"weight_version": status[0]["weight_version"], "paused": status[0]["paused"]}
     return {"replicas_control": status} if status else {}
@@ -157,7 +217,7 @@ class _ControlCollector:
             "Seconds the last weight update took (read, validate, apply)",
             labels=labels,
         )
-        for s in self.backend.control_status():
+        for s in control_of(self.backend).control_status():
             replica = str(s.get("replica", "-"))
             if s.get("weight_version") is not None:  # a gateway before it has read its servers' versions
                 version.add_metric([name, replica, str(s["weight_version"])], 1)
@@ -192,6 +252,14 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+_LORA_ERRORS: dict[int | str, dict[str, Any]] = {code: dict(entry) for code, entry in _ERRORS.items()}
+_LORA_ERRORS[404] = {"description": "no LoRA adapter of that name is loaded", "content": _ERRORS[400]["content"]}
+_LORA_ERRORS[409] = {
+    "description": "another LoRA adapter is merged (one at a time), or a wait pause ended",
+    "content": _ERRORS[400]["content"],
+}
+
+
 def control_guard(allowed: bool):
     """The route dependency that answers 403 when ``allowed`` is False (see ``control_allowed``)."""
 
@@ -207,19 +275,20 @@ def control_guard(allowed: bool):
 
 
 def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any = None) -> None:
-    """Mount the control routes on ``app`` over ``backend``; ``allowed`` False answers them 403
-    (see ``control_allowed``). ``registry``: the app's Prometheus registry for the control metrics."""
+    """Mount the control and LoRA routes on ``app`` over ``control_of(backend)``; ``allowed`` False
+    answers them 403 (see ``control_allowed``). ``registry``: the app's Prometheus registry for
+    the control metrics."""
     guard = control_guard(allowed)
 
     # Routes go on the app itself (not an included APIRouter) so app.routes lists each one.
-    def route(method: str, path: str, summary: str):
+    def route(method: str, path: str, summary: str, responses: dict[int | str, dict[str, Any]] = _ERRORS):
         return app.api_route(
             path,
             methods=[method],
             summary=summary,
             tags=["training control"],
             dependencies=[Depends(guard)],
-            responses=_ERRORS,
+            responses=responses,
         )
 
     @route("POST", "/pause", "Pause generation (vLLM's POST /pause)")
@@ -235,24 +304,26 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
             float | None,
             Query(
                 gt=0,
-                description="seconds after which generation resumes by itself (default: local backend's pause_timeout)",
+                le=MAX_PAUSE_SECONDS,
+                description="seconds after which generation resumes by itself, at most 86400 (one day; a larger "
+                "value is a 400) (default: local backend's pause_timeout)",
             ),
         ] = None,
     ):
-        await backend.pause_generation(mode, timeout=timeout)
+        await control_of(backend).pause_generation(mode, timeout=timeout)
         return {"status": "paused", "mode": mode, "timeout": timeout}
 
     @route("POST", "/resume", "Resume generation (vLLM's POST /resume)")
     async def resume():
-        await backend.resume_generation()
+        await control_of(backend).resume_generation()
         return {"status": "resumed"}
 
     @route("GET", "/is_paused", "Whether generation is paused (vLLM's GET /is_paused)")
     async def is_paused():
-        status = backend.control_status()
+        status = control_of(backend).control_status()
         first = status[0] if status else {}
         return {
-            "is_paused": await backend.is_paused(),
+            "is_paused": await control_of(backend).is_paused(),
             "mode": first.get("paused"),
             "seconds_left": first.get("pause_seconds_left"),
         }
@@ -260,14 +331,16 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
     @route("POST", "/update_weights", "Load new weights from disk (vLLM's POST /update_weights)")
     async def update_weights(body: UpdateWeightsRequest):
         t0 = time.perf_counter()
-        version = await backend.update_weights(path=body.update_info.path, weight_version=body.weight_version)
+        version = await control_of(backend).update_weights(
+            path=body.update_info.path, weight_version=body.weight_version
+        )
         return {"message": "Weights updated", "weight_version": version, "seconds": round(time.perf_counter() - t0, 6)}
 
     session = {"open": False}  # vLLM's weight-update session (start / finish_weight_update)
 
     def serving() -> list[dict[str, Any]]:
-        """The backend's ``control_status()``; 501 for a backend without weights of its own."""
-        status = backend.control_status()
+        """The control's ``control_status()``; 501 for a backend without weights of its own."""
+        status = control_of(backend).control_status()
         if not status:
             raise NotSupportedError(
                 f"the {backend.name} backend has no weights of its own, so no weight version; ask the upstream server",
@@ -293,7 +366,7 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
         session["open"] = False
         wanted = body.weight_version if body is not None else None
         if wanted is not None and str(wanted) != str(version):  # vLLM's versions are strings: "3" names 3
-            await backend.update_weight_version(wanted)
+            await control_of(backend).update_weight_version(wanted)
             version = wanted
         return {"message": "Weight update finished", "weight_version": version}
 
@@ -304,8 +377,34 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
 
     @route("POST", "/update_weight_version", "Name the serving weights (vLLM's POST /update_weight_version)")
     async def update_weight_version(body: UpdateWeightVersionRequest):
-        await backend.update_weight_version(body.new_version)
+        await control_of(backend).update_weight_version(body.new_version)
         return {"success": True, "new_version": body.new_version}
+
+    @route("POST", "/v1/load_lora_adapter", "Load a LoRA adapter (vLLM's POST /v1/load_lora_adapter)", _LORA_ERRORS)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        t0 = time.perf_counter()
+        version = await control_of(backend).load_lora_adapter(
+            body.lora_name, body.lora_path, load_inplace=body.load_inplace, weight_version=body.weight_version
+        )
+        return {
+            "message": f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+            "lora_name": body.lora_name,
+            "weight_version": version,
+            "seconds": round(time.perf_counter() - t0, 6),
+        }
+
+    @route(
+        "POST", "/v1/unload_lora_adapter", "Unload a LoRA adapter (vLLM's POST /v1/unload_lora_adapter)", _LORA_ERRORS
+    )
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        t0 = time.perf_counter()
+        version = await control_of(backend).unload_lora_adapter(body.lora_name, weight_version=body.weight_version)
+        return {
+            "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+            "lora_name": body.lora_name,
+            "weight_version": version,
+            "seconds": round(time.perf_counter() - t0, 6),
+        }
 
     if registry is not None:
         registry.register(_ControlCollector(backend))
