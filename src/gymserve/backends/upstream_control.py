@@ -227,11 +227,12 @@ class VLLMControl(UpstreamControl):
         .backend``, None when there is none. Asked before every update instead of trying
         ``/start_weight_update``: without a transfer vLLM 0.32's worker raises "Weight transfer not
         configured", which the route does not catch (a bare 500, and uvicorn closes the connection).
-        A server without ``/server_info`` (older vLLM) is assumed to have the disk transfer, the
-        only way it could update from a directory."""
+        A server without ``/server_info`` (an older vLLM, or a gymserve, which answers the disk
+        sequence itself) is assumed to have the disk transfer, the only way it could update from a
+        directory."""
         try:
             info = await self.request("GET", root, "/server_info", params={"config_format": "json"})
-        except NotSupportedError:
+        except (NotSupportedError, NotFoundError):  # an older vLLM, or a gymserve (its own 404 body)
             return "disk"
         config = info.get("vllm_config") if isinstance(info, dict) else None
         transfer = config.get("weight_transfer_config") if isinstance(config, dict) else None
