@@ -36,7 +36,7 @@ _install:
 	$(PY) -m pip install -q --upgrade pip; \
 	$(PY) scripts/install_torch.py --torch "$(TORCH)" --index "$(TORCH_INDEX)" $(TORCH_TRY_LOCAL) --constraints $(CONSTRAINTS); \
 	$(PY) scripts/install_llamacpp.py --constraints $(CONSTRAINTS); \
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[local,llamacpp,test,docs,lint]"; \
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[local,llamacpp,structured,test,docs,lint]"; \
 	$(PY) scripts/install_torch.py --check --constraints $(CONSTRAINTS); \
 	touch $(VENV)/.installed
 

@@ -27,6 +27,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "docs" / "assets" / "perf"
 TORCH_PIN = "torch==2.13.0"
+# The environment the benchmark was started with, before anything in this process changed it (the
+# llamacpp engine sets OMP_WAIT_POLICY when it loads): peers run with it (``start_child(caller_env=True)``),
+# i.e. as their users run them, not with a setting gymserve chose for itself (issue #30).
+CALLER_ENV = dict(os.environ)
+# A round is steady when the 1-minute load average moved by at most this much between its start and
+# its end and other processes used at most STEADY_OTHER_CORES cores meanwhile (LoadWatch).
+STEADY_LOAD_MOVE = 1.0
+STEADY_OTHER_CORES = 0.5
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
 
 
 # ----------------------------------------------------------------------------------- basics
@@ -85,8 +94,78 @@ def rss_mib(pid: int, children: bool = True) -> float:
     return total / 2**20
 
 
+def cpu_flags() -> list[str]:
+    """Which of ``CPU_FLAGS`` (the vector units llama.cpp and torch pick kernels by) this CPU has."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in CPU_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
+
+
+def _system_busy_seconds() -> float:
+    """CPU seconds all processes have spent busy since boot, summed over cores (``/proc/stat``)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class LoadWatch:
+    """Whether the machine stayed quiet while something was measured.
+
+    Records, at construction and at :meth:`end`: the 1-minute load average, the CPU time of this
+    process and its children, and the busy CPU time of the whole machine; the difference of the last
+    two is what *other* processes used, in cores (busy seconds ÷ wall seconds). ``steady``: the load
+    moved by at most ``max_move`` and the others used at most ``max_other_cores``
+    (``STEADY_LOAD_MOVE``, ``STEADY_OTHER_CORES``); a round that is not steady is marked so in every
+    table (re-run it on a quiet machine before publishing its numbers)."""
+
+    def __init__(self, max_move: float = STEADY_LOAD_MOVE, max_other_cores: float = STEADY_OTHER_CORES):
+        self.max_move, self.max_other_cores = max_move, max_other_cores
+        self.t0 = time.monotonic()
+        self.load0 = os.getloadavg()[0]
+        self.own0 = cpu_seconds(os.getpid())
+        self.busy0 = _system_busy_seconds()
+
+    def end(self) -> dict[str, Any]:
+        """``{"load_start", "load_end", "other_cores", "steady"}`` for the time since construction."""
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        load1 = os.getloadavg()[0]
+        own = cpu_seconds(os.getpid()) - self.own0
+        other = max(0.0, (_system_busy_seconds() - self.busy0 - own) / wall)
+        steady = abs(load1 - self.load0) <= self.max_move and other <= self.max_other_cores
+        return {
+            "load_start": round(self.load0, 2),
+            "load_end": round(load1, 2),
+            "other_cores": round(other, 2),
+            "steady": steady,
+        }
+
+
+def steady_text(watch: dict[str, Any]) -> str:
+    """``steady`` or ``NOT steady``, with the load and the other processes' cores (``LoadWatch.end``)."""
+    word = "steady" if watch.get("steady") else "NOT steady"
+    return (
+        f"{word} (load {watch['load_start']} → {watch['load_end']}, other processes {watch['other_cores']:.2f} cores)"
+    )
+
+
+_RUN_WATCH: LoadWatch | None = None
+
+
 def machine() -> dict[str, Any]:
-    """What every table states: cores, CPU model, Python, load average at the start."""
+    """What every table states: cores, CPU model and vector flags, Python, the command, the load
+    average at the start (and, once ``save_results`` wrote the run, at its end and whether the
+    machine stayed quiet: ``LoadWatch`` over the whole run)."""
+    global _RUN_WATCH
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -96,22 +175,29 @@ def machine() -> dict[str, Any]:
                     break
     except OSError:
         pass
+    _RUN_WATCH = LoadWatch()
     return {
         "nproc": os.cpu_count(),
         "cpu": cpu,
+        "cpu_flags": cpu_flags(),
         "python": platform.python_version(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "platform": platform.platform(terse=True),
+        "command": " ".join(["python", *sys.argv]),
     }
 
 
 def machine_line(info: dict[str, Any] | None = None, **extra: Any) -> str:
     info = info or machine()
-    parts = [
-        f"{info['nproc']} cores ({info['cpu']})",
-        f"load {info['loadavg_1m']} at start",
-        f"Python {info['python']}",
-    ]
+    flags = info.get("cpu_flags")
+    parts = [f"{info['nproc']} cores ({info['cpu']}" + (f"; {', '.join(flags)}" if flags else "") + ")"]
+    if "run_watch" in info:
+        parts.append(f"whole run {steady_text(info['run_watch'])}")
+    else:
+        parts.append(f"load {info['loadavg_1m']} at start")
+    parts.append(f"Python {info['python']}")
+    if info.get("command"):
+        parts.append(f"command: `{info['command']}`")
     parts += [f"{k}: {v}" for k, v in extra.items()]
     return "machine: " + "; ".join(parts)
 
@@ -144,6 +230,8 @@ def verdict(ok: bool) -> str:
 
 def save_results(name: str, data: dict[str, Any]) -> Path:
     """Write ``docs/assets/perf/<name>.json`` (what plot.py and the docs page read)."""
+    if _RUN_WATCH is not None and isinstance(data.get("machine"), dict):
+        data["machine"]["run_watch"] = _RUN_WATCH.end()  # the load at the end, whether it stayed quiet
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
@@ -197,16 +285,20 @@ def start_child(
     cmd: Sequence[str],
     port: int,
     *,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
     cwd: str | os.PathLike | None = None,
     log_dir: Path | None = None,
+    caller_env: bool = False,
 ) -> Child:
-    """Start ``cmd`` in a new session (so ``stop`` ends it and only it), output to a log file."""
+    """Start ``cmd`` in a new session (so ``stop`` ends it and only it), output to a log file.
+    ``env`` adds to (a ``None`` value removes from) this process's environment, or with
+    ``caller_env`` the one the benchmark was started with (``CALLER_ENV``: how a peer's users run it)."""
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / "gymserve-bench"
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}-{port}.log"
     fh = open(log, "wb")
-    full_env = {**os.environ, **(env or {})}
+    base = CALLER_ENV if caller_env else os.environ
+    full_env = {k: v for k, v in {**base, **(env or {})}.items() if v is not None}
     proc = subprocess.Popen(
         list(cmd), stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True
     )

@@ -31,8 +31,14 @@ retries the turn), answers spanning an update (``keep``), and the time paused pe
 Targets (issue 19): a LoRA swap well under a second; ``keep`` losing < 10% throughput; no request
 failed or dropped in any mode.
 
+**Process-group sync** (``--transfer tiny|0.5b``, issue 28): a full-model sync into a served
+model — the copy floor, in-process tensors, the disk route, and a trainer in a second process
+broadcasting over gloo on 127.0.0.1 for each bucket size of ``--buckets-mib`` (the trainer's
+``send_seconds``: metadata post, broadcasts, validation and swap) — and the server process's RSS
+before ``/sleep?level=2``, asleep, and awake again with its weights reloaded.
+
 Usage: ``python bench/control.py [--quick] [--reps 3] [--seconds 30] [--updates 5] [--sessions 8]
-[--rounds 2] [--skip-update-time] [--skip-load]``.
+[--rounds 2] [--skip-update-time] [--skip-load] [--transfer tiny|0.5b] [--buckets-mib 0,1,16,256]``.
 """
 
 from __future__ import annotations
@@ -286,6 +292,97 @@ def summarize(load: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+# ------------------------------------------------------------------------------ process-group transfer
+TRAINER = Path(__file__).resolve().parent.parent / "tests" / "helpers" / "weight_trainer.py"
+
+
+def transfer_times(model: str, reps: int, buckets: list[int]) -> dict[str, Any]:
+    """Full-model sync times into a served model (``serve_policy`` in this process): the copy floor,
+    in-process tensors, disk, and a trainer in a second process (``tests/helpers/weight_trainer.py``:
+    torch + ``gymserve.trainer``) broadcasting over gloo on 127.0.0.1 for each bucket size; then the
+    process's RSS around ``/sleep?level=2`` and back (wake_up, an update from disk)."""
+    import json
+    import os
+    import subprocess
+
+    import httpx
+    import torch
+
+    from gymserve.engine.model_store import embedded_model_dir
+    from gymserve.engine.weights import safetensors_files
+    from gymserve.server.embed import serve_policy
+    from helpers.tiny_model import build_tiny_model
+
+    if model == "tiny":
+        model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="Qwen2.5-Coder-tiny-")), embedded_model_dir())
+    else:
+        model_dir = embedded_model_dir()
+    (file,) = safetensors_files(model_dir)  # the trainer's state: the model's own tensors
+    server = serve_policy(str(model_dir), model_name="bench", backend_config={"tool_parser": "none"})
+    root = server.base_url.removesuffix("/v1")
+    try:
+        served = server.backend.engine.model.state_dict()
+        state = {k: v.clone() for k, v in served.items()}
+        n_bytes = sum(v.numel() * v.element_size() for v in state.values())
+
+        n_tensors = len(state)
+
+        def copy_floor() -> None:
+            with torch.no_grad():
+                for k, v in state.items():
+                    served[k].copy_(v)
+
+        ops = {
+            "copy floor": copy_floor,
+            "in-process tensors (serve_policy)": lambda: server.update_weights(state),
+            "disk (POST /update_weights path)": lambda: httpx.post(
+                f"{root}/update_weights", json={"update_info": {"path": str(model_dir)}}, timeout=600
+            ).raise_for_status(),
+        }
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        for _ in range(reps):
+            for name, fn in ops.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        rows: dict[str, dict[str, float]] = {name: {"seconds": statistics.median(t)} for name, t in times.items()}
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
+        for b in buckets:
+            opts = {"bucket_bytes": b, "sends": reps + 1, "timeout": 600}
+            proc = subprocess.run(
+                [sys.executable, str(TRAINER), root, str(file), json.dumps(opts)],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+                env=env,
+            )
+            out = json.loads(proc.stdout.strip().splitlines()[-1])
+            answers = out["answers"][1:]  # the first send warms both sides' allocators; not measured
+            bad = [a for a in answers if "error" in a]
+            if bad:
+                raise RuntimeError(f"transfer failed: {bad[0]}")
+            label = f"gloo, {'one broadcast per tensor' if b == 0 else f'{b / 2**20:g} MiB buckets'}"
+            rows[label] = {
+                "seconds": statistics.median(a["send_seconds"] for a in answers),
+                "receive_seconds": statistics.median(a["receive_seconds"] for a in answers),
+                "broadcasts": answers[0]["broadcasts"],
+            }
+            print(f"  {label}: {rows[label]['seconds']:.3f} s", flush=True)
+        for d in (served, state, ops):
+            d.clear()  # their references would keep the served storage alive through sleep
+        rss = {"before": common.rss_mib(os.getpid(), children=False)}
+        httpx.post(f"{root}/sleep", params={"level": 2}, timeout=120).raise_for_status()
+        rss["asleep (level 2)"] = common.rss_mib(os.getpid(), children=False)
+        t0 = time.perf_counter()
+        httpx.post(f"{root}/wake_up", timeout=120).raise_for_status()
+        httpx.post(f"{root}/update_weights", json={"update_info": {"path": str(model_dir)}}, timeout=600)
+        wake = time.perf_counter() - t0
+        rss["awake, weights reloaded"] = common.rss_mib(os.getpid(), children=False)
+    finally:
+        server.stop()
+    return {"model": model, "tensors": n_tensors, "bytes": n_bytes, "rows": rows, "rss_mib": rss, "wake_seconds": wake}
+
+
 # ------------------------------------------------------------------------------ report
 def report(res: dict[str, Any]) -> str:
     a = res["args"]
@@ -343,7 +440,34 @@ def report(res: dict[str, Any]) -> str:
             )
         )
         rows_out = rows
+    tt = res.get("transfer")
+    if tt:
+        floor = tt["rows"]["copy floor"]["seconds"]
+        lines.append(
+            common.table(
+                ["path", "seconds (median)", "× copy floor", "receive s", "broadcasts"],
+                [
+                    [k, v["seconds"], v["seconds"] / floor, v.get("receive_seconds", "-"), v.get("broadcasts", "-")]
+                    for k, v in tt["rows"].items()
+                ],
+                title=f"Full-model sync, {tt['model']} model ({tt['tensors']} tensors, {tt['bytes'] / 2**20:.1f} MiB; "
+                f"trainer in a second process over gloo on 127.0.0.1; {a['reps']} reps)",
+            )
+        )
+        lines.append(
+            "RSS of the server process (MiB): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in tt["rss_mib"].items())
+            + f"; wake_up + reload from disk {tt['wake_seconds']:.2f} s"
+        )
     lines.append("Targets")
+    if tt:
+        gloo = min(v["seconds"] for k, v in tt["rows"].items() if k.startswith("gloo"))
+        floor = tt["rows"]["copy floor"]["seconds"]
+        disk = tt["rows"]["disk (POST /update_weights path)"]["seconds"]
+        lines.append(
+            f"  {common.verdict(gloo <= 1.5 * floor)} process group within 1.5x the copy floor: {gloo / floor:.2f}x"
+        )
+        lines.append(f"  {common.verdict(gloo < disk)} process group below the disk path: {gloo:.3f} s vs {disk:.3f} s")
     if ut:
         swap = ut["seconds"]["LoRA swap, in-process"]
         lines.append(f"  {common.verdict(swap < 1.0)} LoRA swap (in-process) well under a second: {swap:.3f} s")
@@ -367,6 +491,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, help="interleaved rounds of all configurations (2; 1 quick)")
     ap.add_argument("--skip-update-time", action="store_true")
     ap.add_argument("--skip-load", action="store_true")
+    ap.add_argument(
+        "--transfer", choices=("tiny", "0.5b"), help="also time process-group weight sync on this model (issue 28)"
+    )
+    ap.add_argument(
+        "--buckets-mib",
+        default="0,1,16,256",
+        help="bucket sizes to sweep, MiB, comma-separated (0: one broadcast per tensor)",
+    )
     args = ap.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
     args.seconds = args.seconds or (10.0 if args.quick else 30.0)
@@ -385,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_update_time:
         print("update time (embedded model):", flush=True)
         res["update_time"] = update_times(args.reps)
+    if args.transfer:
+        print(f"process-group transfer ({args.transfer} model):", flush=True)
+        buckets = [int(float(b) * 2**20) for b in args.buckets_mib.split(",")]
+        res["transfer"] = transfer_times(args.transfer, args.reps, buckets)
     common.save_results("control-quick" if args.quick else "control", res)
     print(report(res))
     return 0

@@ -24,8 +24,16 @@ teacher-forced| log-prob (1 and 8 streams), and the targets:
 
 - gymserve transformers: ≥ 0.9× raw generate at 1 stream; ≥ 2× its own 1-stream rate at 8 streams;
   ≥ 1.0× the best ``transformers serve`` at 8 streams;
-- gymserve llamacpp: ≥ 0.9× llama-server at 1 stream and at 8 streams; ≥ 4× gymserve
-  transformers at both; RSS ≤ 1.5 GB at 8 streams.
+- gymserve llamacpp: ≥ 1.0× llama-server at 1 stream, at 8 streams and in prefill (issue #30;
+  llama-server run with its own defaults, see below); ≥ 4× gymserve transformers at both; RSS ≤ 1.5 GB
+  at 8 streams.
+
+Each configuration runs with the environment the benchmark was started with — nothing set here for
+all of them, so llama-server runs as its users run it (llama.cpp's default OpenMP wait policy) and
+gymserve's llamacpp engine picks its own — and the table's *environment* column says what each ran
+with. The machine line names the CPU's vector flags, the command, the load average at the start and
+end; each round says whether it was steady (``common.LoadWatch``: load moved ≤ 1.0 and other
+processes used ≤ 0.5 core); numbers from rounds that were not are marked as such.
 
 Usage: ``python bench/engine.py [--quick] [--max-tokens 48] [--reps 2] [--no-peer] [--no-install]
 [--model DIR] [--gguf FILE] [--llama-server PATH] [--no-transformers]``.
@@ -40,15 +48,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Every configuration, its own process or this one, waits for work the way the llamacpp engine makes
-# llama.cpp wait (llamacpp_runtime.OMP_WAIT_POLICY): OpenMP threads sleep instead of spinning, which
-# on shared cores is several times faster for llama.cpp. Same policy for all, so the ratios compare
-# the engines, not the setting. Set before anything loads an OpenMP runtime.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# No environment is set here for every configuration (issue #30): each server runs with the
+# environment this benchmark was started with (common.CALLER_ENV), as its users run it — llama-server
+# with llama.cpp's default, spinning OpenMP threads, which on free cores is the faster policy — and
+# gymserve's llamacpp engine picks its own (llamacpp_runtime.OMP_WAIT_POLICY, PASSIVE unless the
+# environment names one). The table says which environment each configuration ran with.
+ENV_KEYS = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import llamacpp_peers  # noqa: E402
+from gymserve.engine.llamacpp_runtime import OMP_WAIT_POLICY  # noqa: E402
+
+# The configurations in this process (the raw llama.cpp loop: the llamacpp engine's ceiling; raw
+# generate) wait the way the engine makes llama.cpp wait — set before anything loads an OpenMP runtime,
+# which reads it once. The servers do not inherit it: they start from common.CALLER_ENV, the
+# environment captured before this line.
+os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
 from engine_configs import (  # noqa: E402
     HttpServer,
     RawGenerate,
@@ -69,6 +85,30 @@ def _summary(name: str, streams: int, tokens: int, latencies: list[float], wall:
         "p50_s": common.percentile(latencies, 50),
         "p95_s": common.percentile(latencies, 95),
     }
+
+
+def _environment(cfg) -> str:
+    """The OpenMP settings ``cfg`` ran with: its process's environment (``/proc/PID/environ``), or
+    this process's for an in-process configuration; what gymserve's llamacpp engine sets for itself
+    when the environment names no policy is said as such."""
+    import psutil
+
+    child = getattr(cfg, "child", None)
+    if child is not None:
+        try:
+            env = psutil.Process(child.pid).environ()
+        except psutil.Error:
+            return "?"
+        where = ""
+    else:
+        env, where = dict(os.environ), "this process: "
+    parts = [f"{k}={env[k]}" for k in ENV_KEYS if k in env]
+    if "OMP_WAIT_POLICY" not in env:
+        if cfg.name == "gymserve llamacpp":
+            parts.insert(0, "OMP_WAIT_POLICY=PASSIVE (set by the engine itself)")
+        else:
+            parts.insert(0, "no OMP_WAIT_POLICY (the program's default)")
+    return where + ", ".join(parts)
 
 
 # ---------------------------------------------------------------------------------- the run
@@ -149,10 +189,13 @@ def run(args) -> dict[str, Any]:
     configs = _start_all(_starters(args, model_dir, gguf, threads), notes)
     acc: dict[tuple[str, int], list] = {}
     prefill: dict[str, list[float]] = {}
+    round_watch: list[dict[str, Any]] = []
+    environments = {cfg.name: _environment(cfg) for cfg in configs}
     try:
         for cfg in configs:  # warm-up
             cfg.one(2)
         for r in range(rounds):
+            watch = common.LoadWatch()
             for streams, method in ((1, "one"), (8, "eight")):
                 for cfg in configs:
                     tokens, lat, wall = getattr(cfg, method)(max_tokens)
@@ -170,6 +213,9 @@ def run(args) -> dict[str, Any]:
                 n, dt = cfg.prefill(f"round {r} {time.time_ns()}")
                 prefill.setdefault(cfg.name, []).append(n / dt)
             bandwidth.append(llamacpp_peers.copy_bandwidth())
+            round_watch.append(watch.end())
+            print(f"  round {r + 1}/{rounds}: {common.steady_text(round_watch[-1])}", file=sys.stderr, flush=True)
+        environments.update({cfg.name: _environment(cfg) for cfg in configs if cfg.name.startswith("raw")})
         rss = {cfg.name: round(cfg.rss()) for cfg in configs if cfg.rss() == cfg.rss()}  # NaN: not its own process
     finally:
         for cfg in reversed(configs):
@@ -204,7 +250,8 @@ def run(args) -> dict[str, Any]:
             "llamacpp": llamacpp_peers.gguf_step_bytes(gguf),
         },
         "logprob_gap": gap,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "environments": environments,
+        "rounds": round_watch,
         "notes": notes,
     }
 
@@ -245,6 +292,7 @@ def report(res: dict[str, Any]) -> str:
                 res.get("prefill_tok_s", {}).get(r["config"], float("nan")),
                 f"{100 * _bound_fraction(res, r):.0f}%" if "step_bytes" in res else "-",
                 res["rss_mib"].get(r["config"], "-"),
+                res.get("environments", {}).get(r["config"], "-"),
             ]
         )
     out.append(
@@ -259,6 +307,7 @@ def report(res: dict[str, Any]) -> str:
                 "prefill tok/s",
                 "of bandwidth bound",
                 "RSS MiB",
+                "environment",
             ],
             table_rows,
             "Local engine throughput (8 streams: aggregate; raw generate = one left-padded batch)",
@@ -282,8 +331,23 @@ def report(res: dict[str, Any]) -> str:
                 "Log-prob gap (teacher forcing: verify-rollouts --engine llamacpp)",
             )
         )
-    if res.get("omp_wait_policy"):
+    if res.get("omp_wait_policy"):  # results from before issue #30: one policy for every configuration
         out.append(f"\nOpenMP wait policy of every configuration: `OMP_WAIT_POLICY={res['omp_wait_policy']}`.")
+    if res.get("rounds"):
+        out.append("")
+    for i, w in enumerate(res.get("rounds") or (), 1):
+        out.append(f"round {i}: {common.steady_text(w)}")
+    if "rounds" not in res:  # a result from before issue #30: no round was checked
+        out.append(
+            f"\nNOT checked for steadiness: {res['reps']} round(s) from load {res['machine']['loadavg_1m']} at the "
+            "start, one OpenMP policy imposed on every configuration: a loaded result, which ranks the "
+            "configurations by how they share busy cores; do not read it as their speed."
+        )
+    if any(not w["steady"] for w in res.get("rounds") or ()):
+        out.append(
+            "A round that is NOT steady ran while other processes used the cores: its numbers rank the "
+            "configurations by how they share a busy machine, not by their speed; re-run on a quiet machine."
+        )
     for n in res["notes"]:
         out.append(f"note: {n}")
     out.append("\nTargets:")
@@ -304,14 +368,23 @@ def targets(res: dict[str, Any]) -> list[str]:
     gl1, gl8 = _get(rows, "gymserve llamacpp", 1), _get(rows, "gymserve llamacpp", 8)
     ls1, ls8 = _get(rows, "llama-server -np 8", 1), _get(rows, "llama-server -np 8", 8)
     raw1, raw8 = _get(rows, "raw llama.cpp loop", 1), _get(rows, "raw llama.cpp loop", 8)
-    lines = [
+    lines = []
+    if "rounds" not in res or any(not w["steady"] for w in res["rounds"]):
+        lines.append("NOTE  a round was NOT steady (or not checked): every verdict below is from a loaded machine")
+    lines += [
         _ratio_line(gl1, raw1, 0.9, "1 stream: gymserve llamacpp ÷ raw llama.cpp loop"),
         _ratio_line(gl8, raw8, 0.9, "8 streams: gymserve llamacpp ÷ raw llama.cpp loop"),
-        _ratio_line(gl1, ls1, 0.9, "1 stream: gymserve llamacpp ÷ llama-server"),
-        _ratio_line(gl8, ls8, 0.9, "8 streams: gymserve llamacpp ÷ llama-server -np 8"),
+        _ratio_line(gl1, ls1, 1.0, "1 stream: gymserve llamacpp ÷ llama-server"),
+        _ratio_line(gl8, ls8, 1.0, "8 streams: gymserve llamacpp ÷ llama-server -np 8"),
         _ratio_line(gl1, gt1, 4.0, "1 stream: gymserve llamacpp ÷ gymserve transformers"),
         _ratio_line(gl8, gt8, 4.0, "8 streams: gymserve llamacpp ÷ gymserve transformers"),
     ]
+    pre = res.get("prefill_tok_s", {})
+    if "gymserve llamacpp" in pre and "llama-server -np 8" in pre:
+        r = pre["gymserve llamacpp"] / pre["llama-server -np 8"]
+        lines.append(
+            f"{common.verdict(r >= 1.0)}  prefill: gymserve llamacpp ÷ llama-server -np 8: {r:.2f}× (target ≥ 1×)"
+        )
     rss = res["rss_mib"].get("gymserve llamacpp")
     if rss is not None:
         lines.append(

@@ -194,6 +194,7 @@ def start_gymserve(model_dir: Path, threads: int) -> HttpServer:
         common.gymserve_cmd("serve", "--config", str(path)),
         port,
         env={"OMP_NUM_THREADS": str(threads)},
+        caller_env=True,
     )
     common.wait_http(child, f"http://127.0.0.1:{port}/health", 600)
     return HttpServer("gymserve transformers", child, "embedded")
@@ -216,6 +217,7 @@ def start_peer(model_dir: Path, threads: int, cb: bool, install: bool) -> HttpSe
         cmd,
         port,
         env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)},
+        caller_env=True,  # as its users run it: nothing this benchmark set for itself
     )
     common.wait_http(child, f"http://127.0.0.1:{port}/health", 600)
     return HttpServer(name, child, str(model_dir))

@@ -18,11 +18,16 @@ with pre-serialized bodies. Reported per cell: requests/s, p50/p99 latency, and 
 the measured server process (gymserve, NeMo Gym, or for ``direct`` the fake) spent per 1,000
 requests; ratios against ``direct`` and gymserve/peer, all from one run.
 
-Targets (10 KB history): added p50 latency over direct ≤ 1 ms at concurrency 1; gymserve CPU
-≤ 1 s per 1,000 requests; throughput at concurrency 64 ≥ 5× the peer's.
+Targets (10 KB history; issue #30): added p50 latency over direct ≤ 0.5 ms at concurrency 1; gymserve
+CPU ≤ 0.3 s per 1,000 requests; at concurrency 32 (or the highest measured up to 32) ≥ 0.25 of the
+direct rate; throughput at concurrency 64 ≥ 5× the peer's.
 
 Usage: ``python bench/gateway.py [--quick] [--no-peer] [--sizes 1,10,100] [--concurrency 1,16,64]
-[--profile]``. ``--profile`` samples gymserve with py-spy during a 10 KB, concurrency-16 load and
+[--rounds 1] [--variant NAME=CMD] [--profile]``. ``--rounds N`` measures every cell N times, the
+targets interleaved, and reports the medians (on a loaded machine the server's CPU seconds per request
+is the number to read: rates and latencies move with the load). ``--variant`` adds another gymserve
+build to the same run, e.g. ``before='env PYTHONPATH=/tmp/before/src python -m gymserve.cli'`` for a
+before/after comparison. ``--profile`` samples gymserve with py-spy during a 10 KB, concurrency-16 load and
 prints its hot spots (nothing else is measured).
 """
 
@@ -305,26 +310,31 @@ def run(args) -> dict[str, Any]:
             }
             for c in concs:
                 n = n_c1 if c == 1 else n_cx
-                for name, (url, pid) in targets.items():
-                    cell = asyncio.run(
-                        measure(
-                            url,
-                            bodies.get(name, bodies["gymserve"]),
-                            concurrency=c,
-                            requests=n,
-                            time_limit=t_lim,
-                            pid=pid,
+                cells: dict[str, list[dict[str, Any]]] = {}
+                for r in range(args.rounds):  # interleaved: a change in the machine's load hits every target
+                    for name, (url, pid) in targets.items():
+                        cell = asyncio.run(
+                            measure(
+                                url,
+                                bodies.get(name, bodies["gymserve"]),
+                                concurrency=c,
+                                requests=n,
+                                time_limit=t_lim,
+                                pid=pid,
+                            )
                         )
-                    )
+                        cells.setdefault(name, []).append(cell)
+                        print(
+                            f"  {kb:>3} KB c={c:<3} {name:<17} {cell['rps']:8.0f} req/s  p50 {cell['p50_ms']:7.2f} ms  "
+                            f"p99 {cell['p99_ms']:7.2f} ms  cpu {cell['cpu_s_per_1k']:6.2f} s/1k  (n={cell['n']}, "
+                            f"errors={cell['errors']}, round {r + 1}/{args.rounds})",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                for name, got in cells.items():
+                    cell = _median_cell(got)
                     cell.update(target=name, kb=kb, body_bytes=len(bodies.get(name, bodies["gymserve"])), concurrency=c)
                     rows.append(cell)
-                    print(
-                        f"  {kb:>3} KB c={c:<3} {name:<17} {cell['rps']:8.0f} req/s  p50 {cell['p50_ms']:7.2f} ms  "
-                        f"p99 {cell['p99_ms']:7.2f} ms  cpu {cell['cpu_s_per_1k']:6.2f} s/1k  (n={cell['n']}, "
-                        f"errors={cell['errors']})",
-                        file=sys.stderr,
-                        flush=True,
-                    )
         rss = {ch.name: round(common.rss_mib(ch.pid), 1) for ch in children if ch.alive()}
     finally:
         for ch in reversed(children):
@@ -339,6 +349,21 @@ def run(args) -> dict[str, Any]:
         "gymserve_version": _version("gymserve"),
         "nemo_gym_version": "0.7.0" if "nemo-gym" in rss else None,
     }
+
+
+def _median_cell(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from ``--rounds`` measurements of it: the median of each number (requests and errors
+    summed); CPU per request is the robust one on a loaded machine, rates and latencies move with it."""
+    import statistics
+
+    out = {k: statistics.median(c[k] for c in cells) for k in ("rps", "p50_ms", "p99_ms", "cpu_s_per_1k")}
+    out.update(
+        n=sum(c["n"] for c in cells),
+        errors=sum(c["errors"] for c in cells),
+        rounds=len(cells),
+        first_error=next((c["first_error"] for c in cells if c["first_error"]), None),
+    )
+    return out
 
 
 def _version(dist: str) -> str:
@@ -421,13 +446,23 @@ def targets(res: dict[str, Any]) -> list[str]:
     g1, d1 = _cell(rows, "gymserve", 10, 1), _cell(rows, "direct", 10, 1)
     if g1 and d1:
         added = g1["p50_ms"] - d1["p50_ms"]
-        lines.append(f"{common.verdict(added <= 1.0)}  added p50 at concurrency 1: {added:.2f} ms (target ≤ 1 ms)")
+        lines.append(f"{common.verdict(added <= 0.5)}  added p50 at concurrency 1: {added:.2f} ms (target ≤ 0.5 ms)")
     gcpu = [r["cpu_s_per_1k"] for r in rows if r["target"] == "gymserve" and r["kb"] == 10]
     if gcpu:
         lines.append(
-            f"{common.verdict(max(gcpu) <= 1.0)}  gymserve CPU per 1,000 requests: worst {max(gcpu):.2f} s, "
-            f"best {min(gcpu):.2f} s (target ≤ 1 s)"
+            f"{common.verdict(max(gcpu) <= 0.3)}  gymserve CPU per 1,000 requests: worst {max(gcpu):.2f} s, "
+            f"best {min(gcpu):.2f} s (target ≤ 0.3 s)"
         )
+    many = max((r["concurrency"] for r in rows if r["concurrency"] <= 32), default=None)
+    gm, dm = _cell(rows, "gymserve", 10, many), _cell(rows, "direct", 10, many)
+    if many and many > 1 and gm and dm:
+        share = gm["rps"] / dm["rps"]
+        lines.append(
+            f"{common.verdict(share >= 0.25)}  req/s at concurrency {many}: {share:.3f} of direct (target ≥ 0.25)"
+        )
+    watch = res["machine"].get("run_watch")
+    if watch is not None and not watch["steady"]:
+        lines.append(f"NOTE  the run was {common.steady_text(watch)}: rates and latencies are loaded numbers")
     g64, p64 = _cell(rows, "gymserve", 10, 64), _cell(rows, "nemo-gym", 10, 64)
     if g64 and p64:
         ratio = g64["rps"] / p64["rps"]
@@ -573,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,10,100", help="history sizes in KB (default 1,10,100)")
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--no-peer", action="store_true", help="skip NeMo Gym")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds per cell, the median reported (default 1)")
     p.add_argument("--no-install", action="store_true", help="never build .venv-nemo (skip the peer if absent)")
     p.add_argument(
         "--variant",

@@ -173,7 +173,10 @@ def start_gymserve_llamacpp(gguf: Path, threads: int, http_server):
     }
     path = Path(tempfile.gettempdir()) / f"gymserve-bench-engine-llamacpp-{port}.yaml"
     path.write_text(json.dumps(cfg))
-    child = common.start_child("gymserve-llamacpp", common.gymserve_cmd("serve", "--config", str(path)), port)
+    # The caller's environment: the engine then picks its own OpenMP wait policy (llamacpp_runtime).
+    child = common.start_child(
+        "gymserve-llamacpp", common.gymserve_cmd("serve", "--config", str(path)), port, caller_env=True
+    )
     common.wait_http(child, f"http://127.0.0.1:{port}/health", 900)
     return http_server("gymserve llamacpp", child, gguf.stem)
 
@@ -182,7 +185,8 @@ def start_llama_server(exe: Path, gguf: Path, threads: int, http_server, slots: 
     port = common.free_port()
     cmd = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-np", str(slots), "-c", str(2048 * slots), "-t", str(threads), "-tb", str(threads)]
-    child = common.start_child("llama-server", cmd, port)
+    # As its users run it: llama.cpp's defaults, nothing this benchmark set for itself (issue #30).
+    child = common.start_child("llama-server", cmd, port, caller_env=True)
     common.wait_http(child, f"http://127.0.0.1:{port}/health", 300)
     return http_server(f"llama-server -np {slots}", child, gguf.stem)
 
@@ -210,7 +214,7 @@ def start_llama_cpp_python_server(gguf: Path, threads: int, http_server, install
     port = common.free_port()
     cmd = [str(py), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096"]
-    child = common.start_child("llama_cpp.server", cmd, port)
+    child = common.start_child("llama_cpp.server", cmd, port, caller_env=True)
     common.wait_http(child, f"http://127.0.0.1:{port}/v1/models", 300)
     return http_server("llama_cpp.server", child, gguf.stem)
 

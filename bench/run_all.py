@@ -24,7 +24,49 @@ import plot  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 DOC = common.ROOT / "docs" / "performance.md"
-ORDER = ("growth", "gateway", "engine", "parsers", "ttft", "control", "fleet")
+ORDER = ("growth", "gateway", "engine", "multiturn", "parsers", "ttft", "control", "fleet")
+
+# The llama.cpp comparison that stands until a quiet-machine run of bench/engine.py replaces it: the
+# table the page published before (gymserve llamacpp 1.92× / 1.21× llama-server) came from one round
+# at load 2.5-4.4, where llama-server ran with an OpenMP policy the benchmark imposed on it and was
+# the configuration slowed most; on a quiet machine the order is reversed (issue #30).
+ENGINE_PUBLISHED = """**The published numbers are issue #30's quiet-machine measurements**, not a run of this page's \
+machine (which is shared and loaded; its last run is below, marked as such). 2 cores, AVX-512 Xeon, load \
+0.5 at the start; llama-server and llama-cpp-python built from the same llama.cpp (the sdist's vendored \
+copy, `GGML_NATIVE=OFF`, AVX2/AVX-512/VNNI/BF16, no AMX); the embedded 0.5B GGUF, greedy, 48 new tokens; \
+`python bench/engine.py --reps 2 --llama-server PATH` (then still with `OMP_WAIT_POLICY=PASSIVE` set for \
+every configuration):
+
+| configuration | 1 stream tok/s | 8 streams tok/s | prefill tok/s |
+|---|---|---|---|
+| gymserve llamacpp | 15.67 (0.87×) | 44.84 (**0.76×**) | 156 (0.75×) |
+| raw llama.cpp loop (in process) | 16.36 (0.90×) | 44.58 (0.76×) | 123 |
+| llama-server -np 8 | 18.11 (1.00×) | 58.73 (1.00×) | 209 |
+| gymserve transformers | 8.98 | 25.67 | 336 |
+
+A second, independent measurement the same afternoon (load 0.12 → 0.83), llama-server with its own \
+defaults (`-np 8 -c 16384 -t 2 -tb 2`, no environment set), both through `/v1/chat/completions`, greedy, \
+48 tokens, best of 2 interleaved rounds:
+
+| configuration | 1 stream tok/s | 8 streams tok/s |
+|---|---|---|
+| gymserve llamacpp (`--temperature 0`) | 16.83 (**0.65×**) | 31.51 (**0.53×**) |
+| llama-server, its defaults | 25.80 | 59.29 |
+
+gymserve equals its own raw llama.cpp loop, so the gap is in how llama.cpp is configured and driven, \
+not in Python; closing it is open work (issue #30).
+
+**Reproducing a table.** On a quiet machine (nothing else running; `uptime` below 1), \
+`python bench/engine.py --reps 2 --llama-server PATH`, with `PATH` a `llama-server` built from the \
+llama.cpp that llama-cpp-python vendors. No environment is set for all configurations: each runs with \
+the environment the benchmark was started with — llama-server as its users run it (llama.cpp's default, \
+spinning OpenMP threads), gymserve's llamacpp engine with the policy it picks itself \
+(`OMP_WAIT_POLICY=PASSIVE` unless the environment names one) — and the table's *environment* column \
+says what each ran with. The machine line names the CPU's vector flags (avx2, avx512f, amx_tile…), the \
+command, and the load average at the start and end of the run; each round is checked \
+(`bench/common.py`'s `LoadWatch`: the 1-minute load moved by at most 1.0 and other processes used at \
+most 0.5 core) and one that was not steady is printed as `NOT steady` — re-run it before publishing. \
+Every benchmark's machine line carries the same check over its whole run."""
 
 
 def run_benchmarks(names: list[str], quick: bool, no_peer: bool, llama_server: str | None = None) -> list[str]:
@@ -66,6 +108,7 @@ def _section(name: str, title: str, intro: str, prefer_quick: bool, plot_image: 
         .replace("\n  PASS", "\n- PASS")
         .replace("\n  FAIL", "\n- FAIL")
         .replace("\n  n/a", "\n- n/a")
+        .replace("\n  NOTE", "\n- NOTE")
     )
     mode = (
         "quick mode on a shared, busy machine: indicative only; `make bench` reruns the full version"
@@ -121,8 +164,23 @@ def write_docs(prefer_quick: bool = False) -> Path:
             "no cache holds; *of bandwidth bound*: weight bytes read per decode step × steps/s ÷ a numpy "
             "copy bandwidth measured in the same run. All configurations are loaded first and measured "
             "in interleaved rounds. Script: `bench/engine.py` (`--llama-server PATH` names the binary, "
-            "built from the llama.cpp source llama-cpp-python vendors).",
+            "built from the llama.cpp source llama-cpp-python vendors).\n\n" + ENGINE_PUBLISHED,
             prefer_quick,
+        ),
+        _section(
+            "multiturn",
+            "Multi-turn rollouts",
+            "Concurrent agent sessions × 4 turns, each later turn adding a ~120-token tool result to the "
+            "whole earlier conversation, greedy, 32 tokens per turn, streamed: gymserve on the llamacpp "
+            "engine getting its own token fields back (so the prefix splice and the sequence's kept KV "
+            "apply), llama-server with its prompt cache (`cache_prompt`, one slot per session) and gymserve "
+            "on the transformers engine. *tok/s*: generated tokens of the rollouts that finished every turn "
+            "÷ the wall time; *TTFT*: the median time to the first content token of each turn. Target: "
+            "gymserve llamacpp ≥ 1.3× llama-server. Script: `bench/multiturn.py` (`--llama-server PATH`; "
+            "`--quick`: 2 sessions, 16 tokens per turn). Reproduce on a quiet machine: "
+            "`python bench/multiturn.py --llama-server PATH` (8 sessions).",
+            prefer_quick,
+            plot_image=False,
         ),
         _section(
             "gateway",

@@ -48,6 +48,7 @@ LAYERS: dict[str, int] = {
     "gymserve.failures": 5,  # how a failure is reported (names server.run's BindError); harness and cli use it
     # 6 — the RL harness: agents, environments, rollouts, verification, the demo (clients of the server).
     "gymserve.harness": 6,
+    "gymserve.trainer": 6,  # the trainer's weight-sync client (a client of the server, as the harness)
     # 7 — command line and the package's public face.
     "gymserve.cli": 7,
     "gymserve.ray_cluster.cli": 7,

@@ -11,6 +11,7 @@ The cause of a failure is its class; ``code`` is only what the client reads, nev
     │   ├── SpliceError                400 splice_failed
     │   ├── RequestTooLargeError       413 request_too_large
     │   ├── WeightUpdateError          400 invalid_weights        (nothing changed; the old weights serve)
+    │   │   └── WeightTransferError    400 weight_transfer_failed (a process-group transfer broke off)
     │   └── NotFoundError              404 invalid_request_error   (e.g. a LoRA adapter not loaded)
     ├── NotSupportedError              501 not_supported_error     (e.g. weight updates on a remote backend)
     ├── ConflictError                  409 conflict_error          (e.g. a wait-pause past its deadline)
@@ -141,6 +142,15 @@ class WeightUpdateError(InvalidRequestError):
 
     def __init__(self, message: str, *, param: str | None = None):
         super().__init__(message, param=param)
+
+
+class WeightTransferError(WeightUpdateError):
+    """A process-group weight transfer failed before anything changed (400, code
+    ``weight_transfer_failed``): the trainer's rendezvous or a broadcast did not complete (the trainer
+    died, the connection dropped, the group's timeout passed). The old weights keep serving; the
+    group is closed (``engine.weight_transfer``)."""
+
+    code = "weight_transfer_failed"
 
 
 class NotFoundError(InvalidRequestError):

@@ -192,7 +192,7 @@ def test_a_rollout_given_as_token_ids_stays_contiguous(client):
     [
         ({"prompt": "a", "suffix": "b"}, "suffix", "insert mode"),
         ({"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs", "out of range"),
-        ({"prompt": "a", "stop": ["\n"]}, "stop", "stop is not supported"),
+        ({"prompt": "a", "guided_grammar": "root ::= 'a'"}, "guided_grammar", "not applied"),
         ({"prompt": "a", "min_p": 2}, "min_p", "out of range"),  # applied per request, so checked
         ({"prompt": [[1], [151936]]}, "prompt[1][0]", "outside the model's vocabulary"),
         ({"prompt": [5, -1]}, "prompt[1]", "non-negative"),

@@ -40,7 +40,7 @@ def test_torch_is_installed_first_then_pinned_for_the_extras():
     lines = make_n()
     torch_step = _index(lines, "scripts/install_torch.py --torch")
     llama_step = _index(lines, "scripts/install_llamacpp.py --constraints /tmp/gymserve-venv/torch-constraints.txt")
-    extras = _index(lines, '-e ".[local,llamacpp,test,docs,lint]"')
+    extras = _index(lines, '-e ".[local,llamacpp,structured,test,docs,lint]"')
     check = _index(lines, "scripts/install_torch.py --check")
     assert torch_step < llama_step < extras < check
     assert '--torch "torch==2.13.0"' in lines[torch_step] and "--try-local" in lines[torch_step]

@@ -324,6 +324,37 @@ def test_keep_pause_and_update_continue_the_call_on_the_new_weights(tiny_model_d
     assert max(abs(a - b) for a, b in zip(old[k:], lps[k:])) > 1e-2  # the new weights really differ
 
 
+def test_sleep_level_1_drops_the_session_cache_and_level_2_is_a_501(tiny_gguf_dir):
+    """vLLM's sleep mode on llama.cpp (``engine.sleep``): level 1 and ``reset_prefix_cache`` drop
+    the KV kept after calls end (the next identical call gives the same tokens, recomputed); level
+    2 would need the GGUF reloaded, so it is refused naming the engine."""
+    from gymserve.engine import sleep as sleep_mode
+
+    async def go():
+        eng = _engine(tiny_gguf_dir)
+        try:
+            first = await eng.generate(_prompts()[1], GREEDY)
+            out = await sleep_mode.reset_prefix_cache(eng)
+            assert out["cache_entries_dropped"] >= 1  # the finished call's session kept its KV
+            assert all(not slot.cached for slot in eng._slots)
+            await eng.generate(_prompts()[1], GREEDY)
+            slept = await sleep_mode.sleep(eng, 1)
+            assert slept["level"] == 1 and slept["cache_entries_dropped"] >= 1 and slept["bytes_released"] == 0
+            assert sleep_mode.sleep_status(eng) == {"is_sleeping": True, "level": 1, "weights_released": False}
+            with pytest.raises(NotSupportedError, match="level 2"):
+                await sleep_mode.sleep(eng, 2)
+            held = asyncio.ensure_future(eng.generate(_prompts()[1], GREEDY))
+            await asyncio.sleep(0.5)
+            assert not held.done()
+            assert (await sleep_mode.wake_up(eng))["level"] == 0
+            again = await asyncio.wait_for(held, 60)
+            assert again.token_ids == first.token_ids
+        finally:
+            await eng.close()
+
+    _run(go())
+
+
 # ---------------------------------------------------------------- the start-up self-check (issue #24)
 def test_the_engine_decodes_one_token_before_it_takes_calls(tiny_gguf_dir, monkeypatch):
     """A llama.cpp build whose kernels fail does so while the engine loads, before the server says

@@ -51,3 +51,15 @@ def test_a_client_that_leaves_a_non_streamed_call_stops_its_generation(tokenizer
         # The server still answers.
         ok = httpx.post(srv.base_url + "/chat/completions", json={"messages": HI, "max_tokens": 3}, timeout=30)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_model_call_routes_are_tried_first(tokenizer):
+    """Starlette tries routes in order (a regex match each): the docs, control and LoRA routes
+    before the model calls cost every call ~40 µs (issue #30)."""
+    from gymserve.server.app import _MODEL_CALL_PATHS, create_app
+
+    config = LocalBackendConfig(model="scripted", sampling=SamplingConfig(temperature=0.0))
+    app = create_app(LocalBackend(config, ScriptedEngine(tokenizer, "Hi."), tokenizer))
+    paths = [getattr(r, "path", None) for r in app.router.routes]
+    assert set(paths[: len(_MODEL_CALL_PATHS)]) == _MODEL_CALL_PATHS
+    assert {"/pause", "/docs", "/health", "/v1/models", "/tokenize"} <= set(paths)  # the others all still there

@@ -167,6 +167,16 @@ class Backend(ABC):
         (501) by default."""
         raise self._not_served("POST /detokenize")
 
+    async def generate_tokens(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        """vLLM's ``POST /inference/v1/generate`` (token IDs in, token IDs and log-probs out; see
+        ``backends.local.tokens_in``). ``NotSupportedError`` (501) by default."""
+        raise self._not_served("POST /inference/v1/generate")
+
+    async def sglang_generate(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any] | list[Any]:
+        """SGLang's ``POST /generate`` (``input_ids`` in; ``output_ids`` and ``meta_info``'s
+        log-probs out; see ``backends.local.tokens_in``). ``NotSupportedError`` (501) by default."""
+        raise self._not_served("POST /generate")
+
     def _not_served(self, route: str):
         from gymserve.errors import NotSupportedError
 

@@ -35,6 +35,10 @@ class SamplingParams:
     ``max_tokens`` is the number of new tokens, already clamped to the context window.
     ``stop_token_ids`` end generation when sampled (in addition to the model's EOS IDs); the
     stopping token is part of the engine's output, with its log-prob (a training token, as in vLLM).
+    ``min_tokens`` (vLLM's): the stop set is masked out until that many tokens were sampled;
+    ``ignore_eos`` (vLLM's): the EOS IDs do not end the generation (``stop_token_ids`` still do);
+    ``stop``: stop strings, which the local backend applies on the decoded text (engines see token
+    IDs only). The rule of all of them: ``engine.ending``.
     ``top_logprobs`` asks for that many alternatives per position (0: none).
     ``prompt_logprobs`` (vLLM's field of the same name): ``None`` computes none; ``k >= 0`` asks for
     every prompt token's log-prob given the tokens before it, its rank and the ``k`` most likely
@@ -51,6 +55,23 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    constraint: Any = None
+    """Structured output: a factory (no arguments) of one call's ``TokenConstraint``, or None. Only
+    engines with ``supports_structured_output`` apply it (the transformers engine)."""
+
+
+class TokenConstraint(Protocol):
+    """One call's grammar state (structured output): ``mask(logits)`` returns the logits with every
+    token the grammar forbids next set to -inf (a copy; the reported log-probs stay the raw
+    model's), ``accept(token)`` advances the grammar past the sampled token."""
+
+    def mask(self, logits: Any) -> Any: ...
+
+    def accept(self, token: int) -> None: ...
 
 
 @dataclass
@@ -90,6 +111,8 @@ class Generation:
     prompt_logprobs: PromptLogprobs | None = None
     """The prompt's log-probs when ``SamplingParams.prompt_logprobs`` asked for them, computed on the
     weights that sampled the first token (``weight_version_spans[0]``)."""
+    stop_reason: int | str | None = None
+    """vLLM's ``stop_reason``: the stop string or stop token ID that ended it (``engine.ending``)."""
 
 
 @dataclass

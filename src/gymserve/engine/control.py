@@ -89,15 +89,16 @@ def recording_undo() -> Iterator[UndoLog]:
 
 @dataclass
 class Command:
-    """One request to the worker. ``kind``: ``pause`` (``mode``, ``timeout``), ``resume``, or
+    """One request to the worker. ``kind``: ``pause`` (``mode``, ``timeout``), ``resume``,
     ``weights`` (``apply`` copies validated tensors, or is None when only the version changes;
-    ``version``: the caller's name for the new weights, None to count)."""
+    ``version``: the caller's name for the new weights, None to count), or ``run`` (``apply`` runs
+    on the worker between two steps; its result answers the future: ``engine.sleep``)."""
 
     kind: str
     future: Future = field(default_factory=Future)
     mode: PauseMode | None = None
     timeout: float | None = None
-    apply: Callable[[], None] | None = None
+    apply: Callable[[], Any] | None = None
     version: WeightVersion | None = None
 
 
@@ -112,6 +113,8 @@ class ControlState:
         self.timeout: float | None = None
         self.stale = False  # the KV cache of calls in the batch predates the current weights
         self.last_update_seconds: float | None = None
+        self.sleep_level = 0  # vLLM's sleep level (engine.sleep): 0 awake, 1 caches dropped, 2 weights released too
+        self.weights_released = False  # woken from level 2: the weights are placeholders until an update
         self._waiters: list[Future] = []  # pause calls not answered yet (wait mode, batch not empty)
 
     @property
@@ -120,8 +123,8 @@ class ControlState:
 
     @property
     def admitting(self) -> bool:
-        """Whether calls waiting for the batch may be admitted."""
-        return self.mode is None
+        """Whether calls waiting for the batch may be admitted (not while asleep, nor on released weights)."""
+        return self.mode is None and self.sleep_level == 0 and not self.weights_released
 
     @property
     def decoding(self) -> bool:
@@ -179,6 +182,7 @@ class ControlState:
         """Apply ``cmd`` (the caller measures and validated it) and move to the next version."""
         if cmd.apply is not None:
             cmd.apply()
+            self.weights_released = False  # new values over the placeholders of a level-2 wake-up
         self.updates += 1
         self.weight_version = self.updates if cmd.version is None else cmd.version
         self.stale = self.stale or in_batch > 0
@@ -189,13 +193,15 @@ class ControlState:
 
     def status(self) -> dict[str, Any]:
         """``{"weight_version", "weight_updates", "paused": mode | None, "pause_seconds_left",
-        "last_update_seconds"}`` for ``/health``, ``/is_paused`` and ``/metrics``."""
+        "last_update_seconds", "sleep_level", "weights_released"}`` for ``/health``, ``/is_paused`` and ``/metrics``."""
         return {
             "weight_version": self.weight_version,
             "weight_updates": self.updates,
             "paused": self.mode,
             "pause_seconds_left": self.seconds_left(),
             "last_update_seconds": self.last_update_seconds,
+            "sleep_level": self.sleep_level,
+            "weights_released": self.weights_released,
         }
 
     def fail_all(self, exc: BaseException) -> None:

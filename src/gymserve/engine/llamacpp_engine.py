@@ -432,6 +432,15 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
                 slot.cached = []
         self._control.stale = False  # recomputation is the pending tokens, not a separate pass
 
+    def _drop_cache(self) -> int:
+        """Every cached KV entry (finished sessions' and running sequences', which the next steps
+        recompute from their tokens, as after new weights); the sequences that held some."""
+        held = sum(1 for slot in self._slots if slot.cached)
+        self.ctx.clear()
+        for slot in self._slots:
+            slot.cached = []
+        return held
+
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_batch_size:
             req = self._waiting.popleft()
@@ -573,13 +582,16 @@ class LlamaCppEngine(LlamaCppLora, WorkerEngine):
             self._release(req)
             return
         norm = float(log_normalizer(logits)[0])
-        tok = sample_next(logits, req.sampling, req.rng)
+        banned = req.ending.suppressed(len(req.tokens))
+        scores = logits
+        if banned:  # min_tokens: the stop set cannot be sampled yet (log-probs stay the raw ones)
+            scores = logits.copy()
+            scores[banned] = -np.inf
+        tok = sample_next(scores, req.sampling, req.rng)
         req.tokens.append(tok)
         req.known.append(tok)
-        finish: FinishReason | None = None
-        if tok in req.stop_ids:
-            finish = "stop"
-        elif len(req.tokens) >= req.sampling.max_tokens or len(req.known) >= self.context_window:
+        finish: FinishReason | None = req.ending.finish(tok, len(req.tokens))
+        if finish is None and len(req.known) >= self.context_window:
             finish = "length"
         tops = (
             [top_logprobs(logits.astype(np.float64) - norm, req.sampling.top_logprobs)]

@@ -46,6 +46,7 @@ class _Request(WorkerRequest):
     next_token: int | None = None  # sampled, not yet fed to the model
     seq_len: int = 0  # tokens of this sequence in the cache (prompt + fed generation)
     prompt_logprobs: PromptLogprobs | None = None  # computed at prefill, sent with the first token
+    constraint: Any = None  # the call's TokenConstraint (structured output), from sampling.constraint
 
 
 @dataclass
@@ -77,6 +78,7 @@ class TransformersEngine(LoraEngine, WorkerEngine):
 
     engine_name = "transformers"
     supports_prompt_logprobs = True
+    supports_structured_output = True  # applies SamplingParams.constraint (a token mask per step)
 
     @classmethod
     def from_config(cls, config, resolved) -> TransformersEngine:
@@ -141,7 +143,8 @@ class TransformersEngine(LoraEngine, WorkerEngine):
         return self.model
 
     def _new_request(self, prompt_ids: list[int], sampling: SamplingParams, **common: Any) -> _Request:
-        return _Request(prompt_ids, sampling, generator=make_generator(sampling), **common)
+        constraint = sampling.constraint() if sampling.constraint is not None else None
+        return _Request(prompt_ids, sampling, generator=make_generator(sampling), constraint=constraint, **common)
 
     # ---- worker thread ---------------------------------------------------------------------
 
@@ -265,13 +268,16 @@ class TransformersEngine(LoraEngine, WorkerEngine):
             req.next_token = None
             return False
         logprobs = torch.log_softmax(logits, dim=-1)
+        banned = req.ending.suppressed(req.generated)
+        if banned:  # min_tokens: the stop set cannot be sampled yet (log-probs stay the raw ones)
+            logits = logits.index_fill(0, torch.tensor(banned), float("-inf"))
+        if req.constraint is not None:  # structured output: only what the grammar allows next
+            logits = req.constraint.mask(logits)
         tok = sample_next(logits, req.sampling, req.generator)
+        if req.constraint is not None:
+            req.constraint.accept(tok)
         req.generated += 1
-        finish: FinishReason | None = None
-        if tok in req.stop_ids:
-            finish = "stop"
-        elif req.generated >= req.sampling.max_tokens:
-            finish = "length"
+        finish: FinishReason | None = req.ending.finish(tok, req.generated)
         tops = [top_logprobs(logprobs, req.sampling.top_logprobs)] if req.sampling.top_logprobs else []
         req.tokens.append(tok)
         version = self._control.weight_version

@@ -8,7 +8,7 @@ The mapping (see ``docs/model-servers/vllm-engine.md`` for the parity argument):
 
 - ``temperature`` (0 is greedy in both), ``top_p``, ``min_p``, ``seed``, ``max_tokens`` as they are; ``top_k``
   ``None``/``<= 0`` → ``-1`` ("off"; every vLLM version accepts it); ``stop_token_ids`` as they are,
-  with ``ignore_eos=False`` and ``min_tokens=0``. vLLM applies temperature, then min-p, then top-k, then top-p,
+  ``min_tokens`` and ``ignore_eos`` as they are (``engine.ending`` states the same rule). vLLM applies temperature, then min-p, then top-k, then top-p,
   the order ``engine.sampling`` follows.
 - ``logprobs=top_logprobs`` (0 when none): vLLM always adds the sampled token's entry, so every
   position has it. The engine runs with ``logprobs_mode="raw_logprobs"`` (set explicitly where the
@@ -132,9 +132,9 @@ def vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
         "min_p": float(sampling.min_p),
         "seed": sampling.seed,
         "max_tokens": int(sampling.max_tokens),
-        "min_tokens": 0,
+        "min_tokens": int(sampling.min_tokens),
         "stop_token_ids": [int(t) for t in sampling.stop_token_ids],
-        "ignore_eos": False,
+        "ignore_eos": bool(sampling.ignore_eos),
         "logprobs": int(sampling.top_logprobs),
         "detokenize": False,
         "skip_special_tokens": False,

@@ -31,6 +31,7 @@ from typing import Any
 
 from gymserve.engine.base import Generation, SamplingParams, TokenDelta, collect
 from gymserve.engine.control import Command, ControlState, WorkerControl
+from gymserve.engine.ending import Ending
 from gymserve.errors import EngineDownError, EngineError
 
 log = logging.getLogger("gymserve.engine")
@@ -44,13 +45,14 @@ MAX_WAIT_SECONDS = 3600.0
 @dataclass
 class WorkerRequest:
     """One generation as the worker sees it: the prompt, its sampling params, where its deltas go
-    (``out`` on ``loop``), the IDs that end it, and whether its caller left (``cancelled``)."""
+    (``out`` on ``loop``), its ``engine.ending.Ending`` (what ends it), and whether its caller left
+    (``cancelled``)."""
 
     prompt_ids: list[int]
     sampling: SamplingParams
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
-    stop_ids: frozenset[int]
+    ending: Ending
     cancelled: bool = False
     id: int = field(default_factory=itertools.count().__next__)
 
@@ -148,6 +150,11 @@ class WorkerEngine(WorkerControl):
     def _weights_changed(self, cmd: Command) -> None:
         """After a weight command ran (worker thread); the engine drops what the old weights cached."""
 
+    def _drop_cache(self) -> int:
+        """Drop the KV kept between calls (a prefix cache; worker thread); how many entries went.
+        Calls in the batch keep theirs. The default: an engine that keeps none."""
+        return 0
+
     def _check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """Raises ``EngineError`` when the engine is shut down or the prompt is empty."""
         if self._fault is not None:
@@ -171,7 +178,7 @@ class WorkerEngine(WorkerControl):
             sampling,
             loop=asyncio.get_running_loop(),
             out=asyncio.Queue(),
-            stop_ids=frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids),
+            ending=Ending.of(self.eos_token_ids, sampling),
         )
         self._inbox.put(req)
         try:
@@ -238,6 +245,9 @@ class WorkerEngine(WorkerControl):
             elif cmd.kind == "resume":
                 ctl.resume()
                 cmd.future.set_result(None)
+            elif cmd.kind == "run":
+                assert cmd.apply is not None
+                cmd.future.set_result(cmd.apply())
             else:
                 version = ctl.new_weights(cmd, len(self._running()))
                 self._weights_changed(cmd)

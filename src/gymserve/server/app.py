@@ -47,12 +47,14 @@ from gymserve.server.limits import read_body
 from gymserve.server.metrics import Metrics, usage_tokens
 from gymserve.server.schemas import install_openapi
 from gymserve.server.tokens import install_tokens
+from gymserve.server.weight_sync_routes import WEIGHT_SYNC_PATHS, install_weight_sync, weight_sync_health
 from gymserve.wire.anthropic_errors import error_body
 
 log = logging.getLogger("gymserve.server")
 SESSION_HEADER = "x-session-id"
 SESSION_COOKIE = "session_id"
 Wire = Literal["responses", "chat", "completions", "messages"]
+_MODEL_CALL_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/messages"})
 """What a model route speaks: its request checks, its stream format, its error shape."""
 
 
@@ -243,9 +245,10 @@ def create_app(
             server_api_key,
             on_failure=metrics.auth_failures.inc,
             admin_key=admin_api_key,
-            admin_paths=CONTROL_PATHS | LORA_PATHS,
+            admin_paths=CONTROL_PATHS | LORA_PATHS | WEIGHT_SYNC_PATHS,
         )
     install_control(app, backend, allowed=control_allowed, registry=metrics.registry)
+    install_weight_sync(app, backend, allowed=control_allowed)
     backend_name = backend.name
     default_replica = "local" if backend_name == "local" else "-"
 
@@ -342,6 +345,33 @@ def create_app(
         check_tool_pairing(body.get("messages"))
         return _json({"input_tokens": await backend.count_tokens(body, _context(request))})
 
+    async def tokens_in(route: str, request: Request, call) -> Response:
+        """vLLM's ``/inference/v1/generate`` and SGLang's ``/generate`` (``backends.local.tokens_in``):
+        a JSON body to the backend, the answer as JSON; metrics and capture as the model calls."""
+        t0 = time.perf_counter()
+        body: Any = None
+        ctx = _context(request)
+        try:
+            if app.state.draining:
+                raise ShuttingDownError()
+            body = await _body(request, max_body_bytes)
+            result = await until_disconnected(request, call(body, ctx))
+        except ClientLeft:
+            record(route, ctx, body, t0, 499, error_type="cancelled")
+            return Response(status_code=499)
+        except BaseException as exc:
+            status, etype, err = _error_info(exc)
+            record(route, ctx, body, t0, status, error=err, error_type=etype)
+            raise
+        record(route, ctx, body, t0, 200, result=result)
+        return _json(result)
+
+    async def generate_tokens(request: Request):
+        return await tokens_in("/inference/v1/generate", request, backend.generate_tokens)
+
+    async def sglang_generate(request: Request):
+        return await tokens_in("/generate", request, backend.sglang_generate)
+
     # Plain Starlette routes: the body is parsed by hand anyway, and FastAPI's per-request
     # dependency solving was measurable on the hot path. install_openapi documents them.
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
@@ -349,6 +379,8 @@ def create_app(
     app.add_route("/v1/completions", completions, methods=["POST"], include_in_schema=False)
     app.add_route("/v1/messages", messages, methods=["POST"], include_in_schema=False)
     app.add_route("/v1/messages/count_tokens", count_tokens, methods=["POST"], include_in_schema=False)
+    app.add_route("/inference/v1/generate", generate_tokens, methods=["POST"], include_in_schema=False)
+    app.add_route("/generate", sglang_generate, methods=["POST"], include_in_schema=False)
     install_tokens(app, backend, read_json=lambda request: _body(request, max_body_bytes), context=_context)
 
     @app.get("/v1/models")
@@ -397,7 +429,7 @@ def create_app(
     async def health():
         if app.state.draining:
             return _json({"status": "draining"}, status=503)
-        info = {**await backend.health(), **control_health(backend)}
+        info = {**await backend.health(), **control_health(backend), **weight_sync_health(app)}
         return _json(info, status=200 if info.get("status") != "down" else 503)
 
     @app.get("/metrics", include_in_schema=False)
@@ -405,6 +437,10 @@ def create_app(
         data, content_type = metrics.render()
         return Response(data, media_type=content_type)
 
+    # The model calls' routes first: Starlette tries routes in order with a regex match each (a few
+    # µs apiece), and the 16 docs, control and LoRA routes before them cost every call ~40 µs
+    # (issue #30). Every path is exact, so the order decides nothing else.
+    app.router.routes.sort(key=lambda route: getattr(route, "path", None) not in _MODEL_CALL_PATHS)
     return app
 
 

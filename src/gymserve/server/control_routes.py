@@ -17,7 +17,8 @@ route                              answer
 ``POST /update_weights``           body ``{"update_info": {"path": DIR}, "weight_version": V}``
                                    (vLLM's disk transfer; ``weight_version`` is gymserve's, vLLM takes
                                    it in ``/finish_weight_update``) → ``{"message", "weight_version",
-                                   "seconds"}``
+                                   "seconds"}``; mounted by ``server.weight_sync_routes``, which also
+                                   takes vLLM's process-group form of it
 ``POST /start_weight_update``      ``{"message"}``: opens vLLM's weight-update session (nothing is
                                    held in it: a second start opens a new one)
 ``POST /finish_weight_update``     body ``{"weight_version": V}`` (optional) → ``{"message",
@@ -112,15 +113,6 @@ class UpdateInfo(_Body):
         description="a directory in Hugging Face layout (model.safetensors, or shards "
         "with model.safetensors.index.json) or one .safetensors file, on the server's machine; full "
         "weights or any subset of the tensors",
-    )
-
-
-class UpdateWeightsRequest(_Body):
-    update_info: UpdateInfo
-    weight_version: Version | None = Field(
-        None,
-        description="the new weights' version (default: the number of "
-        "updates so far); gymserve's, vLLM takes it in /finish_weight_update",
     )
 
 
@@ -328,14 +320,6 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
             "seconds_left": first.get("pause_seconds_left"),
         }
 
-    @route("POST", "/update_weights", "Load new weights from disk (vLLM's POST /update_weights)")
-    async def update_weights(body: UpdateWeightsRequest):
-        t0 = time.perf_counter()
-        version = await control_of(backend).update_weights(
-            path=body.update_info.path, weight_version=body.weight_version
-        )
-        return {"message": "Weights updated", "weight_version": version, "seconds": round(time.perf_counter() - t0, 6)}
-
     session = {"open": False}  # vLLM's weight-update session (start / finish_weight_update)
 
     def serving() -> list[dict[str, Any]]:
@@ -373,7 +357,9 @@ def install_control(app: FastAPI, backend: Any, *, allowed: bool, registry: Any 
     @route("GET", "/weight_info", "The weight version serving (vLLM's GET /weight_info)")
     async def weight_info():
         status = serving()
-        return dict(status[0]) if len(status) == 1 else {"replicas": status}
+        info = dict(status[0]) if len(status) == 1 else {"replicas": status}
+        receiver = getattr(app.state, "weight_receiver", None)  # server.weight_sync_routes
+        return {**info, "weight_transfer": receiver.status()} if receiver is not None else info
 
     @route("POST", "/update_weight_version", "Name the serving weights (vLLM's POST /update_weight_version)")
     async def update_weight_version(body: UpdateWeightVersionRequest):

@@ -20,16 +20,20 @@ from typing import Any
 
 from gymserve.backends.base import Backend, RequestContext
 from gymserve.backends.local.choices import interleave, run_all
+from gymserve.backends.local.completion_output import vllm_prompt_logprobs
 from gymserve.backends.local.completions import LocalCompletions
 from gymserve.backends.local.control import LocalControl
 from gymserve.backends.local.output import CallOutput
 from gymserve.backends.local.request import LocalCall, echo_sampling, prepare_call
-from gymserve.backends.local.stream import stream_chunks
+from gymserve.backends.local.stream import generate, stream_chunks
 from gymserve.backends.local.tokens import LocalTokens
+from gymserve.backends.local.tokens_in import LocalTokensIn
+from gymserve.backends.local.vllm_fields import answer_id
 from gymserve.backends.pool import Limiter
 from gymserve.backends.responses_over_chat import ChatAnswer
 from gymserve.convert import ChunkAccumulator
 from gymserve.engine.base import Engine
+from gymserve.engine.ending import Ending
 from gymserve.errors import (
     ConflictError,
     ContextLengthExceededError,
@@ -38,10 +42,9 @@ from gymserve.errors import (
     NotFoundError,
 )
 from gymserve.protocol import ChatCompletionDict, ChatRequest, MessagesRequest
-from gymserve.wire.ids import new_id
 
 
-class LocalBackend(LocalCompletions, LocalTokens, Backend):
+class LocalBackend(LocalCompletions, LocalTokens, LocalTokensIn, Backend):
     """Serves one in-process ``Engine``; see the module docstring.
 
     ``config`` is a ``gymserve.config.LocalBackendConfig``; ``engine`` and ``tokenizer`` are loaded
@@ -205,8 +208,9 @@ class LocalBackend(LocalCompletions, LocalTokens, Backend):
             engine=self.engine,
             sampling_config=self.config.sampling,
             stop_token_ids=self.stop_token_ids,
+            tokenizer=self.tokenizer,
         )
-        chunk_id = new_id("chatcmpl")
+        chunk_id = answer_id(request, "chatcmpl")
         return call, [
             CallOutput(
                 call,
@@ -216,7 +220,7 @@ class LocalBackend(LocalCompletions, LocalTokens, Backend):
                 tool_parser=self.tool_parser,
                 reasoning_parser=self.reasoning_parser,
                 reasoning_field=self.config.reasoning_field,
-                stop_token_ids=self.stop_token_ids,
+                stop_token_ids=Ending.of(self.engine.eos_token_ids, call.sampling).stop_ids,
                 engine=self.engine,
                 index=i,
             )
@@ -226,7 +230,7 @@ class LocalBackend(LocalCompletions, LocalTokens, Backend):
     async def _whole(self, call: LocalCall, output: CallOutput) -> list[dict[str, Any]]:
         """One choice generated to the end (an engine slot while it runs), as its chunks."""
         async with self.limiter.slot():
-            gen = await self.engine.generate(call.prompt.token_ids, call.sampling_for(output.index))
+            gen = await generate(self.engine, call.prompt.token_ids, call.sampling_for(output.index), self.tokenizer)
         return output.whole(gen)
 
     async def answer(self, request: ChatRequest, ctx: RequestContext) -> ChatAnswer:
@@ -255,6 +259,12 @@ class LocalBackend(LocalCompletions, LocalTokens, Backend):
         completion = completions[0]
         completion["choices"] = [c["choices"][0] for c in completions]
         completion["usage"] = _usage(call, outputs)
+        for output, choice in zip(outputs, completion["choices"]):
+            choice["stop_reason"] = output.stop_reason  # vLLM's: the stop string or stop token ID
+        if call.sampling.prompt_logprobs is not None and outputs[0].prompt_logprobs is not None:
+            completion["prompt_logprobs"] = vllm_prompt_logprobs(
+                call.prompt.token_ids, outputs[0].prompt_logprobs, self.tokenizer
+            )
         if call.return_token_ids:  # vLLM's places: the prompt once, each choice's generation
             completion["prompt_token_ids"] = call.prompt.token_ids
             for choice in completion["choices"]:

@@ -40,6 +40,7 @@ from typing import Any
 from gymserve.backends.local.control import version_fields
 from gymserve.backends.local.output import text_ids, with_token_ids
 from gymserve.engine.base import Generation, PromptLogprobs
+from gymserve.engine.ending import cut_at_hit
 from gymserve.errors import EngineError
 
 
@@ -63,13 +64,14 @@ class CompletionOutput:
         index: int,
         head: dict[str, Any],
         tokenizer: Any,
-        stop_token_ids: tuple[int, ...],
+        stop_token_ids: tuple[int, ...] | frozenset[int],
         logprobs: int | None,
         echo: bool,
         prompt_logprobs: int | None = None,
         tokens_as_ids: bool,
         return_token_ids: bool = False,
         engine: Any = None,
+        include_stop: bool = False,
     ):
         self.prompt_ids = prompt_ids
         self.prompt_text = prompt_text
@@ -83,6 +85,7 @@ class CompletionOutput:
         self.tokens_as_ids = tokens_as_ids
         self.return_token_ids = return_token_ids
         self.engine = engine
+        self.include_stop = include_stop  # include_stop_str_in_output: the text keeps the stop string
         self.sampled = 0  # tokens the engine sampled (usage), known at end()
         self.ids_sent = 0  # generation tokens already sent as token_ids (return_token_ids)
 
@@ -134,6 +137,8 @@ class CompletionOutput:
         """The ``CompletionChoice`` dict of a finished generation (what the stream's chunks add up to)."""
         self.sampled = len(gen.token_ids)
         text = self.tokenizer.decode(self.text_ids(gen), skip_special_tokens=False)
+        if isinstance(gen.stop_reason, str):
+            text = cut_at_hit(text, gen.stop_reason, include=self.include_stop)
         choice = {"index": self.index, "text": (self.prompt_text if self.echo else "") + text, **self._final(gen)}
         if self.return_token_ids:
             choice["token_ids"] = gen.token_ids
@@ -146,6 +151,7 @@ class CompletionOutput:
         scores = self._prompt_scores(gen)
         return {
             "finish_reason": finish,
+            "stop_reason": gen.stop_reason,
             "logprobs": self._logprobs(gen, scores) if self.logprobs is not None else None,
             **({"prompt_logprobs": self._vllm_prompt_logprobs(scores)} if scores is not None else {}),
             "prompt_token_ids": self.prompt_ids,
@@ -169,14 +175,7 @@ class CompletionOutput:
         return gen.prompt_logprobs
 
     def _vllm_prompt_logprobs(self, scores: PromptLogprobs) -> list[dict[str, dict[str, Any]] | None]:
-        out: list[dict[str, dict[str, Any]] | None] = [None]
-        for i in range(1, len(self.prompt_ids)):
-            tid, lp = self.prompt_ids[i], scores.log_probs[i]
-            entry = {str(tid): {"logprob": lp, "rank": scores.ranks[i], "decoded_token": self._text(tid)}}
-            for rank, (alt, alp) in enumerate(scores.top_logprobs[i], start=1):
-                entry.setdefault(str(alt), {"logprob": alp, "rank": rank, "decoded_token": self._text(alt)})
-            out.append(entry)
-        return out
+        return vllm_prompt_logprobs(self.prompt_ids, scores, self.tokenizer)
 
     def _text(self, tid: int) -> str:
         return self.tokenizer.decode([tid], skip_special_tokens=False)
@@ -207,3 +206,23 @@ class CompletionOutput:
         for i, (tid, lp) in enumerate(zip(gen.token_ids, gen.log_probs)):
             offset = add(tid, lp, gen.top_logprobs[i] if i < len(gen.top_logprobs) else [], offset)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(
+    prompt_ids: list[int], scores: PromptLogprobs, tokenizer: Any
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` (completions' ``choices[i]``, chat's top level): per prompt token
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` with the alternatives asked for, the first
+    ``null``."""
+
+    def text(tid: int) -> str:
+        return tokenizer.decode([tid], skip_special_tokens=False)
+
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for i in range(1, len(prompt_ids)):
+        tid, lp = prompt_ids[i], scores.log_probs[i]
+        entry = {str(tid): {"logprob": lp, "rank": scores.ranks[i], "decoded_token": text(tid)}}
+        for rank, (alt, alp) in enumerate(scores.top_logprobs[i], start=1):
+            entry.setdefault(str(alt), {"logprob": alp, "rank": rank, "decoded_token": text(alt)})
+        out.append(entry)
+    return out

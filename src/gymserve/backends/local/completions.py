@@ -5,8 +5,10 @@ A base model's prompt is given as it is: text is tokenized with the tokenizer's 
 text are recognised, as there), token IDs go to the engine unchanged, so a rollout that builds its
 own prompts from earlier prompt + generation IDs stays token-contiguous by construction. The rules
 of the chat route hold here too (``request``): the sampling params (the request's, or pinned), ``max_tokens``
-clamped to the context window (default 16, the API's), stop strings, penalties and ``logit_bias``
-refused, choice ``j`` of a prompt sampled with ``seed + j``.
+clamped to the context window (default 16, the API's), vLLM's ending fields (``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``stop`` strings: ``engine.ending``) applied, penalties,
+``logit_bias`` and the extras of ``vllm_fields.REFUSED`` refused, choice ``j`` of a prompt sampled
+with ``seed + j``.
 
 ``echo`` returns the prompt's text before the generation; with ``logprobs: k`` it also scores the
 prompt: the engine computes every prompt token's log-prob in the prefill (``SamplingParams.
@@ -28,15 +30,23 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gymserve.backends.context import RequestContext
+from gymserve.backends.local import structured
 from gymserve.backends.local.choices import interleave, run_all
 from gymserve.backends.local.completion_output import CompletionOutput
-from gymserve.backends.local.request import check_supported, choice_count, engine_sampling
-from gymserve.backends.local.stream import stream_chunks
+from gymserve.backends.local.request import (
+    check_min_tokens,
+    check_supported,
+    choice_count,
+    ending_params,
+    engine_sampling,
+)
+from gymserve.backends.local.stream import generate, stream_chunks
+from gymserve.backends.local.vllm_fields import answer_id, check_extras
 from gymserve.convert.completions_request import DEFAULT_MAX_TOKENS, prompts
 from gymserve.engine.base import SamplingParams, check_prompt_logprobs
+from gymserve.engine.ending import Ending
 from gymserve.errors import ContextLengthExceededError, InvalidRequestError
 from gymserve.protocol import check_token_ids
-from gymserve.wire.ids import new_id
 
 
 @dataclass
@@ -76,6 +86,7 @@ def prepare_completion(
     fills the context window, and ``NotSupportedError`` (501) when prompt log-probs are asked of an
     engine that does not compute them."""
     check_supported(request)
+    check_extras(request, chat=False)
     logprobs = request.get("logprobs")
     prompt_logprobs = request.get("prompt_logprobs")
     if prompt_logprobs is None and request.get("echo"):
@@ -107,10 +118,13 @@ def prepare_completion(
         request,
         sampling_config,
         max_tokens=limits[0],
-        stop_token_ids=stop_token_ids,
         top_logprobs=logprobs or 0,
         prompt_logprobs=prompt_logprobs,
+        constraint=structured.constraint(request, engine=engine, tokenizer=tokenizer),
+        **ending_params(request, stop_token_ids=stop_token_ids, vocab_size=engine.vocab_size),
     )
+    for limit in limits:
+        check_min_tokens(dataclasses.replace(sampling, max_tokens=limit))
     return CompletionCall(
         prompt_ids=ids_list,
         prompt_texts=texts,
@@ -153,7 +167,7 @@ class LocalCompletions:
             sampling_config=self.config.sampling,
             stop_token_ids=self.stop_token_ids,
         )
-        head = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time())}
+        head = {"id": answer_id(request, "cmpl"), "object": "text_completion", "created": int(time.time())}
         head["model"] = self.served_model_name()
         outputs = [
             CompletionOutput(
@@ -162,13 +176,14 @@ class LocalCompletions:
                 index=i * call.n + j,
                 head=head,
                 tokenizer=self.tokenizer,
-                stop_token_ids=self.stop_token_ids,
+                stop_token_ids=Ending.of(self.engine.eos_token_ids, call.sampling).stop_ids,
                 logprobs=call.logprobs,
                 prompt_logprobs=call.prompt_logprobs,
                 echo=call.echo,
                 tokens_as_ids=call.tokens_as_ids,
                 return_token_ids=call.return_token_ids,
                 engine=self.engine,
+                include_stop=call.sampling.include_stop_str_in_output,
             )
             for i, (ids, text) in enumerate(zip(call.prompt_ids, call.prompt_texts))
             for j in range(call.n)
@@ -183,7 +198,7 @@ class LocalCompletions:
         async def one(output: CompletionOutput) -> dict[str, Any]:
             prompt, choice = divmod(output.index, call.n)
             async with self.limiter.slot():
-                gen = await self.engine.generate(output.prompt_ids, call.sampling_for(prompt, choice))
+                gen = await generate(self.engine, output.prompt_ids, call.sampling_for(prompt, choice), self.tokenizer)
             return output.choice(gen)
 
         choices = await run_all([one(o) for o in outputs])

@@ -34,7 +34,8 @@ from typing import Any
 
 from gymserve.backends.local.control import version_fields
 from gymserve.backends.local.request import LocalCall
-from gymserve.engine.base import Generation
+from gymserve.engine.base import Generation, PromptLogprobs
+from gymserve.engine.ending import cut_at_hit
 from gymserve.parsers import ChatDeltas, ReasoningParser, StreamingParser, ToolCallParser
 
 
@@ -59,7 +60,7 @@ class CallOutput:
         tool_parser: ToolCallParser | None,
         reasoning_parser: ReasoningParser | None,
         reasoning_field: str,
-        stop_token_ids: tuple[int, ...],
+        stop_token_ids: tuple[int, ...] | frozenset[int],
         engine: Any = None,
         index: int = 0,
     ):
@@ -70,6 +71,8 @@ class CallOutput:
         self.index = index
         self.sampled = 0  # tokens the engine sampled for this choice (usage), known at end()
         self.ids_sent = 0  # generation tokens already sent as choices[0].token_ids (return_token_ids)
+        self.stop_reason: int | str | None = None  # vLLM's, known at end()
+        self.prompt_logprobs: PromptLogprobs | None = None  # when the call asked for them, at end()
         self._head = {"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
         self._parser = ChatDeltas(
             # No tools to parse calls for (tool_choice "none"): the parser still reads a channel
@@ -118,6 +121,8 @@ class CallOutput:
         :meth:`text`) parsed, the parsers' last deltas, the finish chunk (training fields on its
         delta, log-probs when asked) and, with ``include_usage``, the usage chunk (``choices: []``)."""
         self.sampled = len(gen.token_ids)
+        self.stop_reason = gen.stop_reason
+        self.prompt_logprobs = gen.prompt_logprobs
         out = self.text(tail_text) + [self._chunk(d) for d in self._parser.finish(gen.finish_reason)]
         final = self._chunk(
             {
@@ -128,6 +133,7 @@ class CallOutput:
             },
             self._finish_reason(gen.finish_reason),
         )
+        final["choices"][0]["stop_reason"] = gen.stop_reason
         if self.call.logprobs:
             final["choices"][0]["logprobs"] = self._logprobs(gen)
         if self.call.return_token_ids:
@@ -152,6 +158,8 @@ class CallOutput:
         """Every chunk of a finished generation, usage included, as a stream would have sent them
         (the parsers' result does not depend on how the text is split)."""
         text = self.tokenizer.decode(self.text_ids(gen), skip_special_tokens=False)
+        if isinstance(gen.stop_reason, str):
+            text = cut_at_hit(text, gen.stop_reason, include=self.call.sampling.include_stop_str_in_output)
         return [self.role(), *self.end(gen, text, include_usage=True)]
 
     # ---- rules -----------------------------------------------------------------------------
@@ -193,12 +201,14 @@ def with_token_ids(chunks: list[dict[str, Any]], ids: list[int], empty: Any) -> 
     return chunks
 
 
-def text_ids(gen: Generation, stop_token_ids: tuple[int, ...]) -> list[int]:
+def text_ids(gen: Generation, stop_token_ids: tuple[int, ...] | frozenset[int]) -> list[int]:
     """The tokens of ``gen`` whose text an answer shows: all of them but the EOS/stop token that ended
-    a ``stop`` generation. That token stays a training token (``generation_token_ids``, its log-prob,
-    usage) on every route; only its text is not shown, as vLLM's text does not show it (its
-    detokenizer skips the EOS; a ``stop_token_ids`` match is left out of the text likewise)."""
+    a ``stop`` generation (``stop_token_ids``: the call's stop set, ``engine.ending.Ending.stop_ids``).
+    That token stays a training token (``generation_token_ids``, its log-prob, usage) on every route;
+    only its text is not shown, as vLLM's text does not show it (its detokenizer skips the EOS; a
+    ``stop_token_ids`` match is left out of the text likewise). A generation a stop string ended
+    shows every token's text, cut at the string (``engine.ending``)."""
     ids = gen.token_ids
-    if gen.finish_reason == "stop" and ids and ids[-1] in stop_token_ids:
+    if gen.finish_reason == "stop" and not isinstance(gen.stop_reason, str) and ids and ids[-1] in stop_token_ids:
         return ids[:-1]
     return ids

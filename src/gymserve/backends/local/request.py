@@ -9,9 +9,16 @@ The rules, and why:
   the field, or (``pin: override``) uses its own values. ``sampling_params`` holds the rule.
 - ``max_tokens``/``max_completion_tokens`` are clamped to what is left of the context window; a prompt
   that already fills it is a ``ContextLengthExceededError`` (400, "context length", both numbers).
-- What the engine cannot honour is refused explicitly rather than silently weakened: stop strings,
-  penalties and ``logit_bias``, structured output (``response_format`` json_schema/json_object),
-  ``tool_choice`` ``required`` or a named function (no guided decoding).
+- vLLM's ending fields are applied (``ending_params``; the rule is ``engine.ending``'s): ``min_tokens``,
+  ``ignore_eos``, per-request ``stop_token_ids`` (added to the server's) and ``stop`` strings, which
+  end the generation after the token that completes the string, token IDs whole.
+  ``prompt_logprobs`` (vLLM's chat extra) scores the rendered prompt on engines that can (501 else).
+- Structured output (``response_format`` json_schema/json_object, vLLM's ``structured_outputs`` and
+  ``guided_json``/``guided_regex``/``guided_choice``) is a token mask per step (``structured``) on
+  engines that apply one (transformers); a 400 naming the field elsewhere.
+- What the engine cannot honour is refused explicitly rather than silently weakened: penalties and
+  ``logit_bias``, ``tool_choice`` ``required`` or a named function, and the other vLLM extras
+  listed in ``vllm_fields.REFUSED``.
 - ``n`` choices (up to ``MAX_N``, OpenAI's limit) are ``n`` engine calls on the same prompt; with a
   seed, choice ``i`` samples with ``seed + i`` (vLLM's rule for parallel sampling), so every choice
   is reproducible on its own and no two choices repeat each other.
@@ -26,8 +33,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from gymserve.backends.local import structured
+from gymserve.backends.local.vllm_fields import check_extras
 from gymserve.convert.request_checks import chat_tools
-from gymserve.engine.base import Engine, SamplingParams
+from gymserve.engine.base import Engine, SamplingParams, check_prompt_logprobs
 from gymserve.errors import ContextLengthExceededError, InvalidRequestError
 from gymserve.prompting import RenderOptions
 from gymserve.protocol import ChatRequest
@@ -175,14 +184,48 @@ def render_options(request: dict[str, Any]) -> RenderOptions:
     return RenderOptions(**flags)
 
 
-def check_supported(request: ChatRequest) -> None:
+def ending_params(request: dict[str, Any], *, stop_token_ids: tuple[int, ...], vocab_size: int) -> dict[str, Any]:
+    """vLLM's ending fields of a chat or completions request as ``SamplingParams`` keywords
+    (``engine.ending`` applies them): ``min_tokens`` (an integer from 0), ``ignore_eos`` (boolean),
+    ``stop_token_ids`` (IDs in the vocabulary; added to the server's ``stop_token_ids``), ``stop``
+    (a string or a list of strings; empty strings dropped), ``include_stop_str_in_output`` (boolean).
+    Each malformed one is a 400 naming it."""
+    out: dict[str, Any] = {"stop_token_ids": stop_token_ids}
+    value = request.get("min_tokens")
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRequestError(f"min_tokens must be an integer from 0, got {value!r}", param="min_tokens")
+        out["min_tokens"] = value
+    out["ignore_eos"] = _flag(request, "ignore_eos")
+    ids = request.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of token IDs from 0 to {vocab_size - 1}", param="stop_token_ids"
+            )
+        out["stop_token_ids"] = tuple(dict.fromkeys([*stop_token_ids, *ids]))
     stop = request.get("stop")
-    if stop:
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
+        out["stop"] = tuple(s for s in stops if s)
+    out["include_stop_str_in_output"] = _flag(request, "include_stop_str_in_output")
+    return out
+
+
+def check_min_tokens(sampling: SamplingParams) -> None:
+    """vLLM's rule: ``min_tokens`` may not exceed ``max_tokens`` (after the context-window clamp)."""
+    if sampling.min_tokens > sampling.max_tokens:
         raise InvalidRequestError(
-            "stop is not supported by the token-exact local backend (a stop string can end inside a "
-            "token); configure sampling.stop_token_ids instead",
-            param="stop",
+            f"min_tokens={sampling.min_tokens} is more than max_tokens={sampling.max_tokens} (the tokens this "
+            "request may generate, within the context window)",
+            param="min_tokens",
         )
+
+
+def check_supported(request: ChatRequest) -> None:
+    """400 naming each field the local engines do not apply (the module docstring's list)."""
     for key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
         value = request.get(key)
         if value is not None and value != (1 if key == "repetition_penalty" else 0):
@@ -193,13 +236,6 @@ def check_supported(request: ChatRequest) -> None:
             )
     if request.get("logit_bias"):
         raise InvalidRequestError("logit_bias is not applied by the local engine; omit it", param="logit_bias")
-    fmt = request.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise InvalidRequestError(
-            f"response_format type {fmt.get('type')!r} (structured output) is not supported by the local "
-            "transformers engine; use a chat backend such as vLLM with guided decoding",
-            param="response_format",
-        )
     choice = request.get("tool_choice")
     if isinstance(choice, dict) or choice == "required":
         raise InvalidRequestError(
@@ -229,12 +265,19 @@ def _max_tokens(request: ChatRequest, prompt_len: int, context_window: int) -> i
 
 
 def prepare_call(
-    request: ChatRequest, *, template, engine: Engine, sampling_config, stop_token_ids: tuple[int, ...]
+    request: ChatRequest,
+    *,
+    template,
+    engine: Engine,
+    sampling_config,
+    stop_token_ids: tuple[int, ...],
+    tokenizer: Any = None,
 ) -> LocalCall:
     """Validate ``request`` and build the engine call; raises ``InvalidRequestError`` (400) on bad input."""
     if not isinstance(request.get("messages"), list) or not request["messages"]:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     check_supported(request)
+    check_extras(request, chat=True)
     n = choice_count(request)
     tools = chat_tools(request.get("tools"), functions_only=True)  # the one checker of both routes
     prompt = chat_prompt(request, template=template, engine=engine)
@@ -251,9 +294,12 @@ def prepare_call(
         request,
         sampling_config,
         max_tokens=_max_tokens(request, len(prompt.token_ids), engine.context_window),
-        stop_token_ids=stop_token_ids,
         top_logprobs=top_n if logprobs else 0,
+        prompt_logprobs=chat_prompt_logprobs(request, engine),
+        constraint=structured.constraint(request, engine=engine, tokenizer=tokenizer),
+        **ending_params(request, stop_token_ids=stop_token_ids, vocab_size=engine.vocab_size),
     )
+    check_min_tokens(sampling)
     return LocalCall(
         prompt=prompt,
         sampling=sampling,
@@ -265,6 +311,27 @@ def prepare_call(
         n=n,
         return_token_ids=_flag(request, "return_token_ids"),
     )
+
+
+def chat_prompt_logprobs(request: dict[str, Any], engine: Engine) -> int | None:
+    """vLLM's ``prompt_logprobs`` on a chat request: ``None`` (absent) or the alternatives per prompt
+    position, an integer from 0 to 20 (400 naming it otherwise; a negative one too, which vLLM
+    reads as the whole vocabulary; with ``stream`` too, as vLLM refuses it); a 501 on an engine that
+    does not score prompts."""
+    value = request.get("prompt_logprobs")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20:
+        raise InvalidRequestError(
+            f"prompt_logprobs must be an integer from 0 to 20, got {value!r}", param="prompt_logprobs"
+        )
+    if request.get("stream"):
+        raise InvalidRequestError(
+            "prompt_logprobs are not available with stream: true (vLLM's rule); send the request unstreamed",
+            param="prompt_logprobs",
+        )
+    check_prompt_logprobs(engine)
+    return value
 
 
 def _flag(request: dict[str, Any], key: str) -> bool:

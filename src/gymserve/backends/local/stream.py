@@ -13,7 +13,8 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from gymserve.backends.local.output import CallOutput
-from gymserve.engine.base import Engine, FinishReason, Generation, SamplingParams, extend_spans
+from gymserve.engine.base import Engine, FinishReason, Generation, SamplingParams, collect, extend_spans
+from gymserve.engine.ending import StopStrings, stop_reason
 
 
 class IncrementalDetokenizer:
@@ -47,6 +48,71 @@ class IncrementalDetokenizer:
         return after[len(before) :]
 
 
+class TextEnd:
+    """The text of one generation as it is sampled, watched for ``sampling.stop`` strings
+    (``engine.ending.StopStrings``, armed from the ``min_tokens``-th token on): ``step`` returns the
+    text that may be shown after each engine step, ``hit`` the stop string once one is complete."""
+
+    def __init__(self, tokenizer: Any, sampling: SamplingParams):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.sampling = sampling
+        stops = sampling.stop
+        self.watch = StopStrings(stops, include=sampling.include_stop_str_in_output) if stops else None
+
+    @property
+    def hit(self) -> str | None:
+        return self.watch.hit if self.watch is not None else None
+
+    def step(self, ids: list[int]) -> str:
+        text = self.detok.push(ids)
+        if self.watch is None:
+            return text
+        return self.watch.feed(text, armed=len(self.detok.ids) >= self.sampling.min_tokens)
+
+    def finish(self, gen: Generation, text_ids: list[int]) -> str:
+        """The rest of the text of ``gen`` (whose shown tokens are ``text_ids``); a stop string the
+        last tokens complete ends ``gen`` with ``stop`` there. Sets ``gen.stop_reason`` (vLLM's)."""
+        tail = self.detok.push(text_ids[len(self.detok.ids) :], final=True)
+        if self.watch is not None:
+            tail = self.watch.feed(tail, armed=len(gen.token_ids) >= self.sampling.min_tokens) + self.watch.flush()
+            if self.watch.hit is not None and gen.finish_reason != "abort":
+                gen.finish_reason, gen.stop_reason = "stop", self.watch.hit
+        return tail
+
+
+async def generate(engine: Engine, prompt_ids: Sequence[int], sampling: SamplingParams, tokenizer: Any) -> Generation:
+    """One whole generation with the local backend's ending rules (``engine.ending``): the engine's
+    own (EOS, stop tokens, ``min_tokens``, ``ignore_eos``, length) and the stop strings, which end it
+    after the token that completes one (its IDs and log-probs kept whole); ``stop_reason`` set."""
+    if not sampling.stop:
+        gen = await engine.generate(prompt_ids, sampling)
+        gen.stop_reason = stop_reason(gen.token_ids, gen.finish_reason, sampling, engine.eos_token_ids)
+        return gen
+    text = TextEnd(tokenizer, sampling)
+    stream = engine.stream(prompt_ids, sampling)
+
+    async def until_stop():
+        async for step in stream:
+            yield step
+            if step.finish_reason:
+                return
+            text.step(step.token_ids)
+            if text.hit is not None:
+                return
+
+    try:
+        gen = await collect(until_stop())
+    finally:
+        await stream.aclose()
+    if text.hit is not None:
+        gen.finish_reason, gen.stop_reason = "stop", text.hit
+    elif gen.finish_reason == "length":
+        text.finish(gen, gen.token_ids)
+    if gen.stop_reason is None:
+        gen.stop_reason = stop_reason(gen.token_ids, gen.finish_reason, sampling, engine.eos_token_ids)
+    return gen
+
+
 async def stream_chunks(
     engine: Engine,
     output: CallOutput | Any,
@@ -62,7 +128,7 @@ async def stream_chunks(
     ``step(ids, text)``, ``text_ids(gen)``, ``end(gen, tail, include_usage=)``) and a ``tokenizer`` — the
     completions route's ``CompletionOutput``. A stream that ends without a finish reason counts as
     ``length``."""
-    detok = IncrementalDetokenizer(output.tokenizer)
+    text = TextEnd(output.tokenizer, sampling)
     ids: list[int] = []
     lps: list[float] = []
     tops: list = []
@@ -81,11 +147,16 @@ async def stream_chunks(
             if step.finish_reason:
                 finish = step.finish_reason
                 break
-            for chunk in output.step(step.token_ids, detok.push(step.token_ids)):
+            for chunk in output.step(step.token_ids, text.step(step.token_ids)):
                 yield chunk
+            if text.hit is not None:  # a stop string ended it: the engine call is closed below
+                finish = "stop"
+                break
     finally:
         await stream.aclose()
-    gen = Generation(ids, lps, finish, tops, spans, prompt_logprobs)
-    tail = detok.push(output.text_ids(gen)[len(detok.ids) :], final=True)
+    gen = Generation(ids, lps, finish, tops, spans, prompt_logprobs, stop_reason=text.hit)
+    tail = "" if text.hit is not None else text.finish(gen, output.text_ids(gen))
+    if gen.stop_reason is None:
+        gen.stop_reason = stop_reason(gen.token_ids, gen.finish_reason, sampling, engine.eos_token_ids)
     for chunk in output.end(gen, tail, include_usage=include_usage):
         yield chunk
