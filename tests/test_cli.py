@@ -147,6 +147,23 @@ def test_engine_and_sampling_flags_land_in_the_config(tmp_path):
     assert _config("serve", "--max-model-len", "4096").backend.max_model_len == 4096
     gpu = _config("serve", "--engine", "vllm", "-tp", "2", "--gpu-memory-utilization", "0.8")
     assert gpu.backend.engine_args == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.8}
+    cpu = _config("serve", "--engine", "vllm", "--dtype", "float32", "--enforce-eager")
+    assert cpu.backend.engine_args == {"dtype": "float32", "enforce_eager": True}  # vllm serve's flags
+
+
+def test_vllm_engine_flags_with_another_engine_are_named(capsys):
+    assert cli.main(["serve", "--dtype", "float32"]) == 2
+    assert "--dtype applies to the vllm engines, not transformers" in capsys.readouterr().err
+    assert cli.main(["serve", "--engine", "llamacpp", "--enforce-eager"]) == 2
+    assert "--enforce-eager applies to the vllm engines, not llamacpp" in capsys.readouterr().err
+
+
+def test_python_dash_m_gymserve_is_the_command():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "gymserve", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "serve" in done.stdout
 
 
 def test_flags_override_the_file_and_keep_the_rest_of_it(tmp_path):

@@ -151,15 +151,18 @@ def test_vllm_flavour_forwards_every_operation_exactly(gateway, tmp_path):
     r = httpx.post(root + "/update_weights", json={"update_info": {"path": str(tmp_path)}, "weight_version": "step-1"})
     assert r.status_code == 200 and r.json()["weight_version"] == "step-1", r.text
     assert routes(fake) == [
+        ("GET", "/server_info"),  # which weight transfer the server has: disk
         ("POST", "/start_weight_update"),
         ("POST", "/update_weights"),
         ("POST", "/finish_weight_update"),
     ]
     assert [r.body for r in fake.requests] == [
         None,
+        None,
         {"update_info": {"path": str(tmp_path)}},
         {"weight_version": "step-1"},
     ]
+    assert fake.requests[0].query == {"config_format": "json"}
     assert up.weight_version == "step-1"
     # Versions the gateway counts itself go out as strings (vLLM's type) and read back from /weight_info.
     r = httpx.post(root + "/update_weights", json={"update_info": {"path": str(tmp_path)}})
@@ -368,3 +371,43 @@ def test_stream_abort_with_token_ids_keeps_the_training_fields(gateway):
     assert n >= 5 and delta["prompt_token_ids"] == [1, 2, 3]
     assert delta["generation_token_ids"] == list(range(100, 100 + n)) and delta["generation_log_probs"] == [-0.5] * n
     httpx.post(root + "/resume")
+
+
+def test_vllm_without_a_disk_transfer_reloads_through_collective_rpc(gateway, tmp_path):
+    """vLLM 0.32 has no disk weight transfer: the gateway sees none in /server_info and reloads the
+    checkpoint with /collective_rpc reload_weights, then names the version; never /start_weight_update
+    (a bare 500 there). A directory vLLM cannot load is a 400 naming it, and the version is read back."""
+    import torch
+
+    up = FakeVLLM(tokens=3, delay=0.001, transfer=None)
+    up.weight_version = "default"  # vLLM >= 0.32 before any named update
+    srv, fake = gateway(up, "vllm")
+    root, client = _root(srv), _client(srv)
+    first = client.chat.completions.create(model="policy", messages=MSG).choices[0].message.model_extra
+    assert first["weight_version"] == "default"
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    fake.requests.clear()
+    r = httpx.post(root + "/update_weights", json={"update_info": {"path": str(tmp_path)}, "weight_version": "s1"})
+    assert r.status_code == 200, r.text
+    assert [(x.method, x.path, x.body) for x in fake.requests] == [
+        ("GET", "/server_info", None),
+        ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}),
+        ("POST", "/update_weight_version", {"new_version": "s1"}),
+    ]
+    assert up.loaded_path == str(tmp_path) and up.weight_version == "s1"
+    assert (
+        client.chat.completions.create(model="policy", messages=MSG).choices[0].message.model_extra["weight_version"]
+        == "s1"
+    )
+    r = httpx.post(root + "/update_weights", json={"update_info": {"path": "/nonexistent/ckpt"}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (
+        "vLLM could not reload weights from /nonexistent/ckpt" in err["message"] and err["param"] == "update_info.path"
+    )
+    assert (
+        "vLLM still answers GET /health, but a failed reload can leave its engine unable to generate" in err["message"]
+    )
+    # Nothing changed on the server, and the gateway says so: the version read back, not null.
+    after = client.chat.completions.create(model="policy", messages=MSG).choices[0].message.model_extra
+    assert after["weight_version"] == "s1"

@@ -300,3 +300,58 @@ def test_usage_of_reads_chat_and_responses_usage():
     assert usage_of({"usage": {"prompt_tokens": 5, "completion_tokens": 2}}) == (5, 2)
     assert usage_of({"usage": {"input_tokens": 7, "output_tokens": 1}}) == (7, 1)
     assert usage_of({"usage": None}) is None and usage_of("text") is None
+
+
+def test_on_recover_runs_when_a_replica_comes_back_and_only_then():
+    """A replica back from being unhealthy (mark_up, a probe answering again, a trial call that
+    closes its breaker) may have restarted: the hooks hear of it (the chat gateway re-reads its
+    weight version)."""
+    clock = ManualClock(100.0)
+    down = {"r0"}
+
+    async def probe(replica):
+        if names([replica])[0] in down:
+            raise ConnectionError("refused")
+
+    p = pool(2, clock=clock, probe=probe, breaker_failures=1, breaker_cooldown=5.0)
+    back: list[str] = []
+    p.on_recover.append(lambda r: back.append(names([r])[0]))
+    a, b = p.replicas
+    p.mark_up(a)
+    assert back == []  # healthy already: nothing came back
+    p.mark_down(a, "x")
+    p.mark_up(a)
+    assert back == ["r0"]
+    asyncio.run(p.check_all())  # r0's probe fails: down
+    assert not a.healthy and back == ["r0"]
+    down.clear()
+    asyncio.run(p.check_all())  # it answers again
+    assert a.healthy and back == ["r0", "r0"]
+    r = p.pick(None, where=lambda r: r is b)
+    p.release(r, Outcome.FAILED, reason="502")  # b's breaker opens
+    assert not b.healthy
+    clock.now += 5.0
+    r = p.pick(None, where=lambda r: r is b)  # the half-open trial call
+    p.release(r, Outcome.OK)
+    assert b.healthy and back == ["r0", "r0", "r1"]
+
+
+def test_a_forgotten_version_is_read_again_by_the_next_call():
+    from gymserve.backends.chat_versions import ReplicaVersions
+
+    reads: list[int] = []
+
+    async def read():
+        reads.append(1)
+        return {"http://r0": "default"}
+
+    async def run():
+        book = ReplicaVersions(["http://r0"], read)
+        await book.refresh(force=True)
+        assert book.versions == {"http://r0": "default"}
+        book.observe({"http://r0": "p1"})  # what the gateway last forwarded
+        assert (await book.watch()).version("http://r0") == "p1" and len(reads) == 1  # known: no read
+        book.forget("http://r0")  # the replica came back (a restart serves its startup weights)
+        assert (await book.watch()).version("http://r0") == "default" and len(reads) == 2
+
+    asyncio.run(run())

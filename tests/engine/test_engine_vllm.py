@@ -97,6 +97,7 @@ class AsyncEngineArgs:
     enforce_eager: bool = False
     enable_log_requests: bool = False
     disable_log_stats: bool = False
+    weight_transfer_config: Any = None
 
 
 @dataclass
@@ -165,6 +166,10 @@ class FakeAsyncLLM:
         self.model_config = types.SimpleNamespace(
             max_model_len=engine_args.max_model_len or 32768, model=engine_args.model, logprobs_mode="raw_logprobs"
         )
+        transfer = getattr(engine_args, "weight_transfer_config", None)
+        if isinstance(transfer, dict):  # AsyncEngineArgs turns the dict into a WeightTransferConfig
+            transfer = types.SimpleNamespace(**transfer)
+        self.vllm_config = types.SimpleNamespace(weight_transfer_config=transfer)
         self.calls: list[tuple[Any, VSamplingParams, str]] = []
         self.lora_requests: list[Any] = []
         self.aborted: list[str] = []
@@ -175,6 +180,7 @@ class FakeAsyncLLM:
         self.running = 0
         self.session = False
         self.loaded: dict | None = None
+        self.update_weights_error: Exception | None = None  # what update_weights raises (a test sets it)
         self.weight_version: str | None = None
         self.loras: dict[int, Any] = {}
         self.control_calls: list[tuple] = []
@@ -238,7 +244,13 @@ class FakeAsyncLLM:
                 else:
                     ids, lp_out = list(gen), list(lps) if p.logprobs is not None else None
                 comp = CompletionOutput(0, "", ids, None, lp_out, finish_reason=finish)
-                yield RequestOutput(request_id, None, prompt_ids, None, [comp], finished)
+                plp = None
+                if p.prompt_logprobs is not None:
+                    # vLLM's shape: None at position 0, then the prompt token (rank 2) and a better one.
+                    plp = [None] + [
+                        {t: Logprob(-0.5 * i, 2), 9000 + i: Logprob(-0.1, 1)} for i, t in enumerate(prompt_ids[1:], 1)
+                    ]
+                yield RequestOutput(request_id, None, prompt_ids, plp, [comp], finished)
                 if finished:
                     self.finished_ids.append(request_id)
                     return
@@ -278,6 +290,20 @@ class FakeAsyncLLM:
     async def is_paused(self) -> bool:
         return self.paused is not None
 
+    async def collective_rpc(self, method: str, timeout=None, args: tuple = (), kwargs: dict | None = None):
+        """``reload_weights(weights_path=DIR)`` as the workers run it: every tensor of the complete
+        checkpoint in ``DIR`` (vLLM's ``reload_weights`` reads the directory with the model loader)."""
+        self.control_calls.append(("collective_rpc", method, dict(kwargs or {})))
+        assert method == "reload_weights", method
+        path = (kwargs or {})["weights_path"]
+        files = [p for p in os.listdir(path) if p.endswith(".safetensors")] if os.path.isdir(path) else []
+        if not files:
+            raise RuntimeError(f"Cannot find any model weights with `{path}`")
+        from safetensors.torch import load_file
+
+        self.loaded = load_file(os.path.join(path, files[0]))
+        return [None]
+
     async def start_weight_update(self) -> None:
         if self.session:
             raise RuntimeError("A shared-disk weight update is already active")
@@ -289,6 +315,8 @@ class FakeAsyncLLM:
         path = request.update_info.get("path")
         self.control_calls.append(("update_weights", dict(request.update_info)))
         try:
+            if self.update_weights_error is not None:
+                raise self.update_weights_error
             if not self.session:
                 raise RuntimeError("start_weight_update must be called before loading a checkpoint")
             if not isinstance(path, str) or not os.path.isabs(path):
@@ -560,7 +588,8 @@ def test_sampling_mapping_defaults(engine):
     assert p.logprobs == 0  # the sampled token's log-prob only
     assert p.detokenize is False and p.skip_special_tokens is False
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
-    assert p.output_kind == RequestOutputKind.FINAL_ONLY
+    assert p.output_kind == RequestOutputKind.DELTA  # non-streamed too: each token stamped as it arrives
+    assert p.prompt_logprobs is None
     assert p.stop is None
 
 
@@ -887,11 +916,35 @@ def test_pause_modes_map_onto_async_llm_and_a_pause_ends_at_its_deadline(engine,
         asyncio.run(engine.pause_generation("sleep"))
 
 
-def test_update_weights_runs_the_disk_weight_transfer_and_versions_every_token(engine, tmp_path):
+def test_update_weights_without_a_disk_transfer_reloads_through_collective_rpc(engine, tmp_path):
+    """vLLM 0.32 registers no disk weight transfer: the checkpoint goes in by vLLM's reload_weights."""
     import torch
     from safetensors.torch import save_file
 
     fake = FakeAsyncLLM.instances[-1]
+    save_file({"lm_head.weight": torch.ones(2, 2)}, str(tmp_path / "model.safetensors"))
+    assert engine.weight_transfer_backend() is None
+    assert asyncio.run(engine.update_weights(path=tmp_path, weight_version="step-1")) == "step-1"
+    assert fake.control_calls == [("collective_rpc", "reload_weights", {"weights_path": str(tmp_path)})]
+    assert fake.weight_version == "step-1" and engine.weight_version == "step-1"
+    assert torch.equal(fake.loaded["lm_head.weight"], torch.ones(2, 2))
+    gen = asyncio.run(engine.generate([1], _sp()))
+    assert gen.weight_version_spans == [{"version": "step-1", "start": 0, "end": len(gen.token_ids)}]
+    # A directory that is not there: 400 naming it, before vLLM is asked; nothing changed.
+    with pytest.raises(WeightUpdateError, match="/nonexistent/ckpt is not a safetensors checkpoint directory"):
+        asyncio.run(engine.update_weights(path="/nonexistent/ckpt"))
+    assert engine.weight_version == "step-1" and len(fake.control_calls) == 1
+
+
+def test_update_weights_runs_the_disk_weight_transfer_and_versions_every_token(fake_vllm, model_dir, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from gymserve.engine.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model_dir, engine_args={"weight_transfer_config": {"backend": "disk"}})
+    fake = FakeAsyncLLM.instances[-1]
+    assert engine.weight_transfer_backend() == "disk"
     save_file({"lm_head.weight": torch.ones(2, 2)}, str(tmp_path / "model.safetensors"))
     assert asyncio.run(engine.update_weights(path=tmp_path, weight_version="step-1")) == "step-1"
     assert fake.control_calls == [
@@ -911,15 +964,25 @@ def test_update_weights_runs_the_disk_weight_transfer_and_versions_every_token(e
     assert os.path.isabs(path) and not os.path.exists(path)  # removed after the update
     assert torch.equal(fake.loaded["lm_head.weight"], new["lm_head.weight"]) and fake.weight_version == "2"
 
-    # vLLM's ValueError for a path the disk transfer refuses: 400 with its words; the next update works.
-    with pytest.raises(WeightUpdateError, match="vLLM refused the weight update from .*relative/dir: .*no safetensors"):
-        asyncio.run(engine.update_weights(path="relative/dir"))
+    # A directory without safetensors: refused before vLLM sees it (a reload that fails part way can
+    # leave vLLM's engine dead); vLLM's own ValueError is a 400 with its words; the next update works.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(WeightUpdateError, match="empty is not a safetensors checkpoint directory"):
+        asyncio.run(engine.update_weights(path=tmp_path / "empty"))
+    assert engine.weight_version == 2 and not fake.session
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"")
+    fake.update_weights_error = ValueError("Shared-disk checkpoint is not a valid safetensors file")
+    with pytest.raises(WeightUpdateError, match="vLLM refused the weight update from .*bad: .*not a valid"):
+        asyncio.run(engine.update_weights(path=tmp_path / "bad"))
+    fake.update_weights_error = None
     assert engine.weight_version == 2 and not fake.session
     assert asyncio.run(engine.update_weights(path=tmp_path)) == 3
     asyncio.run(engine.update_weight_version("renamed"))
     assert fake.weight_version == "renamed" and engine.control_status()["weight_version"] == "renamed"
     with pytest.raises(WeightUpdateError, match="exactly one"):
         asyncio.run(engine.update_weights())
+    asyncio.run(engine.close())
 
 
 def test_lora_adapter_goes_with_every_generation_one_at_a_time(engine, tmp_path):
@@ -966,6 +1029,7 @@ def test_a_vllm_without_the_rl_api_answers_501(monkeypatch, model_dir):
 
     class OldAsyncLLM(FakeAsyncLLM):
         start_weight_update = None  # type: ignore[assignment]
+        collective_rpc = None  # type: ignore[assignment]
 
         async def pause_generation(self, wait_for_inflight_requests: bool = False, clear_cache: bool = True):
             self.control_calls.append(("pause_generation", wait_for_inflight_requests))
@@ -975,7 +1039,7 @@ def test_a_vllm_without_the_rl_api_answers_501(monkeypatch, model_dir):
     monkeypatch.setattr(sys.modules["vllm.v1.engine.async_llm"], "AsyncLLM", OldAsyncLLM)
     eng = VLLMEngine(model_dir)
     try:
-        with pytest.raises(NotSupportedError, match="start_weight_update"):
+        with pytest.raises(NotSupportedError, match="collective_rpc"):
             asyncio.run(eng.update_weights(path="/x"))
         with pytest.raises(NotSupportedError, match="no keep mode"):
             asyncio.run(eng.pause_generation("keep"))
@@ -1000,7 +1064,9 @@ def test_serve_policy_around_the_trainers_own_async_llm(fake_vllm, model_dir, to
 
     from gymserve.server.embed import serve_policy
 
-    llm = FakeAsyncLLM(AsyncEngineArgs(model=str(model_dir), max_model_len=4096))
+    llm = FakeAsyncLLM(
+        AsyncEngineArgs(model=str(model_dir), max_model_len=4096, weight_transfer_config={"backend": "disk"})
+    )
     srv = serve_policy(llm, tokenizer, backend_config={"tool_call_parser": "none"}, model_name="policy")
     try:
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60)
@@ -1036,6 +1102,28 @@ def test_top_logprobs_leave_the_sampled_tokens_and_log_probs_unchanged(engine):
     from helpers.engine_contract import assert_top_logprobs_leave_sampling_unchanged
 
     assert_top_logprobs_leave_sampling_unchanged(engine, [1, 2, 3], max_tokens=4, top_n=2)
+
+
+def test_prompt_logprobs_come_from_vllm(engine):
+    """vLLM's prompt_logprobs (asked for with SamplingParams.prompt_logprobs) arrive on the first
+    delta, mapped onto PromptLogprobs: the prompt token's log-prob and rank, the k best by rank."""
+    assert engine.supports_prompt_logprobs
+    gen = asyncio.run(engine.generate([5, 6, 7], _sp(prompt_logprobs=1)))
+    assert FakeAsyncLLM.instances[-1].calls[-1][1].prompt_logprobs == 1
+    plp = gen.prompt_logprobs
+    assert plp.log_probs == [None, -0.5, -1.0] and plp.ranks == [None, 2, 2]
+    assert plp.top_logprobs == [[], [(9001, -0.1)], [(9002, -0.1)]]
+    assert asyncio.run(engine.generate([5, 6, 7], _sp())).prompt_logprobs is None
+
+
+def test_lora_on_an_engine_started_without_it_is_a_501_naming_the_setting(engine, tmp_path):
+    from gymserve.errors import NotSupportedError
+
+    (tmp_path / "adapter_config.json").write_text('{"r": 4, "peft_type": "LORA"}')
+    engine.engine.vllm_config.lora_config = None  # vLLM's VllmConfig without enable_lora
+    with pytest.raises(NotSupportedError, match="enable_lora: true") as err:
+        asyncio.run(engine.load_lora_adapter("policy", str(tmp_path)))
+    assert err.value.status_code == 501 and not any(c[0] == "add_lora" for c in engine.engine.control_calls)
 
 
 def test_a_dead_vllm_engine_core_is_the_engine_fault(engine, tokenizer):

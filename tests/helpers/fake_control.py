@@ -186,9 +186,10 @@ class FakeVLLM(_FakeInference):
 
     flavour = "vllm"
 
-    def __init__(self, **kwargs: Any):
+    def __init__(self, *, transfer: str | None = "disk", **kwargs: Any):
         super().__init__(**kwargs)
         self.weight_version = None
+        self.transfer = transfer  # --weight-transfer-config's backend (vLLM 0.32 has no "disk": None)
         self.session = False  # a disk weight update session is open
         self.loaded_path: str | None = None
 
@@ -217,7 +218,24 @@ class FakeVLLM(_FakeInference):
             return 200, {"status": "resumed"}
         if route == ("GET", "/is_paused"):
             return 200, {"is_paused": self.paused is not None}
+        if route == ("GET", "/health"):
+            return 200, {}
+        if route == ("GET", "/server_info"):  # dev mode; config_format=json: the VllmConfig as JSON
+            transfer = {"backend": self.transfer} if self.transfer else None
+            return 200, {"vllm_config": {"weight_transfer_config": transfer}, "vllm_env": {}, "system_env": {}}
+        if route == ("POST", "/collective_rpc"):
+            # vllm/entrypoints/serve/dev/rpc: the workers' method; reload_weights(weights_path=DIR) reads
+            # a complete checkpoint. A worker's exception is not caught by the route: a bare 500.
+            if body.get("method") != "reload_weights":
+                return 500, {"error": {"message": f"unknown method {body.get('method')}", "code": 500}}
+            path = (body.get("kwargs") or {}).get("weights_path")
+            if _safetensors_dir(path) is not None:
+                return PlainTextResponse("Internal Server Error", status_code=500)
+            self.loaded_path = path
+            return 200, {"results": [None]}
         if route == ("POST", "/start_weight_update"):
+            if not self.transfer:  # RuntimeError: Weight transfer not configured (uncaught)
+                return PlainTextResponse("Internal Server Error", status_code=500)
             if self.session:
                 return PlainTextResponse("Internal Server Error", status_code=500)  # RuntimeError: already active
             self.session, self.loaded_path = True, None

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from gymserve.backends.chat_control import ChatControl
+from gymserve.backends.chat_versions import root_of
 from gymserve.backends.remote import RemoteBackend
 from gymserve.backends.upstream import PLACEHOLDER_KEY, Transport, Upstream, secret_value
 
@@ -57,6 +58,10 @@ class ChatBackend(RemoteBackend):
         super().__init__(upstream, max_queue=max_queue)
         self.control = ChatControl(upstream.config, max_queue)
         self.gate, self.versions = self.control.gate, self.control.versions
+        # A replica back from being unhealthy may have restarted on other weights: read its version again.
+        versions = self.versions
+        if versions is not None:
+            self.pool.on_recover.append(lambda replica: versions.forget(root_of(replica.base_url)))
 
     async def health(self) -> dict[str, Any]:
         """The replicas' health (``RemoteBackend.health``), after reading their weight versions."""

@@ -85,6 +85,13 @@ class ReplicaVersions:
                 self.versions[root] = version
                 self.epoch += 1
 
+    def forget(self, root: str) -> None:
+        """``root``'s version is unknown from now on (the replica came back from being unhealthy: a
+        restarted server serves its startup weights, vLLM's ``"default"``); the next call reads it."""
+        if root in self.versions:
+            self.observe({root: None})
+            self._next_read = 0.0
+
     def set_all(self, version: Any) -> None:
         """Every replica now serves ``version`` (a change forwarded to all of them took effect)."""
         self.observe(dict.fromkeys(self.versions, version))
@@ -103,6 +110,7 @@ class ReplicaVersions:
             self.observe(dict.fromkeys(self.versions))
             self._next_read = 0.0
             await self.refresh()
+            self._next_read = 0.0  # a read that failed too is tried again by the next call
             raise
         finally:
             self.changes_in_flight -= 1

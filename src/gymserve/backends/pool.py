@@ -153,6 +153,9 @@ class ReplicaPool(Generic[R]):
             routing.retry_budget_ratio, routing.retry_budget_min_per_s, routing.retry_budget_window, clock=clock
         )
         self.filters: list[Filter] = []
+        # Called with a replica that comes back (unhealthy → healthy: a probe answers again, its
+        # breaker closes, mark_up): it may have restarted, so what was known of it may be stale.
+        self.on_recover: list[Callable[[R], None]] = []
         self.panics = 0  # picks made with no eligible replica
         self._task: asyncio.Task | None = None
         self._first_round = asyncio.Event()  # set when every replica has been probed once
@@ -234,7 +237,9 @@ class ReplicaPool(Generic[R]):
         replica.in_flight -= 1
         breaker = replica.breaker
         if outcome is Outcome.OK or outcome is Outcome.REJECTED:
+            closed_before = breaker.state == "closed"  # an open or half-open breaker: it was out
             breaker.success()
+            self._recovered(replica, closed_before)
             if outcome is Outcome.OK:
                 self.retry_budget.deposit()
                 if replica.probe_ok:
@@ -273,10 +278,19 @@ class ReplicaPool(Generic[R]):
 
     def mark_up(self, replica: R) -> None:
         """Put ``replica`` back (breaker closed, probe verdict good)."""
-        if not replica.healthy:
+        was = replica.healthy
+        if not was:
             log.info("replica %s is healthy again", replica.base_url)
         replica.breaker.reset()
         replica.probe_ok, replica.last_error = True, None
+        self._recovered(replica, was)
+
+    def _recovered(self, replica: R, was_healthy: bool) -> None:
+        """Run the ``on_recover`` hooks when ``replica`` went from unhealthy to healthy."""
+        if was_healthy or not replica.healthy:
+            return
+        for hook in self.on_recover:
+            hook(replica)
 
     # ---- active health -------------------------------------------------------------------------
 
@@ -287,6 +301,7 @@ class ReplicaPool(Generic[R]):
             return
 
         async def one(replica: R) -> None:
+            healthy_before = replica.healthy
             try:
                 await probe(replica)
             except Exception as exc:  # any failure means "not usable now"
@@ -303,6 +318,7 @@ class ReplicaPool(Generic[R]):
                     replica.last_error = None
             finally:
                 replica.last_probe_at = time.time()
+            self._recovered(replica, healthy_before)
 
         await asyncio.gather(*(one(r) for r in self.replicas))
 

@@ -31,6 +31,11 @@ unload_lora(name)           ``POST /v1/unload_lora_adapter              ``POST /
                             {"lora_name"}``
 ==========================  ==========================================  ==============================================
 
+vLLM's ``update_weights`` row needs a server started with a disk weight transfer (``GET
+/server_info?config_format=json`` shows it); without one (vLLM 0.32 registers no ``disk`` backend)
+it is ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": P}}``, then
+``POST /update_weight_version`` (``VLLMControl.reload_weights``).
+
 Both servers take versions as strings; gymserve sends ``str(version)``. The ``none`` flavour
 forwards nothing: the gateway pauses at its door only, and weight operations answer 501 naming the
 operation and the setting. Answers: 2xx as JSON or text; a 404 of a route the server lacks (FastAPI's
@@ -128,7 +133,9 @@ class UpstreamControl:
         url = root + path
         shown = redact_url(url)
         try:
-            resp = await self._http().request(method, url, json=json, params=params)
+            # A fresh connection per control call: a server closes its end after an unhandled error
+            # (uvicorn after a bare 500), and a pooled connection would then fail the next call.
+            resp = await self._http().request(method, url, json=json, params=params, headers={"Connection": "close"})
         except httpx.TimeoutException:
             raise UpstreamTimeoutError(
                 f"{shown} did not answer within {self.timeout:g} s (backend.control_timeout)", url=shown
@@ -205,11 +212,64 @@ class VLLMControl(UpstreamControl):
 
     async def update_weights(self, path: str, version: WeightVersion) -> None:
         async def one(root: str) -> None:
+            if await self.transfer_backend(root) != "disk":
+                await self.reload_weights(root, path, version)
+                return
             await self.request("POST", root, "/start_weight_update")
             await self.request("POST", root, "/update_weights", json={"update_info": {"path": path}})
             await self.request("POST", root, "/finish_weight_update", json={"weight_version": str(version)})
 
         await self.everywhere("update_weights", one)
+
+    async def transfer_backend(self, root: str) -> str | None:
+        """The weight transfer backend the server was started with (``--weight-transfer-config``),
+        from ``GET /server_info?config_format=json`` (dev mode): ``vllm_config.weight_transfer_config
+        .backend``, None when there is none. Asked before every update instead of trying
+        ``/start_weight_update``: without a transfer vLLM 0.32's worker raises "Weight transfer not
+        configured", which the route does not catch (a bare 500, and uvicorn closes the connection).
+        A server without ``/server_info`` (an older vLLM, or a gymserve, which answers the disk
+        sequence itself) is assumed to have the disk transfer, the only way it could update from a
+        directory."""
+        try:
+            info = await self.request("GET", root, "/server_info", params={"config_format": "json"})
+        except (NotSupportedError, NotFoundError):  # an older vLLM, or a gymserve (its own 404 body)
+            return "disk"
+        config = info.get("vllm_config") if isinstance(info, dict) else None
+        transfer = config.get("weight_transfer_config") if isinstance(config, dict) else None
+        backend = transfer.get("backend") if isinstance(transfer, dict) else None
+        return str(backend) if backend is not None else None
+
+    async def reload_weights(self, root: str, path: str, version: WeightVersion) -> None:
+        """A server started without a disk weight transfer (vLLM 0.32 registers no ``disk`` backend):
+        vLLM's own in-place reload of a complete checkpoint, ``POST /collective_rpc {"method": "reload_weights", "kwargs":
+        {"weights_path": P}}`` (``vllm/entrypoints/serve/dev/rpc``, dev mode), then ``POST
+        /update_weight_version``. A reload vLLM fails (a missing or incomplete checkpoint) is a 400
+        naming the path, not a 502: the request was wrong, not the server. A failed reload can leave
+        vLLM 0.32's engine dead (its layers were being replaced when the checkpoint failed; seen with
+        a directory that does not exist: the next generation ends in ``EngineDeadError``), so the
+        message says whether the server still answers ``GET /health``."""
+        body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        try:
+            await self.request("POST", root, "/collective_rpc", json=body)
+        except UpstreamServerError as exc:
+            try:
+                await self.request("GET", root, "/health")
+                alive = (
+                    "vLLM still answers GET /health, but a failed reload can leave its engine unable to generate "
+                    "(seen on vLLM 0.32): check a call, or restart the server"
+                )
+            except GymserveError as health:
+                alive = (
+                    f"vLLM's engine did not survive the failed reload ({health.message}): restart the server, "
+                    "and give a complete safetensors checkpoint of the served model"
+                )
+            raise UpstreamRejectedError(
+                f"vLLM could not reload weights from {path}: {exc.message}; {alive}",
+                url=exc.url,
+                status_code=400,
+                param="update_info.path",
+            ) from None
+        await self.request("POST", root, "/update_weight_version", json={"new_version": str(version)})
 
     async def update_weight_version(self, version: WeightVersion) -> None:
         await self.everywhere(

@@ -5,7 +5,7 @@ Every flag is one ``Flag``: its option strings, the dotted config key it overrid
 Names follow ``vllm serve`` where the concept is the same (``MODEL`` positional,
 ``--served-model-name``, ``--max-model-len``, ``--max-num-seqs``, ``--seed``, ``--api-key``,
 ``--tool-call-parser``, ``--reasoning-parser``, ``--chat-template``, ``--tensor-parallel-size``,
-``--gpu-memory-utilization``); the rest spell the config key (``--temperature`` is
+``--gpu-memory-utilization``, ``--dtype``, ``--enforce-eager``); the rest spell the config key (``--temperature`` is
 ``backend.sampling.temperature``). A flag given for a backend it does not apply to is a
 ``FlagError`` naming the flag, the backend and what to do, never a silently ignored value.
 """
@@ -220,6 +220,28 @@ ENGINE = (
         },
         kinds=LOCAL,
         engines=GPU_ENGINES,
+    ),
+    Flag(
+        ("--dtype",),
+        "backend.engine_args.dtype",
+        {
+            "choices": ("auto", "float32", "float16", "bfloat16", "half", "float"),
+            "help": "the weights' and activations' dtype, as in vllm serve (vllm engine; auto: the checkpoint's, "
+            "float32 for exact log-probs on a CPU)",
+        },
+        kinds=LOCAL,
+        engines=frozenset({"vllm"}),
+    ),
+    Flag(
+        ("--enforce-eager",),
+        "backend.engine_args.enforce_eager",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "no CUDA graphs or torch.compile, as in vllm serve (vllm engine; starts faster, decodes slower)",
+        },
+        kinds=LOCAL,
+        engines=frozenset({"vllm"}),
     ),
 )
 

@@ -134,8 +134,8 @@ class TokenDelta:
 def check_prompt_logprobs(engine: Any) -> None:
     """Raise ``NotSupportedError`` (501, code ``prompt_logprobs_not_supported``) unless ``engine``
     computes prompt log-probs (its ``supports_prompt_logprobs`` is true; an engine that does not say
-    does not). The transformers engine does; the vLLM and
-    TensorRT-LLM adapters do not map it yet."""
+    does not). The transformers and vLLM engines do; the TensorRT-LLM
+    and llama.cpp adapters do not map it yet."""
     if getattr(engine, "supports_prompt_logprobs", False):
         return
     from gymserve.errors import NotSupportedError

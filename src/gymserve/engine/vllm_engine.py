@@ -21,8 +21,15 @@ The mapping (see ``docs/model-servers/vllm-engine.md`` for the parity argument):
   map to themselves; ``"abort"`` (a pause with mode ``abort``, from gymserve or from a trainer that
   paused its ``AsyncLLM`` itself) is an aborted answer that keeps its tokens; anything else is an
   ``EngineError``. Each token carries the weight version serving when it arrived.
-- Streaming asks for ``RequestOutputKind.DELTA`` (new tokens only); ``generate`` asks for
-  ``FINAL_ONLY``. Versions without ``output_kind`` stream cumulative outputs and are diffed here.
+- Every call asks for ``RequestOutputKind.DELTA`` (new tokens as each step makes them), the
+  non-streamed ones too: each token is stamped with the weight version serving when it arrives, so
+  a call that a ``keep`` pause carried across an update gets its ``weight_version_spans`` whether
+  streamed or not (``FINAL_ONLY`` would deliver every token at the end, all stamped with the last
+  version). Versions without ``output_kind`` stream cumulative outputs and are diffed here.
+- ``prompt_logprobs=k`` (vLLM's own field, computed in the same forward pass as the first sampled
+  token) when ``SamplingParams.prompt_logprobs`` asks: vLLM's first output carries them, a
+  ``{token_id: Logprob(logprob, rank)}`` per prompt position (``None`` at position 0), which map
+  onto ``PromptLogprobs``: the prompt token's log-prob and rank, and the ``k`` best by rank.
 - Leaving a stream early (client disconnect) closes vLLM's generator and calls
   ``engine.abort(request_id)``, which frees the sequence's KV blocks.
 
@@ -31,12 +38,17 @@ The control plane maps onto ``AsyncLLM``'s own RL API (``vllm/v1/engine/async_ll
 - ``pause_generation(mode)`` → ``AsyncLLM.pause_generation(mode=...)`` (abort / wait / keep; a
   vLLM before ``mode`` has ``wait_for_inflight_requests`` and no keep); ``resume_generation`` and
   ``is_paused`` → its own. vLLM has no pause deadline: the adapter resumes by itself when it passes.
-- ``update_weights(path=DIR)`` → ``start_weight_update()``, ``update_weights(WeightTransferUpdateRequest(
-  update_info={"path": DIR}))``, ``finish_weight_update(weight_version=str(v))`` — the ``disk``
-  weight transfer (``engine_args: {weight_transfer_config: {backend: disk}}``), which loads a complete
-  safetensors checkpoint; in-process ``tensors`` are written to a temporary safetensors directory
-  first (the engine core runs in another process). vLLM validates the checkpoint; its ``ValueError``
-  is a 400 ``invalid_weights``.
+- ``update_weights(path=DIR)``: where the engine was built with a ``disk`` weight transfer
+  (``engine_args: {weight_transfer_config: {backend: disk}}``, a backend some vLLM builds register)
+  → ``start_weight_update()``, ``update_weights(WeightTransferUpdateRequest(update_info={"path":
+  DIR}))``, ``finish_weight_update(weight_version=str(v))``. Otherwise (vLLM 0.32 registers no
+  ``disk`` backend: ``weight_transfer_config: {backend: disk}`` stops it from starting with
+  ``Invalid weight transfer backend: disk``) → ``collective_rpc("reload_weights",
+  kwargs={"weights_path": DIR})``, each worker's in-place reload of a complete checkpoint
+  (``vllm/model_executor/model_loader/reload``), then ``update_weight_version(str(v))``. In-process
+  ``tensors`` are written to a temporary safetensors directory first (the engine core runs in
+  another process). vLLM's ``ValueError`` / ``FileNotFoundError`` for a checkpoint it refuses is a
+  400 ``invalid_weights``.
 - ``update_weight_version(v)`` → ``AsyncLLM.update_weight_version(str(v))``.
 - LoRA: ``add_lora(LoRARequest(lora_name, lora_int_id, lora_path, load_inplace))`` /
   ``remove_lora(lora_int_id)`` (``--enable-lora``: ``engine_args: {enable_lora: true,
@@ -63,11 +75,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gymserve.engine.base import PauseMode, RunBasedEngine, SamplingParams, WeightVersion
+from gymserve.engine.base import PauseMode, PromptLogprobs, RunBasedEngine, SamplingParams, WeightVersion
 from gymserve.engine.control import check_mode, check_timeout, check_version
 from gymserve.engine.library_control import LibraryControl, LoadedLora, library_error
 from gymserve.engine.model_meta import read_model_meta
-from gymserve.engine.request_output import RAW_LOGPROBS, accepts, output_deltas
+from gymserve.engine.request_output import RAW_LOGPROBS, accepts, output_deltas, position_logprob
 from gymserve.errors import NotSupportedError, WeightUpdateError
 
 log = logging.getLogger(__name__)
@@ -132,6 +144,38 @@ def vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
     }
 
 
+async def _tap_prompt_logprobs(outputs: Any, seen: list[Any]):
+    """``outputs`` as they are; the first non-empty ``prompt_logprobs`` among them goes into ``seen``."""
+    async for out in outputs:
+        if not seen and getattr(out, "prompt_logprobs", None):
+            seen.append(out.prompt_logprobs)
+        yield out
+
+
+def vllm_prompt_logprobs(positions: Sequence[Any], prompt_ids: Sequence[int], k: int) -> PromptLogprobs:
+    """vLLM's ``RequestOutput.prompt_logprobs`` → ``PromptLogprobs``. ``positions``: one entry per
+    prompt token, ``None`` at position 0, else ``{token_id: Logprob(logprob, rank)}`` holding the
+    prompt token and the ``k`` most likely (vLLM's ranks: 1 is the most likely). Raises
+    ``EngineError`` when vLLM's list does not cover the prompt or a prompt token is missing."""
+    from gymserve.errors import EngineError
+
+    entries = list(positions)
+    if len(entries) != len(prompt_ids):
+        raise EngineError(f"vLLM returned {len(entries)} prompt log-probs for a prompt of {len(prompt_ids)} tokens")
+    out = PromptLogprobs(log_probs=[None], ranks=[None], top_logprobs=[[]])
+    for i in range(1, len(entries)):
+        pos, tok = entries[i], int(prompt_ids[i])
+        entry = pos.get(tok) if pos is not None else None
+        if entry is None:
+            raise EngineError(f"vLLM returned no prompt log-prob for the prompt token {tok} at position {i}")
+        lp, tops = position_logprob(pos, tok, k, "vLLM")
+        out.log_probs.append(lp)
+        rank = getattr(entry, "rank", None)
+        out.ranks.append(int(rank) if rank is not None else None)
+        out.top_logprobs.append(tops)
+    return out
+
+
 class VLLMEngine(LibraryControl, RunBasedEngine):
     """The ``Engine`` over vLLM's ``AsyncLLM`` in this process.
 
@@ -143,6 +187,7 @@ class VLLMEngine(LibraryControl, RunBasedEngine):
     """
 
     engine_name = "vllm"
+    supports_prompt_logprobs = True  # vLLM's prompt_logprobs (module docstring)
 
     def __init__(
         self,
@@ -215,30 +260,45 @@ class VLLMEngine(LibraryControl, RunBasedEngine):
         return self
 
     def sampling_params(self, sampling: SamplingParams, *, stream: bool):
-        """The ``vllm.SamplingParams`` of one request (DELTA outputs when streaming, else FINAL_ONLY)."""
+        """The ``vllm.SamplingParams`` of one request: DELTA outputs whether streamed or not (per-token
+        versions, see the module docstring), and ``prompt_logprobs`` when asked for."""
         kwargs = vllm_sampling_kwargs(sampling)
         kind = self._v.RequestOutputKind
         if kind is not None:
-            kwargs["output_kind"] = kind.DELTA if stream else kind.FINAL_ONLY
+            kwargs["output_kind"] = kind.DELTA
+        if sampling.prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = int(sampling.prompt_logprobs)
         return self._v.SamplingParams(**kwargs)
 
     async def _run(self, prompt_ids: Sequence[int], sampling: SamplingParams, *, stream: bool):
         self._check_prompt(prompt_ids)
         params = self.sampling_params(sampling, stream=stream)
-        delta_mode = stream and self._v.RequestOutputKind is not None
+        delta_mode = self._v.RequestOutputKind is not None
         request_id = f"gymserve-{uuid.uuid4().hex}"
-        prompt = self._v.TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
+        ids = [int(t) for t in prompt_ids]
+        prompt = self._v.TokensPrompt(prompt_token_ids=ids)
         lora = {"lora_request": self._lora.request} if self._lora is not None else {}
         outputs = self.engine.generate(prompt, params, request_id, **lora)
+        seen_prompt: list[Any] = []  # vLLM's prompt_logprobs, from the first output that has them
+        k = sampling.prompt_logprobs
         finished = False
         try:
-            # Cumulative or final-only outputs unless vLLM sends deltas.
+            # Cumulative outputs unless vLLM sends deltas.
             async with aclosing(
-                output_deltas(outputs, "vLLM", sampling.top_logprobs, cumulative=not delta_mode, aborts=("abort",))
+                output_deltas(
+                    _tap_prompt_logprobs(outputs, seen_prompt),
+                    "vLLM",
+                    sampling.top_logprobs,
+                    cumulative=not delta_mode,
+                    aborts=("abort",),
+                )
             ) as deltas:
                 async for delta in deltas:
                     finished = delta.finish_reason is not None
                     delta.weight_version = self.weight_version
+                    if k is not None and seen_prompt and seen_prompt[0] is not None:
+                        delta.prompt_logprobs = vllm_prompt_logprobs(seen_prompt[0], ids, k)
+                        seen_prompt[0] = None  # on the first delta only
                     yield delta
         finally:
             aclose = getattr(outputs, "aclose", None)
@@ -318,7 +378,11 @@ class VLLMEngine(LibraryControl, RunBasedEngine):
         docstring). Raises ``WeightUpdateError`` (400) with vLLM's words for a checkpoint it refuses."""
         if (tensors is None) == (path is None):
             raise WeightUpdateError("give exactly one of tensors (a state dict) and path (a safetensors directory)")
-        start = self._needs("update_weights", "start_weight_update")
+        disk = self.weight_transfer_backend() == "disk"
+        if disk:
+            start = self._needs("update_weights", "start_weight_update")
+        else:
+            rpc = self._needs("update_weights (vLLM's reload_weights)", "collective_rpc")
         version = self._next_version(weight_version)
         request_cls = self._v.WeightTransferUpdateRequest
         async with self._lock():
@@ -327,13 +391,28 @@ class VLLMEngine(LibraryControl, RunBasedEngine):
                 if tensors is not None:
                     await asyncio.to_thread(_save_safetensors, tensors, Path(tmp))
                 where = os.path.abspath(os.fspath(path if path is not None else tmp))
+                # Checked here because a reload that fails part way leaves vLLM 0.32's engine dead.
+                if not Path(where).is_dir() or not any(Path(where).glob("*.safetensors")):
+                    raise WeightUpdateError(
+                        f"{where} is not a safetensors checkpoint directory (no *.safetensors in it)", param="path"
+                    )
                 try:
-                    await start()
-                    await self.engine.update_weights(request_cls(update_info={"path": where}))
-                    await self.engine.finish_weight_update(weight_version=str(version))
+                    if disk:
+                        await start()
+                        await self.engine.update_weights(request_cls(update_info={"path": where}))
+                        await self.engine.finish_weight_update(weight_version=str(version))
+                    else:
+                        await rpc("reload_weights", kwargs={"weights_path": where})
+                        await self._needs("update_weights", "update_weight_version")(str(version))
                 except Exception as exc:
                     raise library_error(exc, "vLLM", f"the weight update from {where}") from exc
             return self._changed(version, t0)
+
+    def weight_transfer_backend(self) -> str | None:
+        """The ``weight_transfer_config.backend`` vLLM was built with (None: none configured)."""
+        config = getattr(getattr(self.engine, "vllm_config", None), "weight_transfer_config", None)
+        backend = getattr(config, "backend", None)
+        return str(backend) if backend is not None else None
 
     async def update_weight_version(self, new_version: WeightVersion) -> None:
         version = check_version(new_version, "new_version")
@@ -352,6 +431,13 @@ class VLLMEngine(LibraryControl, RunBasedEngine):
     ) -> WeightVersion:
         """``AsyncLLM.add_lora`` of the PEFT directory ``lora_path``; it then serves every call."""
         path = self._check_lora_load(lora_name, lora_path, tensors, load_inplace)
+        config = getattr(self.engine, "vllm_config", None)
+        if config is not None and getattr(config, "lora_config", "unknown") is None:
+            raise NotSupportedError(
+                "this vLLM engine was started without LoRA: set backend.engine_args enable_lora: true and "
+                "max_lora_rank (at least the adapter's rank), then restart",
+                code="control_not_supported",
+            )
         version = self._next_version(weight_version)
         async with self._lock():
             t0 = time.perf_counter()
