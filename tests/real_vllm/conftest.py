@@ -7,8 +7,8 @@ vLLM), when the CPU lacks AVX-512 (``.venv-vllm/.vllm-skip`` says so), or when
 ``GYMSERVE_SKIP_VLLM=1``.
 
 Wall time is kept small: the embedded Qwen2.5-Coder-0.5B-Instruct (its float32 safetensors copy,
-``model_store.embedded_model_dir``) is loaded once per module — in process (``test_engine.py``) and
-as vLLM's OpenAI server behind the chat backend (``test_gateway.py``) — answers are short, and one
+``model_store.embedded_model_dir``) is loaded once per module — in process (``test_real_vllm_engine.py``) and
+as vLLM's OpenAI server behind the chat backend (``test_real_vllm_gateway.py``) — answers are short, and one
 float32 transformers copy in this process is the teacher for every log-prob check. Settings:
 
 - ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache on the CPU): 2 unless set;
